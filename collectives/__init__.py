@@ -1,0 +1,40 @@
+"""collectives: MPI collective communication for data-parallel training.
+
+    import collectives as C
+    C.init()
+    y = C.allreduce(x, op=C.Average)        # x: NumPy array, torch tensor or CuPy array
+"""
+
+from .agreement import MismatchError
+from .api import (
+    ALGORITHMS,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    synchronize,
+)
+from .compression import Compression
+from .engine import Handle
+from .ops import Average, Max, Min, Product, ReduceOp, Sum
+from .stats import stats
+from .topology import cross_rank, cross_size, init, local_rank, local_size, rank, shutdown, size
+
+__all__ = [
+    "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError", "Product",
+    "ReduceOp", "Sum", "allgather", "allgather_async", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "init", "local_rank",
+    "local_size", "poll", "rank", "reducescatter", "reducescatter_async", "shutdown", "size",
+    "stats", "synchronize",
+]

@@ -1,0 +1,65 @@
+"""The MPI library's own collectives: the reference our algorithms are measured against,
+and the fallback.
+
+Native MPI types and ops are used where MPI has them; float16 and bfloat16 (which MPI does
+not define) travel as 16-bit integers with a user-defined op that calls our kernels.
+Average is a Sum here too: the caller divides once."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import kernels
+from ..ops import ReduceOp
+
+_NATIVE_TYPES = {
+    "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "uint8": MPI.UINT8_T,
+    "int32": MPI.INT32_T, "int64": MPI.INT64_T,
+}
+_NATIVE_OPS = {ReduceOp.Sum: MPI.SUM, ReduceOp.Min: MPI.MIN, ReduceOp.Max: MPI.MAX,
+               ReduceOp.Product: MPI.PROD}
+
+
+@functools.cache
+def _user_op(dtype: str, op: ReduceOp) -> MPI.Op:
+    storage = kernels.STORAGE[dtype]
+
+    def fold(inbuf, inoutbuf, datatype) -> None:
+        src = np.frombuffer(inbuf, dtype=storage)
+        dst = np.frombuffer(inoutbuf, dtype=storage)
+        kernels.reduce(dst, [dst, src], dtype, op)
+
+    return MPI.Op.Create(fold, commute=True)
+
+
+def _type_and_op(dtype: str, op: ReduceOp) -> tuple[MPI.Datatype, MPI.Op]:
+    if dtype in _NATIVE_TYPES:
+        return _NATIVE_TYPES[dtype], _NATIVE_OPS[op]
+    return MPI.UINT16_T, _user_op(dtype, op)
+
+
+def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+              dtype: str) -> None:
+    datatype, mpi_op = _type_and_op(dtype, op)
+    source = MPI.IN_PLACE if send is recv else [send, datatype]
+    comm.Allreduce(source, [recv, datatype], mpi_op)
+
+
+def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
+                  op: ReduceOp, dtype: str) -> None:
+    datatype, mpi_op = _type_and_op(dtype, op)
+    comm.Reduce_scatter([send, datatype], [recv, datatype], list(counts), mpi_op)
+
+
+def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
+    item = send.itemsize
+    nbytes = [c * item for c in counts]
+    displs = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).tolist()
+    comm.Allgatherv([send, MPI.BYTE], [recv, (nbytes, displs), MPI.BYTE])
+
+
+def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
+    comm.Bcast([buf, MPI.BYTE], root=root)

@@ -1,0 +1,303 @@
+"""The public collectives: argument checks, agreement, algorithm dispatch, Average and
+stats, on any supported array type. Sync calls and *_async calls share one ordered engine."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import config, kernels, stats, topology
+from .agreement import agree
+from .algorithms import mpi, ring
+from .buffers import Buffer, wrap
+from .compression import Compression, check_compression
+from .engine import ENGINE, Handle
+from .ops import ReduceOp, check_op, kernel_op
+
+ALGORITHMS = ("auto", "ring", "mpi")
+
+_config: config.Config | None = None
+
+
+def _cfg() -> config.Config:
+    global _config
+    if _config is None:
+        _config = config.from_env()
+    return _config
+
+
+def _check_algorithm(algorithm: object) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {list(ALGORITHMS)}, got {algorithm!r}")
+    return algorithm
+
+
+def _resolve(algorithm: str, collective: str, nbytes: int) -> str:
+    """The concrete algorithm for `auto`."""
+    if algorithm != "auto":
+        return algorithm
+    return "ring" if nbytes >= 1 << 20 else "mpi"
+
+
+def _timed(collective: str, algorithm: str, work: Callable[[], Any]) -> Any:
+    sent0, recv0 = stats.snapshot()
+    result = work()
+    sent1, recv1 = stats.snapshot()
+    stats.record_call(collective, algorithm, sent1 - sent0, recv1 - recv0)
+    return result
+
+
+def _rows_split(rows: int, n: int) -> list[int]:
+    """Rows per rank under Horovod's rule: the first rows % n ranks get one extra."""
+    base, extra = divmod(rows, n)
+    return [base + (1 if r < extra else 0) for r in range(n)]
+
+
+def _row_elems(shape: tuple) -> int:
+    return int(np.prod(shape[1:], dtype=np.int64))
+
+
+def _need_dim0(buf: Buffer, name: str) -> None:
+    if len(buf.shape) == 0:
+        raise ValueError(f"{name}: needs at least one dimension (rows on dim 0), got a scalar")
+
+
+def _check_root(root_rank: object) -> int:
+    n = topology.size()
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < n:
+        raise ValueError(f"root_rank: expected an int in [0, {n}), got {root_rank!r}")
+    return int(root_rank)
+
+
+# ----------------------------------------------------------------------------- allreduce
+
+def _allreduce_work(buf: Buffer, out: Buffer, op: ReduceOp, algorithm: str) -> Callable[[], Any]:
+    def work() -> Any:
+        topo = topology.get()
+        comm = topo.comm
+        algo = _resolve(algorithm, "allreduce", buf.nbytes)
+        agree(comm, "allreduce", (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
+                                  ("algorithm", algorithm)))
+
+        def move() -> None:
+            kop = kernel_op(op)
+            if algo == "ring":
+                ring.allreduce(comm, buf.flat, out.flat, kop, buf.dtype, _cfg().ring_segment_bytes)
+            else:
+                mpi.allreduce(comm, buf.flat, out.flat, kop, buf.dtype)
+            if op is ReduceOp.Average and topo.size > 1:
+                kernels.divide(out.flat, buf.dtype, topo.size)
+
+        _timed("allreduce", algo, move)
+        if out is buf:
+            buf.write_back()
+            return buf.orig
+        return out.result()
+
+    return work
+
+
+def _allreduce_prepare(x: Any, op: ReduceOp, algorithm: str, compression: Any,
+                       inplace: bool) -> Callable[[], Any]:
+    op = check_op(op)
+    _check_algorithm(algorithm)
+    compressor = check_compression(compression)
+    wrap(x, "x")  # type check now, in the caller's thread
+    sent, ctx = compressor.compress(x)
+    buf = wrap(sent, "x")
+    direct = inplace and sent is x
+    work = _allreduce_work(buf, buf if direct else buf.empty(buf.shape), op, algorithm)
+    if direct or compressor is Compression.none and not inplace:
+        return work
+
+    def finish() -> Any:
+        result = compressor.decompress(work(), ctx)
+        if not inplace:
+            return result
+        target = wrap(x, "x")
+        target.flat[...] = wrap(result, "result").flat
+        target.write_back()
+        return x
+
+    return finish
+
+
+def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
+              compression: Any = None) -> Any:
+    """Reduce x over all ranks; a new array of x's type, dtype, shape and device."""
+    return ENGINE.run("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
+
+
+def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
+               compression: Any = None) -> Any:
+    """Reduce x over all ranks in place; returns x."""
+    return ENGINE.run("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
+
+
+def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
+                    compression: Any = None) -> Handle:
+    return ENGINE.submit("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
+
+
+def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
+                     compression: Any = None) -> Handle:
+    return ENGINE.submit("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
+
+
+# ----------------------------------------------------------------------------- allgather
+
+def _allgather_prepare(x: Any, algorithm: str) -> Callable[[], Any]:
+    _check_algorithm(algorithm)
+    buf = wrap(x, "x")
+    _need_dim0(buf, "x")
+
+    def work() -> Any:
+        comm = topology.get().comm
+        rows = agree(comm, "allgather", (("dtype", buf.dtype), ("row_shape", buf.shape[1:]),
+                                         ("algorithm", algorithm)), rows=buf.shape[0])
+        elems = _row_elems(buf.shape)
+        counts = [int(r) * elems for r in rows]
+        out = buf.empty((int(rows.sum()),) + buf.shape[1:])
+        algo = _resolve(algorithm, "allgather", out.nbytes)
+        fn = ring.allgather if algo == "ring" else mpi.allgather
+        _timed("allgather", algo, lambda: fn(comm, buf.flat, out.flat, counts))
+        return out.result()
+
+    return work
+
+
+def allgather(x: Any, algorithm: str = "auto") -> Any:
+    """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
+    return ENGINE.run("allgather", _allgather_prepare(x, algorithm))
+
+
+def allgather_async(x: Any, algorithm: str = "auto") -> Handle:
+    return ENGINE.submit("allgather", _allgather_prepare(x, algorithm))
+
+
+# ------------------------------------------------------------------------- reducescatter
+
+def _reducescatter_prepare(x: Any, op: ReduceOp, algorithm: str) -> Callable[[], Any]:
+    op = check_op(op)
+    _check_algorithm(algorithm)
+    buf = wrap(x, "x")
+    _need_dim0(buf, "x")
+
+    def work() -> Any:
+        topo = topology.get()
+        comm = topo.comm
+        agree(comm, "reducescatter", (("op", op.name), ("dtype", buf.dtype),
+                                      ("shape", buf.shape), ("algorithm", algorithm)))
+        rows = _rows_split(buf.shape[0], topo.size)
+        elems = _row_elems(buf.shape)
+        counts = [r * elems for r in rows]
+        out = buf.empty((rows[topo.rank],) + buf.shape[1:])
+        algo = _resolve(algorithm, "reducescatter", buf.nbytes)
+
+        def move() -> None:
+            kop = kernel_op(op)
+            if algo == "ring":
+                ring.reducescatter(comm, buf.flat, out.flat, counts, kop, buf.dtype,
+                                   _cfg().ring_segment_bytes)
+            else:
+                mpi.reducescatter(comm, buf.flat, out.flat, counts, kop, buf.dtype)
+            if op is ReduceOp.Average and topo.size > 1:
+                kernels.divide(out.flat, buf.dtype, topo.size)
+
+        _timed("reducescatter", algo, move)
+        return out.result()
+
+    return work
+
+
+def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto") -> Any:
+    """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
+    return ENGINE.run("reducescatter", _reducescatter_prepare(x, op, algorithm))
+
+
+def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average,
+                        algorithm: str = "auto") -> Handle:
+    return ENGINE.submit("reducescatter", _reducescatter_prepare(x, op, algorithm))
+
+
+# ----------------------------------------------------------------------------- broadcast
+
+def _broadcast_prepare(x: Any, root_rank: int, algorithm: str, inplace: bool) -> Callable[[], Any]:
+    _check_algorithm(algorithm)
+    root = _check_root(root_rank)
+    buf = wrap(x, "x")
+
+    def work() -> Any:
+        comm = topology.get().comm
+        agree(comm, "broadcast", (("dtype", buf.dtype), ("shape", buf.shape),
+                                  ("root_rank", root), ("algorithm", algorithm)))
+        if inplace:
+            out = buf
+        else:
+            out = buf.empty(buf.shape)
+            out.flat[...] = buf.flat
+        algo = _resolve(algorithm, "broadcast", buf.nbytes)
+        if algo == "ring":
+            move = lambda: ring.broadcast(comm, out.flat, root, _cfg().ring_segment_bytes)  # noqa: E731
+        else:
+            move = lambda: mpi.broadcast(comm, out.flat, root)  # noqa: E731
+        _timed("broadcast", algo, move)
+        if inplace:
+            buf.write_back()
+            return buf.orig
+        return out.result()
+
+    return work
+
+
+def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Any:
+    """root_rank's x on every rank, as a new array."""
+    return ENGINE.run("broadcast", _broadcast_prepare(x, root_rank, algorithm, False))
+
+
+def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Any:
+    """Overwrite x with root_rank's x on every rank; returns x."""
+    return ENGINE.run("broadcast", _broadcast_prepare(x, root_rank, algorithm, True))
+
+
+def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Handle:
+    return ENGINE.submit("broadcast", _broadcast_prepare(x, root_rank, algorithm, False))
+
+
+def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Handle:
+    return ENGINE.submit("broadcast", _broadcast_prepare(x, root_rank, algorithm, True))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+    """root_rank's picklable obj on every rank."""
+    root = _check_root(root_rank)
+
+    def work() -> Any:
+        comm = topology.get().comm
+        agree(comm, "broadcast_object", (("root_rank", root),))
+        payload = pickle.dumps(obj) if comm.Get_rank() == root else b""
+        size = comm.bcast(len(payload), root=root)
+        data = np.frombuffer(payload, dtype=np.uint8).copy() if payload else np.empty(size, np.uint8)
+        _timed("broadcast_object", "mpi", lambda: mpi.broadcast(comm, data, root))
+        return obj if comm.Get_rank() == root else pickle.loads(data.tobytes())
+
+    return ENGINE.run("broadcast_object", work)
+
+
+# ------------------------------------------------------------------------------- handles
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an async collective and return its result (or raise its error)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"handle: expected a Handle from an *_async call, got {type(handle).__name__}")
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True once the async collective has finished; never blocks."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"handle: expected a Handle from an *_async call, got {type(handle).__name__}")
+    return handle.done()

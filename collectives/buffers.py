@@ -1,0 +1,114 @@
+"""Adapters from NumPy arrays, torch tensors and CuPy arrays to the flat host buffers the
+algorithms work on, and back to the caller's type, device, dtype and shape.
+
+Contiguous host input is viewed, never copied. Non-contiguous input is copied (and, for
+in-place calls, the result is copied back). Device memory (torch CUDA, CuPy) is staged
+through host memory: the algorithms hand only host buffers to MPI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .kernels import STORAGE
+
+try:
+    import torch
+except ImportError:  # torch is optional for NumPy-only users
+    torch = None
+
+try:
+    import cupy
+except ImportError:
+    cupy = None
+
+DTYPES = tuple(STORAGE)
+
+
+def _torch_dtype_name(dtype) -> str | None:
+    name = str(dtype).removeprefix("torch.")
+    return name if name in STORAGE else None
+
+
+class Buffer:
+    """A caller's array seen as one C-contiguous 1-D host array (`flat`).
+
+    `dtype` is our dtype name; `flat` holds its storage type (bfloat16 as uint16)."""
+
+    __slots__ = ("orig", "kind", "flat", "dtype", "shape", "staged")
+
+    def __init__(self, orig: Any, kind: str, flat: np.ndarray, dtype: str, shape: tuple,
+                 staged: bool):
+        self.orig, self.kind, self.flat = orig, kind, flat
+        self.dtype, self.shape, self.staged = dtype, shape, staged
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    def empty(self, shape: tuple) -> Buffer:
+        """A new buffer of the caller's kind, dtype and device with this shape."""
+        if self.kind == "numpy":
+            return wrap(np.empty(shape, dtype=self.flat.dtype), "out")
+        if self.kind == "torch":
+            return wrap(torch.empty(shape, dtype=self.orig.dtype, device=self.orig.device), "out")
+        return wrap(cupy.empty(shape, dtype=self.orig.dtype), "out")
+
+    def result(self) -> Any:
+        """The caller-type object holding this buffer's data (device data written back)."""
+        if not self.staged:
+            return self.orig
+        data = self.flat.reshape(self.shape)
+        if self.kind == "numpy":
+            return data
+        if self.kind == "torch":
+            host = torch.from_numpy(data)
+            if self.dtype == "bfloat16":
+                host = host.view(torch.bfloat16)
+            return host.to(self.orig.device)
+        return cupy.asarray(data)
+
+    def write_back(self) -> None:
+        """Copy a staged buffer's data into the caller's original object (in-place calls)."""
+        if not self.staged:
+            return
+        if self.kind == "numpy":
+            self.orig[...] = self.flat.reshape(self.shape)
+        elif self.kind == "torch":
+            with torch.no_grad():
+                self.orig.copy_(self.result())
+        else:
+            self.orig[...] = cupy.asarray(self.flat.reshape(self.shape))
+
+
+def _unsupported(name: str, what: str) -> TypeError:
+    return TypeError(f"{name}: unsupported {what}; expected one of {list(DTYPES)}")
+
+
+def wrap(x: Any, name: str = "x") -> Buffer:
+    """View x as a Buffer, or TypeError naming `name` if x is not a supported array."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.name not in STORAGE or x.dtype.name == "bfloat16":
+            raise _unsupported(name, f"dtype {x.dtype}")
+        flat = x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1)
+        return Buffer(x, "numpy", flat, x.dtype.name, x.shape, not x.flags.c_contiguous)
+    if torch is not None and isinstance(x, torch.Tensor):
+        dtype = _torch_dtype_name(x.dtype)
+        if dtype is None:
+            raise _unsupported(name, f"dtype {x.dtype}")
+        t = x.detach()
+        staged = not t.is_contiguous() or t.device.type != "cpu"
+        t = t.contiguous().cpu().reshape(-1)
+        if dtype == "bfloat16":
+            t = t.view(torch.int16)
+        flat = t.numpy().view(STORAGE[dtype])
+        return Buffer(x, "torch", flat, dtype, tuple(x.shape), staged)
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        if x.dtype.name not in STORAGE:
+            raise _unsupported(name, f"dtype {x.dtype}")
+        flat = cupy.asnumpy(x).reshape(-1)
+        return Buffer(x, "cupy", flat, x.dtype.name, x.shape, True)
+    raise TypeError(
+        f"{name}: expected a numpy.ndarray, torch.Tensor or cupy.ndarray, got {type(x).__name__}"
+    )

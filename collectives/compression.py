@@ -1,0 +1,74 @@
+"""Gradient compression for allreduce (Horovod's Compressor interface):
+compress(x) -> (x', ctx) before the collective, decompress(x', ctx) after it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+def _is_float(x: Any) -> bool:
+    if isinstance(x, np.ndarray):
+        return x.dtype.kind == "f"
+    return torch is not None and isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _cast(x: Any, dtype_name: str) -> Any:
+    if isinstance(x, np.ndarray):
+        return x.astype(dtype_name)
+    return x.to(getattr(torch, dtype_name))
+
+
+class Compressor:
+    """Identity: the tensor travels as it is."""
+
+    name = "none"
+
+    @staticmethod
+    def compress(x: Any) -> tuple[Any, Any]:
+        return x, None
+
+    @staticmethod
+    def decompress(x: Any, ctx: Any) -> Any:
+        return x
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+
+class FP16Compressor(Compressor):
+    """Floating tensors travel as float16 (half the bytes); others are untouched."""
+
+    name = "fp16"
+
+    @staticmethod
+    def compress(x: Any) -> tuple[Any, Any]:
+        if not _is_float(x):
+            return x, None
+        dtype = x.dtype.name if isinstance(x, np.ndarray) else str(x.dtype).removeprefix("torch.")
+        return _cast(x, "float16"), dtype
+
+    @staticmethod
+    def decompress(x: Any, ctx: Any) -> Any:
+        return x if ctx is None else _cast(x, ctx)
+
+
+class Compression:
+    """The available compressors (Horovod's names)."""
+
+    none = Compressor()
+    fp16 = FP16Compressor()
+
+
+def check_compression(compression: object) -> Compressor:
+    if compression is None:
+        return Compression.none
+    if isinstance(compression, Compressor):
+        return compression
+    raise ValueError(f"compression: expected one of Compression.none/fp16, got {compression!r}")

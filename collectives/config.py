@@ -1,0 +1,36 @@
+"""One declared set of options; each is overridden by the environment variable
+COLLECTIVES_<NAME> (e.g. COLLECTIVES_RANKS_PER_NODE=2), derived from the field name."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass
+class Config:
+    #: Ranks per simulated node; None = nodes from MPI_COMM_TYPE_SHARED.
+    ranks_per_node: int | None = None
+    #: Bytes per pipelined segment in the ring algorithms.
+    ring_segment_bytes: int = 1 << 20
+
+
+def _parse(field: dataclasses.Field, text: str):
+    kind = str(field.type).replace(" | None", "")
+    try:
+        return {"int": int, "float": float, "str": str}[kind](text)
+    except ValueError:
+        raise ValueError(f"COLLECTIVES_{field.name.upper()}={text!r}: expected {kind}") from None
+
+
+def from_env(environ: dict[str, str] | None = None) -> Config:
+    """Config with every field set from its COLLECTIVES_* variable where present.
+
+    Unknown COLLECTIVES_* variables raise, so a typo'd option never passes silently."""
+    environ = os.environ if environ is None else environ
+    fields = {f"COLLECTIVES_{f.name.upper()}": f for f in dataclasses.fields(Config)}
+    unknown = sorted(k for k in environ if k.startswith("COLLECTIVES_") and k not in fields)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; known: {sorted(fields)}")
+    values = {f.name: _parse(f, environ[var]) for var, f in fields.items() if var in environ}
+    return Config(**values)

@@ -1,0 +1,93 @@
+"""The world communicator, its nodes (ranks sharing memory) and the cross-node groups.
+
+A node is a set of ranks that share memory: MPI_COMM_TYPE_SHARED, or, to simulate several
+nodes on one machine, consecutive blocks of `ranks_per_node` world ranks. Ranks with the
+same local rank on different nodes form a cross communicator (the hierarchical
+algorithms' inter-node level)."""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from . import config as _config
+
+
+class Topology:
+    """Communicators of one initialized job. `comm` is a private duplicate of the user's
+    communicator so our messages never match theirs."""
+
+    def __init__(self, comm: MPI.Comm, ranks_per_node: int | None):
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if ranks_per_node is None:
+            self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        else:
+            if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+                raise ValueError(f"ranks_per_node: expected a positive int, got {ranks_per_node!r}")
+            self.node_comm = self.comm.Split(self.rank // ranks_per_node, key=self.rank)
+        self.local_rank, self.local_size = self.node_comm.Get_rank(), self.node_comm.Get_size()
+        self.cross_comm = self.comm.Split(self.local_rank, key=self.rank)
+        self.cross_rank, self.cross_size = self.cross_comm.Get_rank(), self.cross_comm.Get_size()
+        # world ranks of each node, nodes ordered by their lowest world rank
+        leaders = self.comm.allgather(self.node_comm.bcast(self.rank, root=0))
+        self.nodes = [
+            [r for r in range(self.size) if leaders[r] == leader]
+            for leader in sorted(set(leaders))
+        ]
+
+    def free(self) -> None:
+        for c in (self.cross_comm, self.node_comm, self.comm):
+            c.Free()
+
+
+_topology: Topology | None = None
+
+
+def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Topology:
+    """Initialize once (later calls return the same topology); ranks_per_node defaults to
+    the COLLECTIVES_RANKS_PER_NODE environment variable, else shared-memory nodes."""
+    global _topology
+    if _topology is None:
+        if comm is not None and not isinstance(comm, MPI.Comm):
+            raise TypeError(f"comm: expected an mpi4py MPI.Comm, got {type(comm).__name__}")
+        if ranks_per_node is None:
+            ranks_per_node = _config.from_env().ranks_per_node
+        _topology = Topology(MPI.COMM_WORLD if comm is None else comm, ranks_per_node)
+    return _topology
+
+
+def get() -> Topology:
+    """The topology, initializing with defaults on first use."""
+    return _topology if _topology is not None else init()
+
+
+def shutdown() -> None:
+    """Free our communicators; a later call initializes again."""
+    global _topology
+    if _topology is not None:
+        _topology.free()
+        _topology = None
+
+
+def rank() -> int:
+    return get().rank
+
+
+def size() -> int:
+    return get().size
+
+
+def local_rank() -> int:
+    return get().local_rank
+
+
+def local_size() -> int:
+    return get().local_size
+
+
+def cross_rank() -> int:
+    return get().cross_rank
+
+
+def cross_size() -> int:
+    return get().cross_size
