@@ -2,7 +2,10 @@
 and the fallback.
 
 Native MPI types and ops are used where MPI has them; float16 and bfloat16 (which MPI does
-not define) travel as 16-bit integers with a user-defined op that calls our kernels.
+not define) travel as 16-bit integers with a user-defined op that calls our kernels. So do
+int8 and uint8: Open MPI's AVX reduction saturates 8-bit sums on overflow where C and NumPy
+wrap (open-mpi/ompi#8045, closed as wontfix), so its native 8-bit Sum disagrees with every
+other algorithm.
 Average is a Sum here too: the caller divides once."""
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from .. import kernels
 from ..ops import ReduceOp
 
 _NATIVE_TYPES = {
-    "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "uint8": MPI.UINT8_T,
-    "int32": MPI.INT32_T, "int64": MPI.INT64_T,
+    "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
 }
+_CARRIER_TYPES = {2: MPI.UINT16_T, 1: MPI.UINT8_T}
 _NATIVE_OPS = {ReduceOp.Sum: MPI.SUM, ReduceOp.Min: MPI.MIN, ReduceOp.Max: MPI.MAX,
                ReduceOp.Product: MPI.PROD}
 
@@ -38,7 +41,7 @@ def _user_op(dtype: str, op: ReduceOp) -> MPI.Op:
 def _type_and_op(dtype: str, op: ReduceOp) -> tuple[MPI.Datatype, MPI.Op]:
     if dtype in _NATIVE_TYPES:
         return _NATIVE_TYPES[dtype], _NATIVE_OPS[op]
-    return MPI.UINT16_T, _user_op(dtype, op)
+    return _CARRIER_TYPES[kernels.STORAGE[dtype].itemsize], _user_op(dtype, op)
 
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,

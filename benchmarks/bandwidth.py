@@ -1,0 +1,254 @@
+"""Bandwidth and latency of our collectives beside the MPI library's own and PyTorch gloo,
+in the style of nccl-tests.
+
+    mpirun -np 2 python benchmarks/bandwidth.py -b 4K -e 64M -f 4 --algo ring,mpi -c 1
+
+Every size is timed for all algorithms in interleaved rounds (so machine noise hits them
+alike); a row's time is the median over rounds of the per-call time, the slowest rank's.
+Columns follow nccl-tests: algbw = size / time, busbw = algbw x the op's bus factor
+(allreduce 2(n-1)/n, allgather and reducescatter (n-1)/n, broadcast 1); size is the full
+buffer (allgather: the gathered result). `vs_mpi` = mpi's time / this time (>1 = faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives as C
+
+OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
+BUS_FACTOR = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reducescatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def sizes(lo: int, hi: int, factor: float) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s = int(s * factor) if factor > 1 else hi + 1
+    return out
+
+
+class Gloo:
+    """torch.distributed with the gloo backend, rendezvous through MPI."""
+
+    def __init__(self, comm: MPI.Comm):
+        import socket
+
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        if not dist.is_initialized():
+            port = comm.bcast(_free_port() if comm.rank == 0 else None)
+            host = comm.bcast(socket.gethostname() if comm.rank == 0 else None)
+            store = dist.TCPStore(host, port, comm.size, comm.rank == 0)
+            dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size)
+
+    def make(self, op: str, x: np.ndarray):
+        t = self.torch.from_numpy(x)
+        dist, n = self.dist, self.dist.get_world_size()
+        if op == "allreduce":
+            return lambda: dist.all_reduce(t.clone())
+        if op == "allgather":
+            outs = [self.torch.empty_like(t) for _ in range(n)]
+            return lambda: dist.all_gather(outs, t)
+        if op == "broadcast":
+            return lambda: dist.broadcast(t, 0)
+        return None  # gloo has no reduce-scatter
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None):
+    """A zero-argument callable running one collective, or None if algo lacks op."""
+    if algo == "gloo":
+        return gloo.make(op, x)
+    if op == "allreduce":
+        return lambda: C.allreduce(x, op=C.Sum, algorithm=algo)
+    if op == "allgather":
+        return lambda: C.allgather(x, algorithm=algo)
+    if op == "reducescatter":
+        return lambda: C.reducescatter(x, op=C.Sum, algorithm=algo)
+    return lambda: C.broadcast(x, root_rank=0, algorithm=algo)
+
+
+def local_input(op: str, nbytes: int, dtype: np.dtype, comm: MPI.Comm) -> np.ndarray:
+    n = comm.Get_size()
+    count = max(nbytes // dtype.itemsize, 1)
+    if op == "allgather":
+        count = max(count // n, 1)
+    rng = np.random.default_rng(comm.Get_rank())
+    return rng.integers(-3, 4, size=count).astype(dtype)
+
+
+def count_wrong(op: str, algo: str, x: np.ndarray, comm: MPI.Comm, gloo) -> int:
+    """Elements differing from a NumPy reference over mpi4py-gathered inputs."""
+    if algo == "gloo":
+        return 0
+    inputs = comm.allgather(x)
+    n, r = comm.Get_size(), comm.Get_rank()
+    got = make_call(op, algo, x, gloo)()
+    if op == "allreduce":
+        ref = np.sum(inputs, axis=0, dtype=x.dtype)
+    elif op == "allgather":
+        ref = np.concatenate(inputs)
+    elif op == "broadcast":
+        ref = inputs[0]
+    else:
+        full = np.sum(inputs, axis=0, dtype=x.dtype)
+        split = [len(full) // n + (1 if i < len(full) % n else 0) for i in range(n)]
+        ref = full[sum(split[:r]):sum(split[:r + 1])]
+    wrong = int(np.count_nonzero(np.asarray(got) != ref))
+    return comm.allreduce(wrong, op=MPI.SUM)
+
+
+def time_round(call, iters: int, comm: MPI.Comm) -> float:
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    elapsed = (time.perf_counter() - t0) / iters
+    return comm.allreduce(elapsed, op=MPI.MAX)
+
+
+def run(args, comm: MPI.Comm) -> list[dict]:
+    n = comm.Get_size()
+    dtype = np.dtype(args.dtype)
+    gloo = Gloo(comm) if "gloo" in args.algo else None
+    rows, plan = [], [(op, s) for op in args.op for s in sizes(args.b, args.e, args.f)]
+    for k, (op, nbytes) in enumerate(plan):
+        x = local_input(op, nbytes, dtype, comm)
+        calls = {a: make_call(op, a, x, gloo) for a in args.algo}
+        calls = {a: c for a, c in calls.items() if c is not None}
+        # fewer iterations for big buffers keeps a sweep's time bounded
+        iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
+        for call in calls.values():
+            for _ in range(args.w):
+                call()
+        times = {a: [] for a in calls}
+        for _ in range(args.rounds):
+            for a, call in calls.items():
+                times[a].append(time_round(call, iters, comm))
+        size = x.nbytes * (n if op == "allgather" else 1)
+        for a in calls:
+            t = float(np.median(times[a]))
+            algbw = size / t / 1e9
+            rows.append({
+                "size": size, "count": size // dtype.itemsize, "type": dtype.name,
+                "redop": "sum" if op in ("allreduce", "reducescatter") else "none",
+                "op": op, "algo": a, "time_us": t * 1e6, "algbw": algbw,
+                "busbw": algbw * BUS_FACTOR[op](n),
+                "wrong": count_wrong(op, a, x, comm, gloo) if args.c else -1,
+            })
+        if comm.rank == 0:
+            print(f"[{k + 1}/{len(plan)}] {op} {size} B done", file=sys.stderr, flush=True)
+    for row in rows:
+        ref = next((r for r in rows if r["op"] == row["op"] and r["size"] == row["size"]
+                    and r["algo"] == "mpi"), None)
+        row["vs_mpi"] = ref["time_us"] / row["time_us"] if ref else float("nan")
+    return rows
+
+
+def print_table(rows: list[dict], n: int) -> None:
+    head = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>5} {'op':>13} {'algo':>12} "
+            f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs_mpi':>7}")
+    print(f"# collectives bandwidth, np={n}, GB/s = 1e9 B/s")
+    print(head)
+    for r in rows:
+        wrong = "n/a" if r["wrong"] < 0 else str(r["wrong"])
+        print(f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>5} {r['op']:>13} "
+              f"{r['algo']:>12} {r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} "
+              f"{wrong:>6} {r['vs_mpi']:>7.2f}")
+
+
+def plot(rows: list[dict], path: str, n: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in rows}, key=OPS.index)
+    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for algo in dict.fromkeys(r["algo"] for r in rows):
+            pts = [(r["size"], r["busbw"]) for r in rows if r["op"] == op and r["algo"] == algo]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=algo)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{op}, np={n}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-b", type=parse_size, default=parse_size("4K"), help="min size (K/M/G)")
+    p.add_argument("-e", type=parse_size, default=parse_size("64M"), help="max size")
+    p.add_argument("-f", type=float, default=4, help="size multiplication factor")
+    p.add_argument("-n", type=int, default=20, help="iterations per round (fewer above 1 MiB)")
+    p.add_argument("-w", type=int, default=2, help="warmup iterations")
+    p.add_argument("-r", "--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("-c", type=int, default=1, help="check correctness (1) or not (0)")
+    p.add_argument("--op", default="allreduce", type=lambda s: s.split(","))
+    p.add_argument("--algo", default="ring,mpi", type=lambda s: s.split(","))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--json", help="write rows as JSON to this file")
+    p.add_argument("--csv", help="write rows as CSV to this file")
+    p.add_argument("--plot", help="write busbw vs size (PNG) to this file")
+    args = p.parse_args(argv)
+    for op in args.op:
+        if op not in OPS:
+            p.error(f"--op: {op!r} is not one of {OPS}")
+    for a in args.algo:
+        if a not in C.ALGORITHMS + ("gloo",):
+            p.error(f"--algo: {a!r} is not one of {C.ALGORITHMS + ('gloo',)}")
+    if "mpi" not in args.algo:
+        args.algo.append("mpi")  # the reference every ratio is taken against
+    comm = MPI.COMM_WORLD
+    C.init()
+    rows = run(args, comm)
+    if comm.rank != 0:
+        return
+    print_table(rows, comm.size)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"np": comm.size, "rows": rows}, f, indent=1)
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write(",".join(rows[0]) + "\n")
+            f.writelines(",".join(str(v) for v in r.values()) + "\n" for r in rows)
+    if args.plot:
+        plot(rows, args.plot, comm.size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole test suite (what `make test` and CI run): lint, CUDA compile check, unit tests,
+# then tests/mpi under mpirun at np 2, 3, 4 and with simulated nodes (2x2 and 2+1).
+set -eu
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+start=$(date +%s)
+echo "== ruff check"
+"$(dirname "$py")/ruff" check collectives optim tests benchmarks examples ci setup.py
+if [ -x ci/compile_cuda.sh ]; then
+  echo "== nvcc: compile every csrc/cuda/*.cu"
+  ci/compile_cuda.sh
+fi
+echo "== tests/unit"
+"$py" -m pytest -q -p no:cacheprovider --color=no tests/unit
+ci/mpitest.sh 2
+ci/mpitest.sh 3
+ci/mpitest.sh 4
+ci/mpitest.sh 4 2
+ci/mpitest.sh 3 2
+echo "== all suites passed in $(( $(date +%s) - start ))s"

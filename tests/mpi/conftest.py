@@ -1,0 +1,97 @@
+"""Shared helpers for tests run under mpirun (every rank runs the same test in order)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import collectives as C
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
+OPS = [C.Sum, C.Average, C.Min, C.Max, C.Product]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def initialized():
+    C.init()
+    yield
+
+
+@pytest.fixture
+def comm() -> MPI.Comm:
+    """An independent communicator for building references (not the library's own)."""
+    return MPI.COMM_WORLD
+
+
+def make_input(dtype: str, shape: tuple, seed: int) -> np.ndarray:
+    """Deterministic data on which every op is exact: full-range integers (sums and
+    products wrap identically everywhere) and small integer-valued floats."""
+    rng = np.random.default_rng(seed)
+    if dtype.startswith(("int", "uint")):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    values = rng.integers(-4, 5, size=shape).astype(np.float64)
+    return values if dtype == "bfloat16" else values.astype(dtype)
+
+
+def to_framework(a: np.ndarray, dtype: str, framework: str):
+    """a (float64 for bfloat16) as a NumPy array or torch tensor of dtype."""
+    if framework == "numpy":
+        return a.copy()
+    return torch.from_numpy(a.copy()).to(getattr(torch, dtype))
+
+
+def to_numpy(x) -> np.ndarray:
+    """Any result as a NumPy array of float64 (bf16/f16) or its own dtype, for comparison."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bfloat16:
+            return x.to(torch.float64).numpy()
+        return x.numpy()
+    return x
+
+
+def cast_like(ref64: np.ndarray, dtype: str) -> np.ndarray:
+    """A float64 / wrapped-integer reference rounded to dtype the way the library rounds."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(ref64).to(torch.bfloat16).to(torch.float64).numpy()
+    return ref64.astype(dtype)
+
+
+def reference_reduce(inputs: list[np.ndarray], op, dtype: str, n: int) -> np.ndarray:
+    """Independent NumPy reduction of every rank's input (gathered with mpi4py)."""
+    if dtype.startswith(("int", "uint")):
+        stack = np.stack(inputs)
+        if op in (C.Sum, C.Average):
+            out = np.sum(stack, axis=0, dtype=dtype)
+            return np.floor_divide(out, np.array(n, dtype=dtype)) if op is C.Average else out
+        if op is C.Product:
+            return np.prod(stack, axis=0, dtype=dtype)
+        return (np.min if op is C.Min else np.max)(stack, axis=0)
+    stack = np.stack([np.asarray(i, dtype=np.float64) for i in inputs])
+    ref = {C.Sum: np.sum, C.Product: np.prod, C.Min: np.min, C.Max: np.max,
+           C.Average: np.sum}[op](stack, axis=0)
+    if op is C.Average:
+        ref = ref / n
+    return cast_like(ref, dtype)
+
+
+def assert_same_on_all_ranks(comm: MPI.Comm, result: np.ndarray, what: str) -> None:
+    """Every rank's result is bit-identical (digest of the raw bytes)."""
+    digest = hashlib.sha256(np.ascontiguousarray(result).tobytes()).hexdigest()
+    digests = comm.allgather(digest)
+    assert len(set(digests)) == 1, f"{what}: results differ across ranks: {digests}"
+
+
+def assert_equal(result: np.ndarray, expected: np.ndarray, what: str) -> None:
+    assert result.shape == expected.shape, f"{what}: shape {result.shape} != {expected.shape}"
+    same = (result == expected) | (np.isnan(result) & np.isnan(expected)
+                                   if result.dtype.kind == "f" else False)
+    if not np.all(same):
+        bad = np.argwhere(~same)[:5].tolist()
+        raise AssertionError(f"{what}: {int((~same).sum())} wrong elements, first at {bad}: "
+                             f"got {result[tuple(np.array(bad).T)]}, "
+                             f"expected {expected[tuple(np.array(bad).T)]}")

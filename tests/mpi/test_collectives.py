@@ -1,0 +1,166 @@
+"""Every collective x algorithm x op x dtype x size x in/out-of-place x NumPy/torch, checked
+against a NumPy reference built from mpi4py-gathered inputs, and bit-identical on all ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    DTYPES,
+    OPS,
+    assert_equal,
+    assert_same_on_all_ranks,
+    make_input,
+    reference_reduce,
+    to_framework,
+    to_numpy,
+)
+
+import collectives as C
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+ALGOS = list(C.ALGORITHMS)
+BIG = (1 << 20) + 1
+VARIANTS = [("numpy", False), ("torch", True), ("numpy", True), ("torch", False)]
+
+
+def counts(n: int) -> list[int]:
+    return sorted({0, 1, n - 1, n + 1, 17, 1001}) + [BIG]
+
+
+def variants(dtype: str, count: int) -> list[tuple[str, bool]]:
+    chosen = VARIANTS if count < BIG else VARIANTS[:2]
+    return [(f, i) for f, i in chosen if not (dtype == "bfloat16" and f == "numpy")]
+
+
+def seed_of(*parts) -> int:
+    return abs(hash(repr(parts))) % (1 << 31)  # stable: repr of ints/strings, no hash salt
+
+
+def run_case(comm, call, x, inplace: bool, what: str):
+    before = to_numpy(x).copy()
+    y = call(x)
+    if inplace:
+        assert y is x, f"{what}: in-place call must return its input"
+    else:
+        assert_equal(to_numpy(x), before, f"{what}: input modified")
+        assert type(y) is type(x), f"{what}: result type {type(y)} != {type(x)}"
+        assert y.dtype == x.dtype, f"{what}: result dtype {y.dtype} != {x.dtype}"
+    return before, to_numpy(y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_allreduce(comm, algo, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    for op in OPS:
+        for count in counts(n):
+            shape = (count,) if count != 17 else (17, 1)
+            for framework, inplace in variants(dtype, count):
+                what = f"allreduce {algo} {op.name} {dtype} {shape} {framework} inplace={inplace}"
+                seed = seed_of(op.name, count, framework, inplace) * 17 + r
+                x = to_framework(make_input(dtype, shape, seed), dtype, framework)
+                fn = C.allreduce_ if inplace else C.allreduce
+                before, got = run_case(comm, lambda t: fn(t, op=op, algorithm=algo), x,  # noqa: B023
+                                       inplace, what)
+                expected = reference_reduce(comm.allgather(before), op, dtype, n)
+                assert_equal(got, expected, what)
+                assert_same_on_all_ranks(comm, got, what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_reducescatter(comm, algo, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    for op in OPS:
+        for rows in counts(n):
+            shape = (rows, 3) if rows < BIG else (rows,)
+            for framework, _ in variants(dtype, rows)[:2]:
+                what = f"reducescatter {algo} {op.name} {dtype} {shape} {framework}"
+                seed = seed_of("rs", op.name, rows, framework) * 17 + r
+                x = to_framework(make_input(dtype, shape, seed), dtype, framework)
+                before, got = run_case(comm, lambda t: C.reducescatter(t, op=op, algorithm=algo),  # noqa: B023
+                                       x, False, what)
+                full = reference_reduce(comm.allgather(before), op, dtype, n)
+                split = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+                start = sum(split[:r])
+                assert_equal(got, full[start:start + split[r]], what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_allgather(comm, algo, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    for count in counts(n):
+        for uneven in (False, True):
+            rows = count + (r % 2 if uneven else 0)
+            shape = (rows, 2) if count < BIG else (rows,)
+            for framework, _ in variants(dtype, count)[:2]:
+                what = f"allgather {algo} {dtype} {shape} {framework} uneven={uneven}"
+                seed = seed_of("ag", count, uneven, framework) * 17 + r
+                x = to_framework(make_input(dtype, shape, seed), dtype, framework)
+                before, got = run_case(comm, lambda t: C.allgather(t, algorithm=algo), x,  # noqa: B023
+                                       False, what)
+                assert_equal(got, np.concatenate(comm.allgather(before)), what)
+                assert_same_on_all_ranks(comm, got, what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_broadcast(comm, algo, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    for root in sorted({0, n - 1}):
+        for count in counts(n):
+            for framework, inplace in variants(dtype, count):
+                what = f"broadcast {algo} root={root} {dtype} ({count},) {framework} inplace={inplace}"
+                seed = seed_of("bc", root, count, framework, inplace) * 17 + r
+                x = to_framework(make_input(dtype, (count,), seed), dtype, framework)
+                fn = C.broadcast_ if inplace else C.broadcast
+                before, got = run_case(comm, lambda t: fn(t, root_rank=root, algorithm=algo),  # noqa: B023
+                                       x, inplace, what)
+                assert_equal(got, comm.allgather(before)[root], what)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_allreduce_random_floats_bit_identical(comm, algo):
+    """Real-valued data: results agree with float64 math to rounding, and bit for bit across
+    ranks (each element is reduced in one fixed order)."""
+    r = comm.Get_rank()
+    for dtype in ("float32", "float64"):
+        x = np.random.default_rng(100 + r).standard_normal(300001).astype(dtype)
+        got = C.allreduce(x, op=C.Sum, algorithm=algo)
+        ref = np.sum(np.stack(comm.allgather(x)).astype(np.float64), axis=0)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        assert_same_on_all_ranks(comm, got, f"allreduce {algo} {dtype} random")
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_non_contiguous_inputs(comm, algo):
+    n = comm.Get_size()
+    base = np.arange(40, dtype=np.float32).reshape(8, 5)
+    view = base[:, ::2]  # non-contiguous NumPy view
+    got = C.allreduce(view, op=C.Sum, algorithm=algo)
+    assert_equal(got, view * n, "numpy strided out-of-place")
+    C.allreduce_(view, op=C.Sum, algorithm=algo)
+    assert_equal(base[:, ::2], np.arange(40, dtype=np.float32).reshape(8, 5)[:, ::2] * n,
+                 "numpy strided in-place writes back")
+    t = torch.arange(12, dtype=torch.float64).reshape(3, 4).t()  # transposed tensor
+    got = C.allreduce(t, op=C.Sum, algorithm=algo)
+    assert torch.equal(got, t * n) and got.shape == (4, 3)
+    C.allreduce_(t, op=C.Max, algorithm=algo)
+    assert torch.equal(t, torch.arange(12, dtype=torch.float64).reshape(3, 4).t())
+    g = C.allgather(t, algorithm=algo)
+    assert torch.equal(g, torch.cat([t] * n))
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_readonly_and_scalar_inputs(comm, algo):
+    n = comm.Get_size()
+    x = np.ones(9, dtype=np.int32)
+    x.flags.writeable = False
+    assert_equal(C.allreduce(x, op=C.Sum, algorithm=algo), np.full(9, n, np.int32), "read-only")
+    scalar = torch.tensor(2.5)
+    assert C.allreduce(scalar, op=C.Sum, algorithm=algo).item() == 2.5 * n
+    assert C.allreduce(np.array(3.0), algorithm=algo).shape == ()
