@@ -9,24 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from . import config, kernels, stats, topology
+from . import dispatch, kernels, select, stats, topology
 from .agreement import agree
-from .algorithms import mpi, ring
 from .buffers import Buffer, wrap
 from .compression import Compression, check_compression
 from .engine import ENGINE, Handle
 from .ops import ReduceOp, check_op, kernel_op
 
-ALGORITHMS = ("auto", "ring", "mpi")
-
-_config: config.Config | None = None
-
-
-def _cfg() -> config.Config:
-    global _config
-    if _config is None:
-        _config = config.from_env()
-    return _config
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "mpi")
 
 
 def _check_algorithm(algorithm: object) -> str:
@@ -36,10 +26,10 @@ def _check_algorithm(algorithm: object) -> str:
 
 
 def _resolve(algorithm: str, collective: str, nbytes: int) -> str:
-    """The concrete algorithm for `auto`."""
+    """The concrete algorithm for `auto` (a function of agreed values: the same everywhere)."""
     if algorithm != "auto":
         return algorithm
-    return "ring" if nbytes >= 1 << 20 else "mpi"
+    return select.choose(collective, nbytes, topology.get())
 
 
 def _timed(collective: str, algorithm: str, work: Callable[[], Any]) -> Any:
@@ -83,11 +73,7 @@ def _allreduce_work(buf: Buffer, out: Buffer, op: ReduceOp, algorithm: str) -> C
                                   ("algorithm", algorithm)))
 
         def move() -> None:
-            kop = kernel_op(op)
-            if algo == "ring":
-                ring.allreduce(comm, buf.flat, out.flat, kop, buf.dtype, _cfg().ring_segment_bytes)
-            else:
-                mpi.allreduce(comm, buf.flat, out.flat, kop, buf.dtype)
+            dispatch.allreduce(algo, topo, buf.flat, out.flat, kernel_op(op), buf.dtype)
             if op is ReduceOp.Average and topo.size > 1:
                 kernels.divide(out.flat, buf.dtype, topo.size)
 
@@ -155,15 +141,15 @@ def _allgather_prepare(x: Any, algorithm: str) -> Callable[[], Any]:
     _need_dim0(buf, "x")
 
     def work() -> Any:
-        comm = topology.get().comm
-        rows = agree(comm, "allgather", (("dtype", buf.dtype), ("row_shape", buf.shape[1:]),
+        topo = topology.get()
+        rows = agree(topo.comm, "allgather", (("dtype", buf.dtype), ("row_shape", buf.shape[1:]),
                                          ("algorithm", algorithm)), rows=buf.shape[0])
         elems = _row_elems(buf.shape)
         counts = [int(r) * elems for r in rows]
         out = buf.empty((int(rows.sum()),) + buf.shape[1:])
         algo = _resolve(algorithm, "allgather", out.nbytes)
-        fn = ring.allgather if algo == "ring" else mpi.allgather
-        _timed("allgather", algo, lambda: fn(comm, buf.flat, out.flat, counts))
+        _timed("allgather", algo,
+               lambda: dispatch.allgather(algo, topo, buf.flat, out.flat, counts))
         return out.result()
 
     return work
@@ -198,12 +184,8 @@ def _reducescatter_prepare(x: Any, op: ReduceOp, algorithm: str) -> Callable[[],
         algo = _resolve(algorithm, "reducescatter", buf.nbytes)
 
         def move() -> None:
-            kop = kernel_op(op)
-            if algo == "ring":
-                ring.reducescatter(comm, buf.flat, out.flat, counts, kop, buf.dtype,
-                                   _cfg().ring_segment_bytes)
-            else:
-                mpi.reducescatter(comm, buf.flat, out.flat, counts, kop, buf.dtype)
+            dispatch.reducescatter(algo, topo, buf.flat, out.flat, counts, kernel_op(op),
+                                   buf.dtype)
             if op is ReduceOp.Average and topo.size > 1:
                 kernels.divide(out.flat, buf.dtype, topo.size)
 
@@ -231,8 +213,8 @@ def _broadcast_prepare(x: Any, root_rank: int, algorithm: str, inplace: bool) ->
     buf = wrap(x, "x")
 
     def work() -> Any:
-        comm = topology.get().comm
-        agree(comm, "broadcast", (("dtype", buf.dtype), ("shape", buf.shape),
+        topo = topology.get()
+        agree(topo.comm, "broadcast", (("dtype", buf.dtype), ("shape", buf.shape),
                                   ("root_rank", root), ("algorithm", algorithm)))
         if inplace:
             out = buf
@@ -240,11 +222,7 @@ def _broadcast_prepare(x: Any, root_rank: int, algorithm: str, inplace: bool) ->
             out = buf.empty(buf.shape)
             out.flat[...] = buf.flat
         algo = _resolve(algorithm, "broadcast", buf.nbytes)
-        if algo == "ring":
-            move = lambda: ring.broadcast(comm, out.flat, root, _cfg().ring_segment_bytes)  # noqa: E731
-        else:
-            move = lambda: mpi.broadcast(comm, out.flat, root)  # noqa: E731
-        _timed("broadcast", algo, move)
+        _timed("broadcast", algo, lambda: dispatch.broadcast(algo, topo, out.flat, root))
         if inplace:
             buf.write_back()
             return buf.orig
@@ -276,12 +254,13 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     root = _check_root(root_rank)
 
     def work() -> Any:
-        comm = topology.get().comm
+        topo = topology.get()
+        comm = topo.comm
         agree(comm, "broadcast_object", (("root_rank", root),))
         payload = pickle.dumps(obj) if comm.Get_rank() == root else b""
         size = comm.bcast(len(payload), root=root)
         data = np.frombuffer(payload, dtype=np.uint8).copy() if payload else np.empty(size, np.uint8)
-        _timed("broadcast_object", "mpi", lambda: mpi.broadcast(comm, data, root))
+        _timed("broadcast_object", "mpi", lambda: dispatch.broadcast("mpi", topo, data, root))
         return obj if comm.Get_rank() == root else pickle.loads(data.tobytes())
 
     return ENGINE.run("broadcast_object", work)

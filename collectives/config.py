@@ -13,6 +13,8 @@ class Config:
     ranks_per_node: int | None = None
     #: Bytes per pipelined segment in the ring algorithms.
     ring_segment_bytes: int = 1 << 20
+    #: JSON written by `python -m collectives.calibrate`, read by `auto`; None = defaults.
+    tuning_file: str | None = None
 
 
 def _parse(field: dataclasses.Field, text: str):

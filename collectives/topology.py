@@ -35,9 +35,30 @@ class Topology:
             for leader in sorted(set(leaders))
         ]
 
+        self.max_local_size = max(len(node) for node in self.nodes)
+        self.node_index = next(i for i, node in enumerate(self.nodes) if self.rank in node)
+        self._shard_comms: list[MPI.Comm] | None = None
+
+    def shard_owner(self, shard: int) -> int:
+        """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to
+        each local rank, so a node smaller than the largest owns several."""
+        return shard * self.local_size // self.max_local_size
+
+    def shard_comm(self, shard: int) -> MPI.Comm:
+        """The communicator of the ranks owning `shard` on every node (collective on first
+        use: all ranks create all of them together)."""
+        if self._shard_comms is None:
+            self._shard_comms = [
+                self.comm.Split(0 if self.shard_owner(s) == self.local_rank else MPI.UNDEFINED,
+                                key=self.rank)
+                for s in range(self.max_local_size)
+            ]
+        return self._shard_comms[shard]
+
     def free(self) -> None:
-        for c in (self.cross_comm, self.node_comm, self.comm):
-            c.Free()
+        for c in (self._shard_comms or []) + [self.cross_comm, self.node_comm, self.comm]:
+            if c != MPI.COMM_NULL:
+                c.Free()
 
 
 _topology: Topology | None = None

@@ -89,8 +89,8 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, 
 def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
                   op: ReduceOp, dtype: str, segment_bytes: int) -> None:
     """recv = this rank's block (counts[rank] elements) of the reduction of every send."""
-    n, r = comm.Get_size(), comm.Get_rank()
-    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    n = comm.Get_size()
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
     if n == 1:
         recv[...] = send
         return
@@ -107,7 +107,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
 def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
     """recv = every rank's send concatenated in rank order (counts[i] elements from rank i)."""
     r = comm.Get_rank()
-    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
     recv[bounds[r]:bounds[r + 1]] = send
     _ring_allgather(comm, recv, bounds)
 

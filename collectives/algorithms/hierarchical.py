@@ -1,0 +1,133 @@
+"""Two-level collectives: inside each node first, then across nodes, then inside again.
+
+How it works.
+  allreduce      The buffer is cut into S shards (S = ranks on the largest node); each
+                 local rank owns a contiguous run of shards (one each on full nodes).
+                 1. intra-node reduce-scatter: each local rank gets its shards reduced over
+                    its node; 2. inter-node allreduce of each shard among the ranks owning
+                    it on every node; 3. intra-node allgather. Every node sends one buffer's
+                    worth across nodes in total, spread over all its ranks.
+  allgather      1. intra-node allgather of the node's rows; 2. node leaders (local rank 0)
+                 allgather the node blocks; 3. leaders broadcast the result in their node.
+  reducescatter  1. intra-node reduce to the leader; 2. leaders reduce-scatter node-sized
+                 blocks; 3. each leader hands every local rank its rows.
+  broadcast      root -> its node leader -> all leaders -> every rank of each node.
+Uneven nodes (e.g. 2 + 1 ranks) work: a smaller node's ranks own more shards.
+
+Cost (N nodes of L ranks, m bytes; intra alpha_i, beta_i; inter alpha_x, beta_x), allreduce:
+  intra 2(L-1) alpha_i + 2(L-1)/L m beta_i   +   inter on m/L: 2(N-1) alpha_x + 2(N-1)/N m/L beta_x
+so inter-node bytes per rank are 1/L of a flat ring's: ~L x faster when links are the limit.
+The intra- and inter-node algorithms are chosen per call (see collectives/select.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..ops import ReduceOp
+from ..p2p import even_bounds, irecv, isend
+from ..topology import Topology
+
+TAG_SCATTER, TAG_ROOT = 31, 32
+
+
+def _node_order(topo: Topology) -> list[int]:
+    """World ranks in node order (node by node, local rank order)."""
+    return [r for node in topo.nodes for r in node]
+
+
+def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp, dtype: str,
+              intra_rs: Callable, intra_ag: Callable, inter_ar: Callable) -> None:
+    """recv = reduction of every rank's send (send may be recv)."""
+    shards = even_bounds(recv.size, topo.max_local_size)
+    owned = [s for s in range(topo.max_local_size) if topo.shard_owner(s) == topo.local_rank]
+    local_counts = [0] * topo.local_size
+    for s in range(topo.max_local_size):
+        local_counts[topo.shard_owner(s)] += shards[s + 1] - shards[s]
+    lo, hi = shards[owned[0]], shards[owned[-1] + 1]
+    # 1. intra-node reduce-scatter into this rank's own part of recv
+    intra_rs(topo.node_comm, send, recv[lo:hi], local_counts, op, dtype)
+    # 2. inter-node allreduce of each owned shard
+    for s in owned:
+        comm = topo.shard_comm(s)
+        piece = recv[shards[s]:shards[s + 1]]
+        if comm.Get_size() > 1 and piece.size:
+            inter_ar(comm, piece, piece, op, dtype)
+    # 3. intra-node allgather of the reduced parts
+    intra_ag(topo.node_comm, recv[lo:hi].copy(), recv, local_counts)
+
+
+def allgather(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: list[int],
+              intra_ag: Callable, inter_ag: Callable, intra_bcast: Callable) -> None:
+    """recv = every rank's send in world rank order."""
+    node_counts = [[counts[r] for r in node] for node in topo.nodes]
+    mine = node_counts[topo.node_index]
+    node_block = np.empty(sum(mine), dtype=send.dtype)
+    intra_ag(topo.node_comm, send, node_block, mine)
+    if topo.local_rank == 0:
+        gathered = np.empty_like(recv)
+        inter_ag(topo.cross_comm, node_block, gathered, [sum(c) for c in node_counts])
+        _to_world_order(topo, gathered, recv, counts)
+    intra_bcast(topo.node_comm, recv, 0)
+
+
+def _to_world_order(topo: Topology, node_ordered: np.ndarray, out: np.ndarray,
+                    counts: list[int]) -> None:
+    order = _node_order(topo)
+    if order == list(range(topo.size)):
+        out[...] = node_ordered
+        return
+    world = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    pos = 0
+    for r in order:
+        out[world[r]:world[r + 1]] = node_ordered[pos:pos + counts[r]]
+        pos += counts[r]
+
+
+def _from_world_order(topo: Topology, buf: np.ndarray, counts: list[int]) -> np.ndarray:
+    order = _node_order(topo)
+    if order == list(range(topo.size)):
+        return buf
+    world = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return np.concatenate([buf[world[r]:world[r + 1]] for r in order])
+
+
+def reducescatter(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: list[int],
+                  op: ReduceOp, dtype: str, intra_rs: Callable, inter_rs: Callable) -> None:
+    """recv = this rank's block of the reduction of every send."""
+    leader = topo.local_rank == 0
+    node_sum = np.empty(send.size if leader else 0, dtype=send.dtype)
+    # 1. reduce the whole buffer onto the node leader (a reduce-scatter with one owner)
+    intra_rs(topo.node_comm, send, node_sum, [send.size] + [0] * (topo.local_size - 1), op, dtype)
+    if leader:
+        # 2. leaders reduce-scatter node-sized blocks
+        node_counts = [sum(counts[r] for r in node) for node in topo.nodes]
+        mine = np.empty(node_counts[topo.node_index], dtype=send.dtype)
+        inter_rs(topo.cross_comm, _from_world_order(topo, node_sum, counts), mine,
+                 node_counts, op, dtype)
+        # 3. hand each local rank its rows
+        offs = np.concatenate([[0], np.cumsum([counts[r] for r in topo.nodes[topo.node_index]])])
+        reqs = [isend(topo.node_comm, mine[offs[j]:offs[j + 1]], j, TAG_SCATTER)
+                for j in range(1, topo.local_size)]
+        recv[...] = mine[offs[0]:offs[1]]
+        MPI.Request.Waitall(reqs)
+    else:
+        irecv(topo.node_comm, recv, 0, TAG_SCATTER).Wait()
+
+
+def broadcast(topo: Topology, buf: np.ndarray, root: int, intra_bcast: Callable,
+              inter_bcast: Callable) -> None:
+    """buf on every rank = buf on world rank root."""
+    root_node = next(i for i, node in enumerate(topo.nodes) if root in node)
+    root_leader = topo.nodes[root_node][0]
+    if root != root_leader:  # bring the data to the root node's leader
+        if topo.rank == root:
+            isend(topo.comm, buf, root_leader, TAG_ROOT).Wait()
+        elif topo.rank == root_leader:
+            irecv(topo.comm, buf, root, TAG_ROOT).Wait()
+    if topo.local_rank == 0:
+        inter_bcast(topo.cross_comm, buf, root_node)
+    intra_bcast(topo.node_comm, buf, 0)

@@ -1,0 +1,77 @@
+"""Runs a named algorithm: the table from algorithm names to the functions in
+collectives/algorithms/, and the wiring of hierarchical's intra- and inter-node levels."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from . import config, select
+from .algorithms import hierarchical, mpi, ring, tree
+from .ops import ReduceOp
+from .topology import Topology
+
+FLAT = ("ring", "tree", "mpi")
+
+
+@functools.cache
+def _table() -> dict[str, dict[str, Callable]]:
+    seg = config.from_env().ring_segment_bytes
+    return {
+        "allreduce": {"ring": functools.partial(ring.allreduce, segment_bytes=seg),
+                      "tree": tree.allreduce, "mpi": mpi.allreduce},
+        "reducescatter": {"ring": functools.partial(ring.reducescatter, segment_bytes=seg),
+                          "tree": tree.reducescatter, "mpi": mpi.reducescatter},
+        "allgather": {"ring": ring.allgather, "tree": tree.allgather, "mpi": mpi.allgather},
+        "broadcast": {"ring": functools.partial(ring.broadcast, segment_bytes=seg),
+                      "tree": tree.broadcast, "mpi": mpi.broadcast},
+    }
+
+
+def _level(collective: str, level: str, topo: Topology, nbytes: int) -> Callable:
+    """The flat algorithm for one level ("intra" or "inter") of a hierarchical call."""
+    return _table()[collective][select.choose_level(collective, level, nbytes, topo)]
+
+
+def allreduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+              dtype: str) -> None:
+    if algo in FLAT:
+        return _table()["allreduce"][algo](topo.comm, send, recv, op, dtype)
+    nbytes = recv.nbytes
+    shard = nbytes // max(topo.max_local_size, 1)
+    hierarchical.allreduce(topo, send, recv, op, dtype,
+                           intra_rs=_level("reducescatter", "intra", topo, nbytes),
+                           intra_ag=_level("allgather", "intra", topo, nbytes),
+                           inter_ar=_level("allreduce", "inter", topo, shard))
+
+
+def reducescatter(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
+                  counts: list[int], op: ReduceOp, dtype: str) -> None:
+    if algo in FLAT:
+        return _table()["reducescatter"][algo](topo.comm, send, recv, counts, op, dtype)
+    nbytes = send.nbytes
+    hierarchical.reducescatter(topo, send, recv, counts, op, dtype,
+                               intra_rs=_level("reducescatter", "intra", topo, nbytes),
+                               inter_rs=_level("reducescatter", "inter", topo, nbytes))
+
+
+def allgather(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
+              counts: list[int]) -> None:
+    if algo in FLAT:
+        return _table()["allgather"][algo](topo.comm, send, recv, counts)
+    nbytes = recv.nbytes
+    hierarchical.allgather(topo, send, recv, counts,
+                           intra_ag=_level("allgather", "intra", topo, nbytes),
+                           inter_ag=_level("allgather", "inter", topo, nbytes),
+                           intra_bcast=_level("broadcast", "intra", topo, nbytes))
+
+
+def broadcast(algo: str, topo: Topology, buf: np.ndarray, root: int) -> None:
+    if algo in FLAT:
+        return _table()["broadcast"][algo](topo.comm, buf, root)
+    nbytes = buf.nbytes
+    hierarchical.broadcast(topo, buf, root,
+                           intra_bcast=_level("broadcast", "intra", topo, nbytes),
+                           inter_bcast=_level("broadcast", "inter", topo, nbytes))

@@ -1,0 +1,116 @@
+"""`auto`: choose the algorithm per call from an alpha-beta cost model.
+
+Each algorithm's time is predicted from its step structure (see each module's docstring):
+  steps x (alpha + o) + bytes on the wire x beta + bytes reduced x gamma
+with separate (alpha, beta) for links inside a node and between nodes; o is our per-message
+software overhead (zero for `mpi`, whose steps run in C). The parameters come from a JSON
+file written by `python -m collectives.calibrate` (path: COLLECTIVES_TUNING_FILE), or the
+defaults below, measured on a 2-core Linux VM with Open MPI 5 shared memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+
+from . import config
+from .topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    alpha_intra: float = 1.0e-6   # s per message inside a node
+    beta_intra: float = 2.5e-10   # s per byte inside a node (~4 GB/s)
+    alpha_inter: float = 30e-6    # s per message between nodes
+    beta_inter: float = 8.0e-9    # s per byte between nodes (~1 Gbit/s)
+    gamma: float = 2.0e-10        # s per byte reduced by our kernels
+    overhead: float = 6.0e-6      # s of Python per message in our algorithms
+    mpi_call: float = 2.0e-6      # s of fixed cost per MPI library collective call
+
+
+@functools.cache
+def params() -> Params:
+    path = config.from_env().tuning_file
+    if not path:
+        return Params()
+    with open(path) as f:
+        values = json.load(f)["params"]
+    return Params(**values)
+
+
+def _link(topo: Topology, level: str) -> tuple[float, float]:
+    p = params()
+    if level == "intra" or len(topo.nodes) == 1:
+        return p.alpha_intra, p.beta_intra
+    return p.alpha_inter, p.beta_inter
+
+
+def _log2(n: int) -> int:
+    return max(1, math.ceil(math.log2(n))) if n > 1 else 0
+
+
+def flat_cost(algo: str, collective: str, n: int, m: int, alpha: float, beta: float) -> float:
+    """Predicted seconds for a flat algorithm over n ranks on links (alpha, beta)."""
+    if n <= 1:
+        return 0.0
+    p = params()
+    o = 0.0 if algo == "mpi" else p.overhead
+    reduces = collective in ("allreduce", "reducescatter")
+    ring_steps = {"allreduce": 2 * (n - 1), "reducescatter": n - 1, "allgather": n - 1,
+                  "broadcast": n - 1}[collective]
+    ring_bytes = {"allreduce": 2 * (n - 1) / n * m, "broadcast": m}.get(collective, (n - 1) / n * m)
+    ring = ring_steps * (alpha + o) + ring_bytes * beta + (m * (n - 1) / n * p.gamma if reduces else 0)
+    pow2 = 1 << (n.bit_length() - 1)
+    fold = 0 if pow2 == n else 2
+    if collective == "allreduce":
+        steps = _log2(pow2) + fold
+        tree = steps * (alpha + o + m * beta + m * p.gamma)
+    elif collective == "reducescatter":
+        tree = (_log2(pow2) + fold) * (alpha + o) + (m + fold * m) * beta + m * p.gamma
+    elif collective == "allgather":
+        tree = _log2(n) * (alpha + o) + (n - 1) / n * m * beta
+    else:
+        tree = _log2(n) * (alpha + o + m * beta)
+    if algo == "ring":
+        return ring
+    if algo == "tree":
+        return tree
+    # the MPI library: its own best of similar algorithms, steps in C, one call's overhead
+    o_saved = (ring_steps if ring < tree else _log2(n) + fold) * o
+    return min(ring, tree) - o_saved + p.mpi_call
+
+
+def choose_level(collective: str, level: str, nbytes: int, topo: Topology) -> str:
+    """The cheapest flat algorithm for one level of a hierarchical call."""
+    n = topo.local_size if level == "intra" else max(len(topo.nodes), 1)
+    alpha, beta = _link(topo, level)
+    return min(("ring", "tree", "mpi"),
+               key=lambda a: flat_cost(a, collective, n, nbytes, alpha, beta))
+
+
+def predict(algo: str, collective: str, nbytes: int, topo: Topology) -> float:
+    """Predicted seconds for one call of algo on this topology."""
+    if algo != "hierarchical":
+        alpha, beta = _link(topo, "inter")
+        return flat_cost(algo, collective, topo.size, nbytes, alpha, beta)
+    L, N = topo.max_local_size, len(topo.nodes)
+    ai, bi = _link(topo, "intra")
+    ax, bx = _link(topo, "inter")
+    best = min  # each level picks its own cheapest flat algorithm
+    if collective == "allreduce":
+        intra = (best(flat_cost(a, "reducescatter", L, nbytes, ai, bi) for a in ("ring", "tree", "mpi"))
+                 + best(flat_cost(a, "allgather", L, nbytes, ai, bi) for a in ("ring", "tree", "mpi")))
+        inter = best(flat_cost(a, "allreduce", N, nbytes // L, ax, bx) for a in ("ring", "tree", "mpi"))
+        return intra + inter
+    intra = best(flat_cost(a, collective, L, nbytes, ai, bi) for a in ("ring", "tree", "mpi"))
+    inter = best(flat_cost(a, collective, N, nbytes, ax, bx) for a in ("ring", "tree", "mpi"))
+    return 2 * intra + inter
+
+
+def choose(collective: str, nbytes: int, topo: Topology) -> str:
+    """The algorithm `auto` runs for this call (the same on every rank)."""
+    candidates = ["ring", "tree", "mpi"]
+    if len(topo.nodes) > 1 and topo.max_local_size > 1:
+        candidates.append("hierarchical")
+    return min(candidates, key=lambda a: predict(a, collective, nbytes, topo))
