@@ -5,7 +5,12 @@ Each algorithm's time is predicted from its step structure (see each module's do
 with separate (alpha, beta) for links inside a node and between nodes; o is our per-message
 software overhead (zero for `mpi`, whose steps run in C). The parameters come from a JSON
 file written by `python -m collectives.calibrate` (path: COLLECTIVES_TUNING_FILE), or the
-defaults below, measured on a 2-core Linux VM with Open MPI 5 shared memory."""
+defaults below, measured on a 2-core Linux VM with Open MPI 5 shared memory.
+
+The same file also holds each algorithm's measured time at a few sizes on the job's own
+topology; where it matches the running job, `auto` interpolates those (piecewise alpha-beta:
+t = alpha_k + beta_k m between measured sizes) instead of the formulas, because the MPI
+library's internal algorithm choices and protocol switches are not in any formula."""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import dataclasses
 import functools
 import json
 import math
+
+import numpy as np
 
 from . import config
 from .topology import Topology
@@ -30,13 +37,37 @@ class Params:
 
 
 @functools.cache
-def params() -> Params:
+def _tuning() -> dict:
     path = config.from_env().tuning_file
     if not path:
-        return Params()
+        return {}
     with open(path) as f:
-        values = json.load(f)["params"]
-    return Params(**values)
+        return json.load(f)
+
+
+def params() -> Params:
+    values = _tuning().get("params")
+    return Params(**values) if values else Params()
+
+
+def _measured(collective: str, nbytes: int, topo: Topology) -> dict[str, float] | None:
+    """Interpolated measured seconds per algorithm, if the tuning file is for this topology."""
+    tuning = _tuning()
+    if tuning.get("nodes") != [len(n) for n in topo.nodes] or collective not in tuning.get(
+            "measured", {}):
+        return None
+    table = tuning["measured"][collective]  # {algo: [[bytes, seconds], ...]}
+    out = {}
+    for algo, points in table.items():
+        sizes, times = zip(*points)
+        if nbytes <= sizes[0]:
+            out[algo] = times[0]
+        elif nbytes >= sizes[-1]:  # extrapolate the last segment's bandwidth
+            slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+            out[algo] = times[-1] + slope * (nbytes - sizes[-1])
+        else:
+            out[algo] = float(np.interp(nbytes, sizes, times))
+    return out
 
 
 def _link(topo: Topology, level: str) -> tuple[float, float]:
@@ -110,7 +141,15 @@ def predict(algo: str, collective: str, nbytes: int, topo: Topology) -> float:
 
 def choose(collective: str, nbytes: int, topo: Topology) -> str:
     """The algorithm `auto` runs for this call (the same on every rank)."""
-    candidates = ["ring", "tree", "mpi"]
+    measured = _measured(collective, nbytes, topo)
+    if measured:
+        return min(measured, key=measured.get)
+    return min(candidates(topo), key=lambda a: predict(a, collective, nbytes, topo))
+
+
+def candidates(topo: Topology) -> list[str]:
+    """Algorithms `auto` may pick on this topology."""
+    found = ["ring", "tree", "mpi"]
     if len(topo.nodes) > 1 and topo.max_local_size > 1:
-        candidates.append("hierarchical")
-    return min(candidates, key=lambda a: predict(a, collective, nbytes, topo))
+        found.append("hierarchical")
+    return found
