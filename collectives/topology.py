@@ -71,6 +71,11 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
     if _topology is None:
         if comm is not None and not isinstance(comm, MPI.Comm):
             raise TypeError(f"comm: expected an mpi4py MPI.Comm, got {type(comm).__name__}")
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                "collectives needs MPI_THREAD_SERIALIZED or higher (its progress thread calls "
+                "MPI); initialize MPI with mpi4py's default (MULTIPLE) or set "
+                "mpi4py.rc.thread_level = 'serialized' before importing MPI")
         if ranks_per_node is None:
             ranks_per_node = _config.from_env().ranks_per_node
         _topology = Topology(MPI.COMM_WORLD if comm is None else comm, ranks_per_node)
