@@ -24,11 +24,9 @@ except ImportError:
     cupy = None
 
 DTYPES = tuple(STORAGE)
-
-
-def _torch_dtype_name(dtype) -> str | None:
-    name = str(dtype).removeprefix("torch.")
-    return name if name in STORAGE else None
+#: NumPy dtype -> our dtype name (bfloat16 has no NumPy dtype: torch only)
+_NUMPY_NAMES = {np.dtype(name): name for name in STORAGE if name != "bfloat16"}
+_TORCH_NAMES = {getattr(torch, name): name for name in STORAGE} if torch is not None else {}
 
 
 class Buffer:
@@ -89,12 +87,14 @@ def _unsupported(name: str, what: str) -> TypeError:
 def wrap(x: Any, name: str = "x") -> Buffer:
     """View x as a Buffer, or TypeError naming `name` if x is not a supported array."""
     if isinstance(x, np.ndarray):
-        if x.dtype.name not in STORAGE or x.dtype.name == "bfloat16":
+        dtype = _NUMPY_NAMES.get(x.dtype)
+        if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
-        flat = x.reshape(-1) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1)
-        return Buffer(x, "numpy", flat, x.dtype.name, x.shape, not x.flags.c_contiguous)
+        contiguous = x.flags.c_contiguous
+        flat = x.reshape(-1) if contiguous else np.ascontiguousarray(x).reshape(-1)
+        return Buffer(x, "numpy", flat, dtype, x.shape, not contiguous)
     if torch is not None and isinstance(x, torch.Tensor):
-        dtype = _torch_dtype_name(x.dtype)
+        dtype = _TORCH_NAMES.get(x.dtype)
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         t = x.detach()
@@ -105,10 +105,11 @@ def wrap(x: Any, name: str = "x") -> Buffer:
         flat = t.numpy().view(STORAGE[dtype])
         return Buffer(x, "torch", flat, dtype, tuple(x.shape), staged)
     if cupy is not None and isinstance(x, cupy.ndarray):
-        if x.dtype.name not in STORAGE:
+        dtype = _NUMPY_NAMES.get(np.dtype(x.dtype))
+        if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         flat = cupy.asnumpy(x).reshape(-1)
-        return Buffer(x, "cupy", flat, x.dtype.name, x.shape, True)
+        return Buffer(x, "cupy", flat, dtype, x.shape, True)
     raise TypeError(
         f"{name}: expected a numpy.ndarray, torch.Tensor or cupy.ndarray, got {type(x).__name__}"
     )
