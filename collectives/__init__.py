@@ -29,10 +29,11 @@ from .engine import Handle
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .stats import stats
 from .topology import cross_rank, cross_size, init, local_rank, local_size, rank, shutdown, size
+from .watchdog import StallError
 
 __all__ = [
     "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError", "Product",
-    "ReduceOp", "Sum", "allgather", "allgather_async", "allreduce", "allreduce_",
+    "ReduceOp", "StallError", "Sum", "allgather", "allgather_async", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "init", "local_rank",
     "local_size", "poll", "rank", "reducescatter", "reducescatter_async", "shutdown", "size",

@@ -12,7 +12,9 @@ import functools
 import hashlib
 
 import numpy as np
-from mpi4py import MPI
+
+from .topology import Topology
+from .watchdog import StallError
 
 
 class MismatchError(ValueError):
@@ -60,14 +62,22 @@ def _groups(verb: str, values: list[str]) -> str:
     return ", ".join(parts)
 
 
-def agree(comm: MPI.Comm, collective: str, fields: tuple, rows: int = 0) -> np.ndarray:
+def agree(topo: Topology, collective: str, fields: tuple, rows: int = 0) -> np.ndarray:
     """Check that every rank passes the same (collective, fields); return each rank's rows.
 
-    fields is a tuple of (name, value) pairs. Raises MismatchError on every rank if not."""
+    fields is a tuple of (name, value) pairs. Raises MismatchError on every rank if not;
+    a long wait is reported and, past the stall timeout, fails (see watchdog.py)."""
+    dog, comm = topo.watchdog, topo.comm
+    if dog.failed:
+        raise StallError(f"collectives is unusable after a stall timeout ({dog.failed}); "
+                         "an MPI collective cannot be cancelled: restart the job")
     signature = (collective, fields)
     mine = np.array([_digest(signature), rows], dtype=np.int64)
     everyone = np.empty((comm.Get_size(), 2), dtype=np.int64)
-    comm.Allgather(mine, everyone)
+    dog.record.enter(collective, fields)
+    cfg = topo.config
+    dog.wait(comm.Iallgather(mine, everyone), cfg.stall_warning_s, cfg.stall_timeout_s)
+    dog.record.state = "running"
     if (everyone[:, 0] != mine[0]).any():
         raise MismatchError(describe_mismatch(comm.allgather(signature)))
     return everyone[:, 1]

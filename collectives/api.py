@@ -32,6 +32,24 @@ def _resolve(algorithm: str, collective: str, nbytes: int) -> str:
     return select.choose(collective, nbytes, topology.get())
 
 
+def _run(name: str, work: Callable[[], Any]) -> Any:
+    return ENGINE.run(name, _tracked(work))
+
+
+def _submit(name: str, work: Callable[[], Any]) -> Handle:
+    return ENGINE.submit(name, _tracked(work))
+
+
+def _tracked(work: Callable[[], Any]) -> Callable[[], Any]:
+    """work, marking this rank idle for the stall inspector when it ends."""
+    def run() -> Any:
+        try:
+            return work()
+        finally:
+            topology.get().watchdog.record.leave()
+    return run
+
+
 def _timed(collective: str, algorithm: str, work: Callable[[], Any]) -> Any:
     sent0, recv0 = stats.snapshot()
     result = work()
@@ -67,9 +85,8 @@ def _check_root(root_rank: object) -> int:
 def _allreduce_work(buf: Buffer, out: Buffer, op: ReduceOp, algorithm: str) -> Callable[[], Any]:
     def work() -> Any:
         topo = topology.get()
-        comm = topo.comm
         algo = _resolve(algorithm, "allreduce", buf.nbytes)
-        agree(comm, "allreduce", (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
+        agree(topo, "allreduce", (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
                                   ("algorithm", algorithm)))
 
         def move() -> None:
@@ -114,23 +131,23 @@ def _allreduce_prepare(x: Any, op: ReduceOp, algorithm: str, compression: Any,
 def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
               compression: Any = None) -> Any:
     """Reduce x over all ranks; a new array of x's type, dtype, shape and device."""
-    return ENGINE.run("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
+    return _run("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                compression: Any = None) -> Any:
     """Reduce x over all ranks in place; returns x."""
-    return ENGINE.run("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
+    return _run("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
 
 
 def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                     compression: Any = None) -> Handle:
-    return ENGINE.submit("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
+    return _submit("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
 
 
 def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                      compression: Any = None) -> Handle:
-    return ENGINE.submit("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
+    return _submit("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
 
 
 # ----------------------------------------------------------------------------- allgather
@@ -142,7 +159,7 @@ def _allgather_prepare(x: Any, algorithm: str) -> Callable[[], Any]:
 
     def work() -> Any:
         topo = topology.get()
-        rows = agree(topo.comm, "allgather", (("dtype", buf.dtype), ("row_shape", buf.shape[1:]),
+        rows = agree(topo, "allgather", (("dtype", buf.dtype), ("row_shape", buf.shape[1:]),
                                          ("algorithm", algorithm)), rows=buf.shape[0])
         elems = _row_elems(buf.shape)
         counts = [int(r) * elems for r in rows]
@@ -157,11 +174,11 @@ def _allgather_prepare(x: Any, algorithm: str) -> Callable[[], Any]:
 
 def allgather(x: Any, algorithm: str = "auto") -> Any:
     """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
-    return ENGINE.run("allgather", _allgather_prepare(x, algorithm))
+    return _run("allgather", _allgather_prepare(x, algorithm))
 
 
 def allgather_async(x: Any, algorithm: str = "auto") -> Handle:
-    return ENGINE.submit("allgather", _allgather_prepare(x, algorithm))
+    return _submit("allgather", _allgather_prepare(x, algorithm))
 
 
 # ------------------------------------------------------------------------- reducescatter
@@ -174,8 +191,7 @@ def _reducescatter_prepare(x: Any, op: ReduceOp, algorithm: str) -> Callable[[],
 
     def work() -> Any:
         topo = topology.get()
-        comm = topo.comm
-        agree(comm, "reducescatter", (("op", op.name), ("dtype", buf.dtype),
+        agree(topo, "reducescatter", (("op", op.name), ("dtype", buf.dtype),
                                       ("shape", buf.shape), ("algorithm", algorithm)))
         rows = _rows_split(buf.shape[0], topo.size)
         elems = _row_elems(buf.shape)
@@ -197,12 +213,12 @@ def _reducescatter_prepare(x: Any, op: ReduceOp, algorithm: str) -> Callable[[],
 
 def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto") -> Any:
     """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
-    return ENGINE.run("reducescatter", _reducescatter_prepare(x, op, algorithm))
+    return _run("reducescatter", _reducescatter_prepare(x, op, algorithm))
 
 
 def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average,
                         algorithm: str = "auto") -> Handle:
-    return ENGINE.submit("reducescatter", _reducescatter_prepare(x, op, algorithm))
+    return _submit("reducescatter", _reducescatter_prepare(x, op, algorithm))
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -214,7 +230,7 @@ def _broadcast_prepare(x: Any, root_rank: int, algorithm: str, inplace: bool) ->
 
     def work() -> Any:
         topo = topology.get()
-        agree(topo.comm, "broadcast", (("dtype", buf.dtype), ("shape", buf.shape),
+        agree(topo, "broadcast", (("dtype", buf.dtype), ("shape", buf.shape),
                                   ("root_rank", root), ("algorithm", algorithm)))
         if inplace:
             out = buf
@@ -233,20 +249,20 @@ def _broadcast_prepare(x: Any, root_rank: int, algorithm: str, inplace: bool) ->
 
 def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Any:
     """root_rank's x on every rank, as a new array."""
-    return ENGINE.run("broadcast", _broadcast_prepare(x, root_rank, algorithm, False))
+    return _run("broadcast", _broadcast_prepare(x, root_rank, algorithm, False))
 
 
 def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
-    return ENGINE.run("broadcast", _broadcast_prepare(x, root_rank, algorithm, True))
+    return _run("broadcast", _broadcast_prepare(x, root_rank, algorithm, True))
 
 
 def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Handle:
-    return ENGINE.submit("broadcast", _broadcast_prepare(x, root_rank, algorithm, False))
+    return _submit("broadcast", _broadcast_prepare(x, root_rank, algorithm, False))
 
 
 def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Handle:
-    return ENGINE.submit("broadcast", _broadcast_prepare(x, root_rank, algorithm, True))
+    return _submit("broadcast", _broadcast_prepare(x, root_rank, algorithm, True))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
@@ -256,14 +272,21 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     def work() -> Any:
         topo = topology.get()
         comm = topo.comm
-        agree(comm, "broadcast_object", (("root_rank", root),))
-        payload = pickle.dumps(obj) if comm.Get_rank() == root else b""
-        size = comm.bcast(len(payload), root=root)
+        agree(topo, "broadcast_object", (("root_rank", root),))
+        payload, error = b"", None
+        if comm.Get_rank() == root:
+            try:
+                payload = pickle.dumps(obj)
+            except Exception as exc:  # every rank must learn of it, not only the root
+                error = exc
+        size = comm.bcast(-1 if error else len(payload), root=root)
+        if size < 0:
+            raise ValueError(f"obj: root_rank {root}'s object cannot be pickled") from error
         data = np.frombuffer(payload, dtype=np.uint8).copy() if payload else np.empty(size, np.uint8)
         _timed("broadcast_object", "mpi", lambda: dispatch.broadcast("mpi", topo, data, root))
         return obj if comm.Get_rank() == root else pickle.loads(data.tobytes())
 
-    return ENGINE.run("broadcast_object", work)
+    return _run("broadcast_object", work)
 
 
 # ------------------------------------------------------------------------------- handles

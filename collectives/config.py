@@ -15,6 +15,10 @@ class Config:
     ring_segment_bytes: int = 1 << 20
     #: JSON written by `python -m collectives.calibrate`, read by `auto`; None = defaults.
     tuning_file: str | None = None
+    #: Seconds a collective may wait for other ranks before it logs who is missing.
+    stall_warning_s: float = 60.0
+    #: Seconds after which a waiting collective raises StallError; None = wait forever.
+    stall_timeout_s: float | None = None
 
 
 def _parse(field: dataclasses.Field, text: str):

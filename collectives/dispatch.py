@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import config, select
+from . import select
 from .algorithms import hierarchical, mpi, ring, tree
 from .ops import ReduceOp
 from .topology import Topology
@@ -17,8 +17,7 @@ FLAT = ("ring", "tree", "mpi")
 
 
 @functools.cache
-def _table() -> dict[str, dict[str, Callable]]:
-    seg = config.from_env().ring_segment_bytes
+def _table(seg: int) -> dict[str, dict[str, Callable]]:
     return {
         "allreduce": {"ring": functools.partial(ring.allreduce, segment_bytes=seg),
                       "tree": tree.allreduce, "mpi": mpi.allreduce},
@@ -30,15 +29,19 @@ def _table() -> dict[str, dict[str, Callable]]:
     }
 
 
+def _flat(topo: Topology, collective: str, algo: str) -> Callable:
+    return _table(topo.config.ring_segment_bytes)[collective][algo]
+
+
 def _level(collective: str, level: str, topo: Topology, nbytes: int) -> Callable:
     """The flat algorithm for one level ("intra" or "inter") of a hierarchical call."""
-    return _table()[collective][select.choose_level(collective, level, nbytes, topo)]
+    return _flat(topo, collective, select.choose_level(collective, level, nbytes, topo))
 
 
 def allreduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
               dtype: str) -> None:
     if algo in FLAT:
-        return _table()["allreduce"][algo](topo.comm, send, recv, op, dtype)
+        return _flat(topo, "allreduce", algo)(topo.comm, send, recv, op, dtype)
     nbytes = recv.nbytes
     shard = nbytes // max(topo.max_local_size, 1)
     hierarchical.allreduce(topo, send, recv, op, dtype,
@@ -50,7 +53,7 @@ def allreduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op:
 def reducescatter(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
                   counts: list[int], op: ReduceOp, dtype: str) -> None:
     if algo in FLAT:
-        return _table()["reducescatter"][algo](topo.comm, send, recv, counts, op, dtype)
+        return _flat(topo, "reducescatter", algo)(topo.comm, send, recv, counts, op, dtype)
     nbytes = send.nbytes
     hierarchical.reducescatter(topo, send, recv, counts, op, dtype,
                                intra_rs=_level("reducescatter", "intra", topo, nbytes),
@@ -60,7 +63,7 @@ def reducescatter(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
 def allgather(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
               counts: list[int]) -> None:
     if algo in FLAT:
-        return _table()["allgather"][algo](topo.comm, send, recv, counts)
+        return _flat(topo, "allgather", algo)(topo.comm, send, recv, counts)
     nbytes = recv.nbytes
     hierarchical.allgather(topo, send, recv, counts,
                            intra_ag=_level("allgather", "intra", topo, nbytes),
@@ -70,7 +73,7 @@ def allgather(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
 
 def broadcast(algo: str, topo: Topology, buf: np.ndarray, root: int) -> None:
     if algo in FLAT:
-        return _table()["broadcast"][algo](topo.comm, buf, root)
+        return _flat(topo, "broadcast", algo)(topo.comm, buf, root)
     nbytes = buf.nbytes
     hierarchical.broadcast(topo, buf, root,
                            intra_bcast=_level("broadcast", "intra", topo, nbytes),

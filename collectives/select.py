@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from . import config
+from . import topology
 from .topology import Topology
 
 
@@ -36,9 +36,12 @@ class Params:
     mpi_call: float = 2.0e-6      # s of fixed cost per MPI library collective call
 
 
-@functools.cache
 def _tuning() -> dict:
-    path = config.from_env().tuning_file
+    return _load(topology.get().config.tuning_file)
+
+
+@functools.cache
+def _load(path: str | None) -> dict:
     if not path:
         return {}
     with open(path) as f:

@@ -7,16 +7,21 @@ algorithms' inter-node level)."""
 
 from __future__ import annotations
 
+import sys
+
 from mpi4py import MPI
 
 from . import config as _config
+from .watchdog import Watchdog
 
 
 class Topology:
     """Communicators of one initialized job. `comm` is a private duplicate of the user's
     communicator so our messages never match theirs."""
 
-    def __init__(self, comm: MPI.Comm, ranks_per_node: int | None):
+    def __init__(self, comm: MPI.Comm, config: _config.Config):
+        self.config = config
+        ranks_per_node = config.ranks_per_node
         self.comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         if ranks_per_node is None:
@@ -38,6 +43,7 @@ class Topology:
         self.max_local_size = max(len(node) for node in self.nodes)
         self.node_index = next(i for i, node in enumerate(self.nodes) if self.rank in node)
         self._shard_comms: list[MPI.Comm] | None = None
+        self.watchdog = Watchdog(self.comm)
 
     def shard_owner(self, shard: int) -> int:
         """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to
@@ -56,6 +62,7 @@ class Topology:
         return self._shard_comms[shard]
 
     def free(self) -> None:
+        self.watchdog.stop()
         for c in (self._shard_comms or []) + [self.cross_comm, self.node_comm, self.comm]:
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -76,10 +83,27 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
                 "collectives needs MPI_THREAD_SERIALIZED or higher (its progress thread calls "
                 "MPI); initialize MPI with mpi4py's default (MULTIPLE) or set "
                 "mpi4py.rc.thread_level = 'serialized' before importing MPI")
-        if ranks_per_node is None:
-            ranks_per_node = _config.from_env().ranks_per_node
-        _topology = Topology(MPI.COMM_WORLD if comm is None else comm, ranks_per_node)
+        config = _config.from_env()
+        if ranks_per_node is not None:
+            config.ranks_per_node = ranks_per_node
+        _topology = Topology(MPI.COMM_WORLD if comm is None else comm, config)
+        _abort_on_uncaught_exceptions()
     return _topology
+
+
+def _abort_on_uncaught_exceptions() -> None:
+    """An uncaught exception on one rank ends the whole job (MPI_Abort) instead of leaving
+    the other ranks waiting forever in their next collective."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        previous(kind, value, tb)
+        sys.stderr.write(f"collectives: uncaught {kind.__name__} on rank "
+                         f"{MPI.COMM_WORLD.Get_rank()}; aborting the job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
 
 
 def get() -> Topology:

@@ -1,0 +1,138 @@
+"""Stall inspection: a collective that waits too long says who is missing, then fails.
+
+Every rank keeps a small record of what it is doing (call number, collective, arguments,
+since when), and a responder thread answers status requests about it on a private
+communicator, polling every 50 ms, so even a rank busy in user code answers. A rank whose
+agreement step has waited longer than COLLECTIVES_STALL_WARNING_S asks every other rank
+for its record and logs which ranks have not joined and what they are doing; after
+COLLECTIVES_STALL_TIMEOUT_S (off by default) it raises StallError. MPI cannot cancel a
+collective, so after a StallError the library refuses further calls."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+
+from mpi4py import MPI
+
+log = logging.getLogger("collectives")
+
+TAG_ASK, TAG_ANSWER = 41, 42
+
+
+class StallError(RuntimeError):
+    """A collective waited longer than COLLECTIVES_STALL_TIMEOUT_S for other ranks."""
+
+
+class Record:
+    """What this rank is doing: the responder reports it to stalled ranks."""
+
+    __slots__ = ("calls", "collective", "fields", "state", "since")
+
+    def __init__(self) -> None:
+        self.calls, self.collective, self.fields = 0, "", ()
+        self.state, self.since = "idle", time.monotonic()
+
+    def enter(self, collective: str, fields: tuple) -> None:
+        self.calls += 1
+        self.collective, self.fields = collective, fields
+        self.state, self.since = "waiting", time.monotonic()
+
+    def leave(self) -> None:
+        self.state, self.since = "idle", time.monotonic()
+
+    def snapshot(self) -> tuple:
+        return (self.state, self.calls, self.collective, self.fields,
+                time.monotonic() - self.since)
+
+
+def describe(snapshot: tuple) -> str:
+    state, calls, collective, fields, age = snapshot
+    what = f"{collective} #{calls} {dict(fields)}"
+    if state == "idle":
+        return (f"outside collectives for {age:.1f} s (last: {what})" if calls
+                else f"has made no collective call yet ({age:.1f} s)")
+    return f"{state} {age:.1f} s in {what}"
+
+
+class Watchdog:
+    def __init__(self, comm: MPI.Comm):
+        self.comm = comm.Dup()  # status traffic never mixes with data
+        self.record = Record()
+        self.failed: str | None = None
+        self._stop = threading.Event()
+        self._asked = 0
+        self._thread = threading.Thread(target=self._respond, name="collectives-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # before mpi4py finalizes MPI (atexit runs LIFO)
+
+    def stop(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+
+    def _respond(self) -> None:
+        buf = bytearray(16)
+        req = self.comm.Irecv(buf, MPI.ANY_SOURCE, TAG_ASK)
+        status = MPI.Status()
+        while not self._stop.wait(0.05):
+            while req.Test(status):
+                asker, ask_id = status.Get_source(), bytes(buf[:8])
+                self.comm.send((ask_id, self.record.snapshot()), asker, TAG_ANSWER)
+                req = self.comm.Irecv(buf, MPI.ANY_SOURCE, TAG_ASK)
+        req.Cancel()
+        req.Wait()
+
+    def survey(self, timeout: float = 2.0) -> dict[int, tuple | None]:
+        """Every other rank's record snapshot (None: it did not answer in time)."""
+        self._asked += 1
+        ask_id = self._asked.to_bytes(8, "little")
+        me, n = self.comm.Get_rank(), self.comm.Get_size()
+        for r in range(n):
+            if r != me:
+                self.comm.Send(ask_id + bytes(8), r, TAG_ASK)
+        answers: dict[int, tuple | None] = {}
+        deadline = time.monotonic() + timeout
+        status = MPI.Status()
+        while len(answers) < n - 1 and time.monotonic() < deadline:
+            if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_ANSWER, status):
+                got_id, snap = self.comm.recv(source=status.Get_source(), tag=TAG_ANSWER)
+                if got_id == ask_id:
+                    answers[status.Get_source()] = snap
+            else:
+                time.sleep(0.005)
+        return {r: answers.get(r) for r in range(n) if r != me}
+
+    def wait(self, req: MPI.Request, warn_s: float, timeout_s: float | None) -> None:
+        """Wait for req (this rank's agreement step), warning and failing on stalls."""
+        for _ in range(2000):  # the common case: done within microseconds
+            if req.Test():
+                return
+        start = time.monotonic()
+        next_warning = warn_s
+        while not req.Test():
+            waited = time.monotonic() - start
+            if timeout_s is not None and waited >= timeout_s:
+                self.failed = (f"{self.record.collective} #{self.record.calls} timed out after "
+                               f"{waited:.1f} s waiting for other ranks")
+                raise StallError(self.failed + "\n" + self._report(waited))
+            if waited >= next_warning:
+                log.warning(self._report(waited))
+                next_warning += warn_s
+            time.sleep(0.0005 if waited < 0.1 else 0.01)
+
+    def _report(self, waited: float) -> str:
+        me, mine = self.comm.Get_rank(), self.record
+        others = self.survey()
+        missing = [r for r, s in others.items()
+                   if s is None or s[0] == "idle" or s[1] != mine.calls]
+        lines = [f"collectives stall: rank {me} has waited {waited:.1f} s in "
+                 f"{mine.collective} #{mine.calls} {dict(mine.fields)}; "
+                 f"not joined: ranks {missing}"]
+        for r, snap in sorted(others.items()):
+            text = describe(snap) if snap else "did not answer (dead or not progressing)"
+            lines.append(f"  rank {r}: {text}")
+        return "\n".join(lines)

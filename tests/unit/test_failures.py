@@ -1,0 +1,47 @@
+"""Whole jobs under mpirun that fail on purpose: they must end fast and say why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MPIRUN = Path(sys.executable).parent / "mpirun"
+
+
+def mpirun(np_: int, script: str, *args: str, env: dict | None = None,
+           timeout: float = 60) -> tuple[int, str, float]:
+    full_env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                    **(env or {}))
+    cmd = [str(MPIRUN), "-np", str(np_), "--oversubscribe", sys.executable,
+           str(ROOT / "tests" / "scripts" / script), *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout,
+                          cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+@pytest.mark.parametrize("how", ["exception", "exit", "exit0", "sigkill"])
+def test_dead_rank_ends_the_job(how):
+    code, out, elapsed = mpirun(3, "die.py", how)
+    assert code != 0, out
+    assert "unreachable" not in out
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    if how == "exception":
+        assert "simulated failure on rank 1" in out and "aborting the job" in out
+
+
+def test_stall_warns_then_raises():
+    env = {"COLLECTIVES_STALL_WARNING_S": "0.5", "COLLECTIVES_STALL_TIMEOUT_S": "2"}
+    code, out, elapsed = mpirun(2, "stall.py", "4", env=env)
+    assert "collectives stall: rank 0 has waited" in out, out
+    assert "not joined: ranks [1]" in out, out
+    assert "rank 1: has made no collective call yet" in out, out
+    assert "StallError: allreduce #1 timed out after 2." in out, out
+    assert "refused after stall" in out, out
+    assert elapsed < 30
