@@ -5,7 +5,9 @@ Native MPI types and ops are used where MPI has them; float16 and bfloat16 (whic
 not define) travel as 16-bit integers with a user-defined op that calls our kernels. So do
 int8 and uint8: Open MPI's AVX reduction saturates 8-bit sums on overflow where C and NumPy
 wrap (open-mpi/ompi#8045, closed as wontfix), so its native 8-bit Sum disagrees with every
-other algorithm.
+other algorithm. And so do float Min/Max: MPI's MIN/MAX drop a NaN depending on operand
+order, where ours propagate it (as numpy.minimum), so `auto` switching algorithms by size
+never changes an answer.
 Average is a Sum here too: the caller divides once."""
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ def _user_op(dtype: str, op: ReduceOp) -> MPI.Op:
 
 
 def _type_and_op(dtype: str, op: ReduceOp) -> tuple[MPI.Datatype, MPI.Op]:
-    if dtype in _NATIVE_TYPES:
+    nan_aware = dtype.startswith("float") and op in (ReduceOp.Min, ReduceOp.Max)
+    if dtype in _NATIVE_TYPES and not nan_aware:
         return _NATIVE_TYPES[dtype], _NATIVE_OPS[op]
+    if dtype in _NATIVE_TYPES:
+        return _NATIVE_TYPES[dtype], _user_op(dtype, op)
     return _CARRIER_TYPES[kernels.STORAGE[dtype].itemsize], _user_op(dtype, op)
 
 
