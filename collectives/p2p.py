@@ -5,20 +5,42 @@ Messages go as MPI.BYTE: the element type only matters to the reduction kernels.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from mpi4py import MPI
 
 from . import stats
 
+#: Counts are C ints in MPI 3.1 (what Open MPI 5.0 implements): larger messages travel as
+#: one element of a derived type made of 1 GiB pieces plus the remainder.
+_PIECE = 1 << 30
+
+
+@functools.cache
+def _big_type(nbytes: int) -> MPI.Datatype:
+    pieces, rest = divmod(nbytes, _PIECE)
+    piece = MPI.BYTE.Create_contiguous(_PIECE)
+    whole = MPI.Datatype.Create_struct([pieces, rest], [0, pieces * _PIECE], [piece, MPI.BYTE])
+    whole.Commit()
+    return whole
+
+
+def message(buf: np.ndarray) -> list:
+    """An mpi4py message spec for buf's bytes, whatever its size."""
+    if buf.nbytes < 1 << 31:
+        return [buf, MPI.BYTE]
+    return [buf, 1, _big_type(buf.nbytes)]
+
 
 def isend(comm: MPI.Comm, buf: np.ndarray, dest: int, tag: int) -> MPI.Request:
     stats.add_bytes(buf.nbytes, 0)
-    return comm.Isend([buf, MPI.BYTE], dest, tag)
+    return comm.Isend(message(buf), dest, tag)
 
 
 def irecv(comm: MPI.Comm, buf: np.ndarray, source: int, tag: int) -> MPI.Request:
     stats.add_bytes(0, buf.nbytes)
-    return comm.Irecv([buf, MPI.BYTE], source, tag)
+    return comm.Irecv(message(buf), source, tag)
 
 
 def segments(count: int, seg: int) -> list[tuple[int, int]]:

@@ -19,6 +19,10 @@ from mpi4py import MPI
 
 from .. import kernels
 from ..ops import ReduceOp
+from ..p2p import message
+
+#: Elements per MPI call: MPI 3.1 counts are C ints.
+MAX_COUNT = 1 << 30
 
 _NATIVE_TYPES = {
     "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
@@ -52,22 +56,42 @@ def _type_and_op(dtype: str, op: ReduceOp) -> tuple[MPI.Datatype, MPI.Op]:
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
               dtype: str) -> None:
     datatype, mpi_op = _type_and_op(dtype, op)
-    source = MPI.IN_PLACE if send is recv else [send, datatype]
-    comm.Allreduce(source, [recv, datatype], mpi_op)
+    for lo in range(0, max(recv.size, 1), MAX_COUNT):  # MPI counts are C ints
+        hi = min(lo + MAX_COUNT, recv.size)
+        source = MPI.IN_PLACE if send is recv else [send[lo:hi], datatype]
+        comm.Allreduce(source, [recv[lo:hi], datatype], mpi_op)
 
 
 def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
                   op: ReduceOp, dtype: str) -> None:
     datatype, mpi_op = _type_and_op(dtype, op)
-    comm.Reduce_scatter([send, datatype], [recv, datatype], list(counts), mpi_op)
+    if sum(counts) * send.itemsize < 1 << 31:
+        comm.Reduce_scatter([send, datatype], [recv, datatype], list(counts), mpi_op)
+        return
+    # in rounds: round k reduces elements [k*C, (k+1)*C) of every rank's block
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    step = MAX_COUNT // len(counts)
+    r = comm.Get_rank()
+    for lo in range(0, max(counts), step):
+        part = [max(0, min(c, lo + step) - lo) for c in counts]
+        packed = np.concatenate([send[starts[i] + lo:starts[i] + lo + part[i]]
+                                 for i in range(len(counts))])
+        comm.Reduce_scatter([packed, datatype], [recv[lo:lo + part[r]], datatype], part, mpi_op)
 
 
 def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
     item = send.itemsize
     nbytes = [c * item for c in counts]
-    displs = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).tolist()
-    comm.Allgatherv([send, MPI.BYTE], [recv, (nbytes, displs), MPI.BYTE])
+    if recv.nbytes < 1 << 31:
+        displs = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).tolist()
+        comm.Allgatherv([send, MPI.BYTE], [recv, (nbytes, displs), MPI.BYTE])
+        return
+    # byte displacements past 2 GiB do not fit C ints: every rank broadcasts its own block
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    recv[starts[comm.Get_rank()]:starts[comm.Get_rank() + 1]] = send
+    for root in range(comm.Get_size()):
+        broadcast(comm, recv[starts[root]:starts[root + 1]], root)
 
 
 def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
-    comm.Bcast([buf, MPI.BYTE], root=root)
+    comm.Bcast(message(buf), root=root)
