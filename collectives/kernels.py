@@ -5,7 +5,9 @@ float16, or uint16 holding bfloat16 bits) and the dtype name says how to read th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,3 +43,265 @@ def reduce(dst: np.ndarray, srcs: Sequence[np.ndarray], dtype: str, op: ReduceOp
 def divide(buf: np.ndarray, dtype: str, divisor: int) -> None:
     """buf /= divisor in place; floor division for integer dtypes."""
     _C.divide(buf, buf.size, DTYPE_CODES[dtype], divisor)
+
+
+# ---- fusion packing, quantization, 1-bit compression ------------------------------------
+# Host buffers (NumPy arrays, torch CPU tensors) go to _C with the GIL released; CuPy arrays
+# and torch CUDA tensors go to the CUDA kernels (cuda_kernels.py). Results have the input's
+# kind: NumPy in, NumPy out; torch in, torch out (same memory, no copies).
+
+#: Elements sharing one float32 scale in quantize_int8 (kInt8Block in csrc/cpu/quantize.h).
+INT8_BLOCK_SIZE = 256
+
+Array = Any  # numpy.ndarray, torch.Tensor, or (on a GPU) cupy.ndarray
+
+
+def _is_torch(x: object) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "device")
+
+
+def _on_device(x: object) -> bool:
+    """True for CuPy arrays and torch CUDA tensors: those take the CUDA kernels."""
+    if type(x).__module__.startswith("cupy"):
+        return True
+    return _is_torch(x) and x.device.type == "cuda"
+
+
+def _cuda():
+    from . import cuda_kernels  # imports CuPy: only when device memory is actually used
+
+    return cuda_kernels
+
+
+def _host(x: Array, name: str) -> tuple[np.ndarray, str]:
+    """x as a NumPy view of its storage (bfloat16 as uint16 bits) and its dtype name."""
+    if isinstance(x, np.ndarray):
+        _check_dtype(x.dtype.name, name)
+        return x, x.dtype.name
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise TypeError(f"{name}: tensors on {x.device} are not supported")
+        dtype = str(x.dtype).removeprefix("torch.")
+        _check_dtype(dtype, name)
+        t = x.detach()
+        if dtype == "bfloat16":
+            return t.view(sys.modules["torch"].int16).numpy().view(np.uint16), dtype
+        return t.numpy(), dtype
+    raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
+
+
+def _check_dtype(dtype: str, name: str) -> None:
+    if dtype not in STORAGE:
+        raise TypeError(f"{name}: unsupported dtype {dtype}; expected one of {list(STORAGE)}")
+
+
+def _host_f32(x: Array, name: str) -> np.ndarray:
+    arr, dtype = _host(x, name)
+    if dtype != "float32":
+        raise TypeError(f"{name}: expected float32, got {dtype}")
+    return arr
+
+
+def _like(arr: np.ndarray, ref: Array, dtype: str | None = None) -> Array:
+    """arr as the kind of ref (torch if ref is a torch tensor), sharing memory."""
+    if not _is_torch(ref):
+        return arr
+    torch = sys.modules["torch"]
+    if dtype == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_count(count: int) -> int:
+    if not _is_int(count) or count < 0:
+        raise ValueError(f"count: expected an int >= 0, got {count!r}")
+    return int(count)
+
+
+def _block(block_size: int | None, count: int) -> int:
+    """The kernels' block length: None means one block for the whole vector."""
+    if block_size is None:
+        return max(count, 1)
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size: expected None or an int >= 1, got {block_size!r}")
+    return int(block_size)
+
+
+def _nblocks(count: int, block: int) -> int:
+    return -(-count // block)
+
+
+def pack(tensors: Sequence[Array], out: Array | None = None, scale: float = 1.0) -> Array:
+    """concat(t.ravel() for t in tensors) * scale in ONE kernel call: the fusion buffer.
+
+    tensors are all NumPy arrays or all torch tensors, of one dtype (any in STORAGE; scale
+    != 1 only for floating dtypes). out, if given, must hold at least the total element
+    count; the filled prefix of out (flattened) is returned. Otherwise a new 1-D buffer of
+    the tensors' kind is."""
+    tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    first = tensors[0] if tensors else out
+    if (first is not None and _on_device(first)) or (out is not None and _on_device(out)):
+        return _cuda().pack(tensors, out, scale)
+    dtype, torch_dtype = _list_dtype(tensors, out)
+    if out is None:
+        total = sum(t.numel() if torch_dtype else t.size for t in tensors)
+        flat = np.empty(total, STORAGE[dtype])
+        out = _like(flat, first, dtype) if torch_dtype else flat
+    else:
+        flat = _host_as(out, "out", dtype)
+    total = _C.pack(flat, tensors, DTYPE_CODES[dtype], torch_dtype, float(scale))
+    return out.reshape(-1)[:total]
+
+
+def unpack(buffer: Array, tensors: Sequence[Array], scale: float = 1.0) -> None:
+    """The inverse of pack: each tensor, in place, = its slice of buffer * scale."""
+    tensors = tensors if isinstance(tensors, (list, tuple)) else list(tensors)
+    if _on_device(buffer) or (tensors and _on_device(tensors[0])):
+        return _cuda().unpack(buffer, tensors, scale)
+    dtype, torch_dtype = _list_dtype(tensors, buffer)
+    flat = _host_as(buffer, "buffer", dtype)
+    _C.unpack(flat, tensors, DTYPE_CODES[dtype], torch_dtype, float(scale))
+
+
+def _list_dtype(tensors: Sequence[Array], other: Array | None) -> tuple[str, Any]:
+    """The dtype name of a tensor list (tensors[0]'s; other's or float32 when empty), and
+    tensors[0]'s torch.dtype for torch lists (None for NumPy): _C checks every tensor."""
+    if not tensors:
+        return ("float32" if other is None else _host(other, "out")[1]), None
+    dtype = _host(tensors[0], "tensors[0]")[1]
+    return dtype, (tensors[0].dtype if _is_torch(tensors[0]) else None)
+
+
+def _host_as(x: Array, name: str, dtype: str) -> np.ndarray:
+    arr, got = _host(x, name)
+    if got != dtype:
+        raise TypeError(f"{name}: dtype {got} differs from the tensors' {dtype}")
+    return arr
+
+
+def quantize_fp16(x: Array) -> Array:
+    """float32 -> float16, rounded to nearest even (overflow to inf, NaN stays NaN)."""
+    if _on_device(x):
+        return _cuda().quantize_fp16(x)
+    src = _host_f32(x, "x")
+    out = np.empty(src.shape, np.float16)
+    _C.quantize_fp16(src, out, src.size)
+    return _like(out, x)
+
+
+def dequantize_fp16(h: Array) -> Array:
+    """float16 -> float32 (exact)."""
+    if _on_device(h):
+        return _cuda().dequantize_fp16(h)
+    src, dtype = _host(h, "h")
+    if dtype != "float16":
+        raise TypeError(f"h: expected float16, got {dtype}")
+    out = np.empty(src.shape, np.float32)
+    _C.dequantize_fp16(src, out, src.size)
+    return _like(out, h)
+
+
+def quantize_int8(x: Array) -> tuple[Array, Array]:
+    """x (read flat) -> (q int8, scales float32), one scale per INT8_BLOCK_SIZE elements.
+
+    scale = max|x in block| / 127 and q = clamp(rint(x / scale), -127, 127), so each element
+    is off by at most max|x in block| / 254 (+ rounding). An all-zero block has scale 0; a
+    block holding NaN or inf has scale NaN, so it decodes to NaN rather than hiding it."""
+    if _on_device(x):
+        return _cuda().quantize_int8(x)
+    src = _host_f32(x, "x")
+    q = np.empty(src.size, np.int8)
+    scales = np.empty(_nblocks(src.size, INT8_BLOCK_SIZE), np.float32)
+    _C.quantize_int8(src, q, scales, src.size)
+    return _like(q, x), _like(scales, x)
+
+
+def dequantize_int8(q: Array, scales: Array, count: int) -> Array:
+    """float32 vector of count elements: q[i] * scales[i // INT8_BLOCK_SIZE]."""
+    if _on_device(q):
+        return _cuda().dequantize_int8(q, scales, count)
+    count = _check_count(count)
+    qs, sc = _host(q, "q")[0], _host_f32(scales, "scales")
+    out = np.empty(count, np.float32)
+    _C.dequantize_int8(qs, sc, out, count)
+    return _like(out, q)
+
+
+def onebit_compress(
+    x: Array, error: Array, block_size: int | None = None
+) -> tuple[Array, Array]:
+    """1-bit compression with error feedback (DeepSpeed's 1-bit Adam compressor).
+
+    c = x + error; bits = packbits(c >= 0) ((count + 7) // 8 uint8, MSB first); the scale of
+    each block (block_size elements; None = the whole vector) is ||c_block||_2 /
+    sqrt(len(block)). error is updated IN PLACE to c - onebit_decompress(bits, scale), so
+    what this step lost is sent next step. Returns (bits, scale): scale is a float32 scalar
+    when block_size is None (0 for an empty x), else a float32 array of ceil(count / B).
+
+    All-zero c gives scale 0 and error 0. A NaN in c makes its block's scale NaN, so that
+    block decompresses to NaN and its error becomes NaN: the NaN is reported, not hidden
+    (check gradients are finite first, as loss scalers do)."""
+    if _on_device(x):
+        return _cuda().onebit_compress(x, error, block_size)
+    xs, es = _host_f32(x, "x"), _host_f32(error, "error")
+    if es.size != xs.size:
+        raise ValueError(f"error: has {es.size} elements, x has {xs.size}")
+    count = xs.size
+    block = _block(block_size, count)
+    bits = np.empty((count + 7) // 8, np.uint8)
+    scales = np.zeros(max(_nblocks(count, block), 1 if block_size is None else 0), np.float32)
+    _C.onebit_compress(xs, es, bits, scales, count, block)
+    scale = _like(scales, x)
+    return _like(bits, x), scale[0] if block_size is None else scale
+
+
+def onebit_decompress(
+    bits: Array, scales: Array | float, count: int, block_size: int | None = None
+) -> Array:
+    """float32 vector of count elements: +scale where the bit is 1, -scale where it is 0."""
+    if _on_device(bits):
+        return _cuda().onebit_decompress(bits, scales, count, block_size)
+    count = _check_count(count)
+    block = _block(block_size, count)
+    out = np.empty(count, np.float32)
+    _C.onebit_decompress(_host(bits, "bits")[0], _host_scales(scales, "scales"), out, count,
+                         block)
+    return _like(out, bits)
+
+
+def onebit_accumulate(
+    acc: Array,
+    bits: Sequence[Array],
+    scales: Sequence[Array | float],
+    count: int,
+    block_size: int | None = None,
+) -> None:
+    """acc += onebit_decompress(bits[k], scales[k], count, block_size) for each k in order,
+    in place and without materializing any decompressed chunk (compressed allreduce's
+    server side). acc is float32 with at least count elements."""
+    if _on_device(acc):
+        return _cuda().onebit_accumulate(acc, bits, scales, count, block_size)
+    count = _check_count(count)
+    block = _block(block_size, count)
+    if len(bits) != len(scales):
+        raise ValueError(f"scales: got {len(scales)} for {len(bits)} bits arrays")
+    _C.onebit_accumulate(
+        _host_f32(acc, "acc"),
+        [_host(b, f"bits[{k}]")[0] for k, b in enumerate(bits)],
+        [_host_scales(s, f"scales[{k}]") for k, s in enumerate(scales)],
+        count,
+        block,
+    )
+
+
+def _host_scales(scales: Array | float, name: str) -> np.ndarray:
+    """A scale given as a Python/NumPy float, 0-d or 1-d array or tensor, as float32 1-d."""
+    if isinstance(scales, (float, int, np.floating)) and not isinstance(scales, bool):
+        return np.full(1, scales, np.float32)
+    if isinstance(scales, np.ndarray) or _is_torch(scales):
+        return _host_f32(scales, name).reshape(-1)
+    raise TypeError(f"{name}: expected a float or a float32 array, got {type(scales).__name__}")

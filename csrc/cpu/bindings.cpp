@@ -6,6 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "onebit.h"
+#include "pack.h"
+#include "quantize.h"
 #include "reduce.h"
 
 namespace py = pybind11;
@@ -66,6 +69,280 @@ void py_divide(const py::buffer& buf, int64_t count, int dtype_code, int64_t div
   divide(ptr, count, dtype, divisor);
 }
 
+
+// ---- Fusion packing, quantization, 1-bit compression (pack.h, quantize.h, onebit.h) ----
+// These check the element type too: each buffer must be C-contiguous and of the named type.
+
+// The buffer-protocol format letters that may carry each element type (itemsize decides
+// between 'l' and 'q'); bfloat16 travels as uint16 bits.
+const char* format_letters(DType t) {
+  switch (t) {
+    case DType::f16: return "e";
+    case DType::bf16: return "H";
+    case DType::f32: return "f";
+    case DType::f64: return "d";
+    case DType::i8: return "b";
+    case DType::u8: return "B";
+    case DType::i32: return "il";
+    case DType::i64: return "lq";
+  }
+  return "";
+}
+
+const char* dtype_name(DType t) {
+  static const char* const names[] = {"float16", "bfloat16", "float32", "float64",
+                                      "int8",    "uint8",    "int32",   "int64"};
+  return names[static_cast<int>(t)];
+}
+
+bool has_dtype(const Py_buffer& b, DType t) {
+  std::string fmt = b.format == nullptr ? "B" : b.format;
+  if (fmt.size() == 2 && (fmt[0] == '@' || fmt[0] == '=' || fmt[0] == '<')) fmt.erase(0, 1);
+  return fmt.size() == 1 && b.itemsize == dtype_size(t) &&
+         std::string(format_letters(t)).find(fmt[0]) != std::string::npos;
+}
+
+struct View {
+  void* ptr;
+  int64_t size;  // elements
+};
+
+// "name" or "name[index]", built only when an error needs it.
+std::string arg_name(const char* name, int64_t index) {
+  return index < 0 ? name : std::string(name) + "[" + std::to_string(index) + "]";
+}
+
+// obj as a C-contiguous buffer of `dtype` elements; errors name the argument. (The raw
+// buffer protocol: py::buffer_info's heap-allocated shape vectors cost more per tensor.)
+View typed_view(py::handle obj, const char* name, DType dtype, bool writable,
+                int64_t index = -1) {
+  if (!PyObject_CheckBuffer(obj.ptr()))
+    throw py::type_error(arg_name(name, index) + ": expected an array, got " +
+                         std::string(py::str(py::type::of(obj).attr("__name__"))));
+  Py_buffer b;
+  const int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj.ptr(), &b, flags) != 0) {  // e.g. a read-only output array
+    const py::error_already_set e;
+    throw py::value_error(arg_name(name, index) + ": " + e.what());
+  }
+  const View v{b.buf, b.itemsize > 0 ? static_cast<int64_t>(b.len / b.itemsize) : 0};
+  const bool typed = has_dtype(b, dtype);
+  const std::string format = b.format == nullptr ? "B" : b.format;
+  const auto itemsize = b.itemsize;
+  const bool contiguous = PyBuffer_IsContiguous(&b, 'C') != 0;
+  PyBuffer_Release(&b);  // the caller keeps obj, and so the memory, alive
+  if (!typed)
+    throw py::type_error(arg_name(name, index) + ": expected " + dtype_name(dtype) +
+                         " elements, got format '" + format + "' of " +
+                         std::to_string(itemsize) + " bytes");
+  if (!contiguous) throw py::value_error(arg_name(name, index) + ": buffer must be C-contiguous");
+  return v;
+}
+
+// As above, holding at least `need` elements.
+void* typed_ptr(py::handle obj, const char* name, DType dtype, bool writable, int64_t need,
+                int64_t index = -1) {
+  const View v = typed_view(obj, name, dtype, writable, index);
+  if (v.size < need)
+    throw py::value_error(arg_name(name, index) + ": holds " + std::to_string(v.size) +
+                          " elements, need " + std::to_string(need));
+  return v.ptr;
+}
+
+void check_count(int64_t count) {
+  if (count < 0) throw py::value_error("count: must be >= 0, got " + std::to_string(count));
+}
+
+void check_scale(DType dtype, double scale) {
+  const bool floating = dtype == DType::f16 || dtype == DType::bf16 || dtype == DType::f32 ||
+                        dtype == DType::f64;
+  if (!floating && scale != 1.0)
+    throw py::value_error(std::string("scale: must be 1 for ") + dtype_name(dtype) +
+                          " tensors, got " + std::to_string(scale));
+}
+
+// Attribute names of a torch tensor, interned once (and never freed: they outlive the module).
+struct TorchNames {
+  PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
+  PyObject* numel = PyUnicode_InternFromString("numel");
+  PyObject* is_contiguous = PyUnicode_InternFromString("is_contiguous");
+  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+  PyObject* dtype = PyUnicode_InternFromString("dtype");
+};
+
+// obj.name or obj.name() through the C API: pybind11's attr("name")() costs 5x more.
+py::object get(py::handle obj, PyObject* name, bool call) {
+  PyObject* r =
+      call ? PyObject_CallMethodNoArgs(obj.ptr(), name) : PyObject_GetAttr(obj.ptr(), name);
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+// A torch CPU tensor of torch_dtype, read through its Python API: torch tensors have no
+// buffer protocol, and this costs a fraction of a microsecond where .numpy() costs two.
+View torch_view(py::handle t, const py::object& torch_dtype, int64_t index) {
+  static const TorchNames* const names = new TorchNames;
+  const auto what = [&] { return arg_name("tensors", index); };
+  PyObject* is_cpu = PyObject_GetAttr(t.ptr(), names->is_cpu);
+  if (is_cpu == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(what() + ": expected a torch.Tensor, got " +
+                         std::string(py::str(py::type::of(t).attr("__name__"))));
+  }
+  if (!py::reinterpret_steal<py::object>(is_cpu).cast<bool>())
+    throw py::type_error(what() + ": expected a CPU tensor, got one on " +
+                         std::string(py::str(t.attr("device"))));
+  const py::object dtype = get(t, names->dtype, false);
+  if (!dtype.is(torch_dtype))
+    throw py::type_error(what() + ": dtype " + std::string(py::str(dtype)) +
+                         " differs from tensors[0]'s " + std::string(py::str(torch_dtype)));
+  if (!get(t, names->is_contiguous, true).cast<bool>())
+    throw py::value_error(what() + ": tensor must be contiguous");
+  return {reinterpret_cast<void*>(get(t, names->data_ptr, true).cast<uintptr_t>()),
+          get(t, names->numel, true).cast<int64_t>()};
+}
+
+// Pointers and element counts of every tensor: NumPy arrays (any buffer) when torch_dtype
+// is None, else torch CPU tensors of that dtype.
+void tensor_views(const py::sequence& tensors, DType dtype, const py::object& torch_dtype,
+                  bool writable, std::vector<void*>& ptrs, std::vector<int64_t>& counts) {
+  const size_t n = py::len(tensors);
+  ptrs.reserve(n);
+  counts.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    const py::handle t = tensors[k];
+    const auto index = static_cast<int64_t>(k);
+    const View v = torch_dtype.is_none() ? typed_view(t, "tensors", dtype, writable, index)
+                                         : torch_view(t, torch_dtype, index);
+    ptrs.push_back(v.ptr);
+    counts.push_back(v.size);
+  }
+}
+
+int64_t total_count(const std::vector<int64_t>& counts) {
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  return total;
+}
+
+int64_t py_pack(const py::buffer& out, const py::sequence& tensors, int dtype_code,
+                const py::object& torch_dtype, double scale) {
+  const DType dtype = to_dtype(dtype_code);
+  check_scale(dtype, scale);
+  std::vector<void*> srcs;
+  std::vector<int64_t> counts;
+  tensor_views(tensors, dtype, torch_dtype, false, srcs, counts);
+  const int64_t total = total_count(counts);
+  void* dst = typed_ptr(out, "out", dtype, true, total);
+  py::gil_scoped_release release;
+  pack(dst, srcs.data(), counts.data(), static_cast<int>(srcs.size()), dtype, scale);
+  return total;
+}
+
+void py_unpack(const py::buffer& buffer, const py::sequence& tensors, int dtype_code,
+               const py::object& torch_dtype, double scale) {
+  const DType dtype = to_dtype(dtype_code);
+  check_scale(dtype, scale);
+  std::vector<void*> dsts;
+  std::vector<int64_t> counts;
+  tensor_views(tensors, dtype, torch_dtype, true, dsts, counts);
+  const void* src = typed_ptr(buffer, "buffer", dtype, false, total_count(counts));
+  py::gil_scoped_release release;
+  unpack(src, dsts.data(), counts.data(), static_cast<int>(dsts.size()), dtype, scale);
+}
+
+void py_quantize_fp16(const py::buffer& x, const py::buffer& out, int64_t count) {
+  check_count(count);
+  const auto* src = static_cast<const float*>(typed_ptr(x, "x", DType::f32, false, count));
+  auto* dst = static_cast<uint16_t*>(typed_ptr(out, "out", DType::f16, true, count));
+  py::gil_scoped_release release;
+  quantize_fp16(src, dst, count);
+}
+
+void py_dequantize_fp16(const py::buffer& h, const py::buffer& out, int64_t count) {
+  check_count(count);
+  const auto* src = static_cast<const uint16_t*>(typed_ptr(h, "h", DType::f16, false, count));
+  auto* dst = static_cast<float*>(typed_ptr(out, "out", DType::f32, true, count));
+  py::gil_scoped_release release;
+  dequantize_fp16(src, dst, count);
+}
+
+int64_t int8_blocks(int64_t count) { return (count + kInt8Block - 1) / kInt8Block; }
+
+void py_quantize_int8(const py::buffer& x, const py::buffer& q, const py::buffer& scales,
+                      int64_t count) {
+  check_count(count);
+  const auto* src = static_cast<const float*>(typed_ptr(x, "x", DType::f32, false, count));
+  auto* qp = static_cast<int8_t*>(typed_ptr(q, "q", DType::i8, true, count));
+  auto* sp = static_cast<float*>(typed_ptr(scales, "scales", DType::f32, true, int8_blocks(count)));
+  py::gil_scoped_release release;
+  quantize_int8(src, qp, sp, count);
+}
+
+void py_dequantize_int8(const py::buffer& q, const py::buffer& scales, const py::buffer& out,
+                        int64_t count) {
+  check_count(count);
+  const auto* qp = static_cast<const int8_t*>(typed_ptr(q, "q", DType::i8, false, count));
+  const auto* sp =
+      static_cast<const float*>(typed_ptr(scales, "scales", DType::f32, false, int8_blocks(count)));
+  auto* dst = static_cast<float*>(typed_ptr(out, "out", DType::f32, true, count));
+  py::gil_scoped_release release;
+  dequantize_int8(qp, sp, dst, count);
+}
+
+// Scales needed by count elements in blocks of `block` (block >= 1).
+int64_t onebit_blocks(int64_t count, int64_t block) {
+  if (block < 1) throw py::value_error("block_size: must be >= 1, got " + std::to_string(block));
+  return count / block + (count % block != 0);
+}
+
+void py_onebit_compress(const py::buffer& x, const py::buffer& error, const py::buffer& bits,
+                        const py::buffer& scales, int64_t count, int64_t block) {
+  check_count(count);
+  const int64_t nscales = onebit_blocks(count, block);
+  const auto* xp = static_cast<const float*>(typed_ptr(x, "x", DType::f32, false, count));
+  auto* ep = static_cast<float*>(typed_ptr(error, "error", DType::f32, true, count));
+  auto* bp = static_cast<uint8_t*>(typed_ptr(bits, "bits", DType::u8, true, (count + 7) / 8));
+  auto* sp = static_cast<float*>(typed_ptr(scales, "scales", DType::f32, true, nscales));
+  py::gil_scoped_release release;
+  onebit_compress(xp, ep, bp, sp, count, block);
+}
+
+void py_onebit_decompress(const py::buffer& bits, const py::buffer& scales,
+                          const py::buffer& out, int64_t count, int64_t block) {
+  check_count(count);
+  const int64_t nscales = onebit_blocks(count, block);
+  const auto* bp =
+      static_cast<const uint8_t*>(typed_ptr(bits, "bits", DType::u8, false, (count + 7) / 8));
+  const auto* sp =
+      static_cast<const float*>(typed_ptr(scales, "scales", DType::f32, false, nscales));
+  auto* dst = static_cast<float*>(typed_ptr(out, "out", DType::f32, true, count));
+  py::gil_scoped_release release;
+  onebit_decompress(bp, sp, dst, count, block);
+}
+
+void py_onebit_accumulate(const py::buffer& acc, const py::sequence& bits,
+                          const py::sequence& scales, int64_t count, int64_t block) {
+  check_count(count);
+  const int64_t nscales = onebit_blocks(count, block);
+  const size_t n = py::len(bits);
+  if (py::len(scales) != n)
+    throw py::value_error("scales: got " + std::to_string(py::len(scales)) + " arrays for " +
+                          std::to_string(n) + " bits arrays");
+  auto* dst = static_cast<float*>(typed_ptr(acc, "acc", DType::f32, true, count));
+  std::vector<const uint8_t*> bp;
+  std::vector<const float*> sp;
+  for (size_t k = 0; k < n; ++k) {
+    const auto i = static_cast<int64_t>(k);
+    bp.push_back(static_cast<const uint8_t*>(
+        typed_ptr(bits[k], "bits", DType::u8, false, (count + 7) / 8, i)));
+    sp.push_back(
+        static_cast<const float*>(typed_ptr(scales[k], "scales", DType::f32, false, nscales, i)));
+  }
+  py::gil_scoped_release release;
+  onebit_accumulate(dst, bp.data(), sp.data(), static_cast<int>(bp.size()), count, block);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -75,4 +352,30 @@ PYBIND11_MODULE(_C, m) {
         "dst = srcs[0] op srcs[1] op ... elementwise over count elements");
   m.def("divide", &py_divide, py::arg("buf"), py::arg("count"), py::arg("dtype"),
         py::arg("divisor"), "buf /= divisor in place (floor division for integers)");
+
+  // fusion packing, quantization, 1-bit compression
+  m.attr("INT8_BLOCK_SIZE") = kInt8Block;
+  m.def("pack", &py_pack, py::arg("out"), py::arg("tensors"), py::arg("dtype"),
+        py::arg("torch_dtype"), py::arg("scale"),
+        "out[:total] = concat(tensors) * scale in one call; returns total. tensors are NumPy "
+        "arrays, or torch CPU tensors of torch_dtype when it is not None");
+  m.def("unpack", &py_unpack, py::arg("buffer"), py::arg("tensors"), py::arg("dtype"),
+        py::arg("torch_dtype"), py::arg("scale"),
+        "tensors[k] = (its slice of buffer) * scale, the inverse of pack");
+  m.def("quantize_fp16", &py_quantize_fp16, py::arg("x"), py::arg("out"), py::arg("count"),
+        "out = float16(x), nearest even");
+  m.def("dequantize_fp16", &py_dequantize_fp16, py::arg("h"), py::arg("out"),
+        py::arg("count"), "out = float32(h)");
+  m.def("quantize_int8", &py_quantize_int8, py::arg("x"), py::arg("q"), py::arg("scales"),
+        py::arg("count"), "q, scales = int8 quantization of x, one scale per INT8_BLOCK_SIZE");
+  m.def("dequantize_int8", &py_dequantize_int8, py::arg("q"), py::arg("scales"),
+        py::arg("out"), py::arg("count"), "out = q * scales[i / INT8_BLOCK_SIZE]");
+  m.def("onebit_compress", &py_onebit_compress, py::arg("x"), py::arg("error"),
+        py::arg("bits"), py::arg("scales"), py::arg("count"), py::arg("block"),
+        "bits, scales = 1-bit compression of x + error; error updated in place");
+  m.def("onebit_decompress", &py_onebit_decompress, py::arg("bits"), py::arg("scales"),
+        py::arg("out"), py::arg("count"), py::arg("block"), "out = +-scales from bits");
+  m.def("onebit_accumulate", &py_onebit_accumulate, py::arg("acc"), py::arg("bits"),
+        py::arg("scales"), py::arg("count"), py::arg("block"),
+        "acc += decompress(bits[k], scales[k]) for each k, in order");
 }

@@ -1,0 +1,74 @@
+// float16 and block-int8 quantization. Every loop is branch-free so GCC/Clang vectorize
+// it at -O3 (csrc/README.md shows the -fopt-info-vec evidence).
+#include "quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "clones.h"
+#include "convert.h"
+
+namespace collectives {
+namespace {
+
+// max |x| over the block, as float bits: for non-negative floats integer order is float
+// order, and NaN (> 0x7f800000) beats everything, so one integer max finds NaN too.
+COLLECTIVES_CLONES int32_t abs_max_bits(const float* __restrict__ x, int64_t n) {
+  int32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    u &= 0x7fffffff;
+    m = u > m ? u : m;
+  }
+  return m;
+}
+
+COLLECTIVES_CLONES void quantize_block(const float* __restrict__ x, int8_t* __restrict__ q,
+                                      int64_t n, float scale) {
+  // x / scale lies in [-127, 127] (up to rounding), where adding and removing 1.5 * 2^23
+  // rounds to nearest even; the integer clamp only guards that last rounding.
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = (x[i] / scale + 12582912.0f) - 12582912.0f;
+    q[i] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(v), -127, 127));
+  }
+}
+
+}  // namespace
+
+COLLECTIVES_CLONES void quantize_fp16(const float* __restrict__ x, uint16_t* __restrict__ h,
+                                     int64_t count) {
+  for (int64_t i = 0; i < count; ++i) h[i] = float_to_half_vec(x[i]);
+}
+
+COLLECTIVES_CLONES void dequantize_fp16(const uint16_t* __restrict__ h, float* __restrict__ x,
+                                       int64_t count) {
+  for (int64_t i = 0; i < count; ++i) x[i] = half_to_float_vec(h[i]);
+}
+
+void quantize_int8(const float* x, int8_t* q, float* scales, int64_t count) {
+  for (int64_t lo = 0, b = 0; lo < count; lo += kInt8Block, ++b) {
+    const int64_t n = std::min(kInt8Block, count - lo);
+    const int32_t amax = abs_max_bits(x + lo, n);
+    const float amax_f = bits_float(static_cast<uint32_t>(amax));
+    const float scale = amax >= 0x7f800000 ? NAN : amax_f / 127.0f;
+    scales[b] = scale;
+    if (scale > 0.0f) {
+      quantize_block(x + lo, q + lo, n, scale);
+    } else {  // all zero (or below ~1e-43, where the scale underflows), or not finite
+      std::memset(q + lo, 0, static_cast<size_t>(n));
+    }
+  }
+}
+
+void dequantize_int8(const int8_t* __restrict__ q, const float* __restrict__ scales,
+                     float* __restrict__ x, int64_t count) {
+  for (int64_t lo = 0, b = 0; lo < count; lo += kInt8Block, ++b) {
+    const int64_t n = std::min(kInt8Block, count - lo);
+    const float s = scales[b];
+    for (int64_t i = 0; i < n; ++i) x[lo + i] = static_cast<float>(q[lo + i]) * s;
+  }
+}
+
+}  // namespace collectives

@@ -1,0 +1,127 @@
+"""The CUDA kernels (csrc/cuda/*.cu through collectives/cuda_kernels.py) checked against the
+shared vectors (tests/vectors/kernels.npz) that the C++ kernels are checked against.
+
+Runs wherever CuPy sees a GPU; elsewhere every test is skipped with the reason. (CI without
+a GPU still compiles the .cu files: ci/compile_cuda.sh.)"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from collectives import kernels as K
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install cupy-cuda12x): "
+                                          "the CUDA kernels run through it")
+
+
+def _gpus() -> int:
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return 0
+
+
+if _gpus() == 0:
+    pytest.skip("no CUDA GPU visible to CuPy: the CUDA kernels need one to run",
+                allow_module_level=True)
+
+VECTORS = Path(__file__).resolve().parents[1] / "vectors"
+
+
+def _load_reference():
+    spec = importlib.util.spec_from_file_location("make_kernel_vectors",
+                                                  VECTORS / "make_kernel_vectors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ref = _load_reference()
+vectors = dict(np.load(ref.PATH))
+
+
+def _host(x) -> np.ndarray:
+    return cupy.asnumpy(x)
+
+
+def _same(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+
+
+def _block(case: dict) -> int | None:
+    return int(case["block"]) or None
+
+
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "pack")))
+def test_pack_vectors(name):
+    case = ref.cases(vectors, "pack")[name]
+    scale = float(case["scale"])
+    tensors = [cupy.asarray(case[f"in{k}"]) for k in range(len(case) - 2)]
+    assert _same(_host(K.pack(tensors, scale=scale)), case["out"])
+    back = [cupy.empty_like(t) for t in tensors]
+    K.unpack(cupy.asarray(ref.pack([_host(t) for t in tensors], 1.0)), back, scale=scale)
+    for t, b in zip(tensors, back, strict=True):
+        assert _same(_host(b), ref.pack([_host(t)], scale).reshape(t.shape))
+
+
+def test_fp16_vectors():
+    case = ref.cases(vectors, "fp16")["special"]
+    h = _host(K.quantize_fp16(cupy.asarray(case["x"])))
+    assert np.array_equal(h.view(np.uint16), case["h"].view(np.uint16))
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    wide = _host(K.dequantize_fp16(cupy.asarray(every)))
+    assert np.array_equal(wide.view(np.uint32), K.dequantize_fp16(every).view(np.uint32))
+
+
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "int8")))
+def test_int8_vectors(name):
+    case = ref.cases(vectors, "int8")[name]
+    q, scales = K.quantize_int8(cupy.asarray(case["x"]))
+    assert _same(_host(q), case["q"]) and _same(_host(scales), case["scales"])
+    assert _same(_host(K.dequantize_int8(q, scales, q.size)), case["out"])
+
+
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "onebit")))
+def test_onebit_vectors(name):
+    case = ref.cases(vectors, "onebit")[name]
+    block = _block(case)
+    error = cupy.asarray(case["error_in"])
+    bits, scale = K.onebit_compress(cupy.asarray(case["x"]), error, block)
+    assert _same(_host(bits), case["bits"])
+    expected = case["scales"] if block else case["scales"][0]
+    assert np.allclose(_host(scale), expected, rtol=1e-6, atol=0, equal_nan=True)
+    assert np.allclose(_host(error), case["error_out"], rtol=0, atol=1e-6, equal_nan=True)
+    out = K.onebit_decompress(cupy.asarray(case["bits"]), cupy.asarray(case["scales"]),
+                              case["x"].size, block)
+    assert _same(_host(out), case["decompressed"])
+
+
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "accumulate")))
+def test_onebit_accumulate_vectors(name):
+    case = ref.cases(vectors, "accumulate")[name]
+    chunks = sum(f.startswith("bits") for f in case)
+    acc = cupy.asarray(case["acc_in"])
+    K.onebit_accumulate(acc, [cupy.asarray(case[f"bits{k}"]) for k in range(chunks)],
+                        [cupy.asarray(case[f"scales{k}"]) for k in range(chunks)], acc.size,
+                        _block(case))
+    assert _same(_host(acc), case["acc_out"])
+
+
+def test_torch_cuda_tensors_zero_copy():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    x, error = torch.randn(1001, device="cuda"), torch.zeros(1001, device="cuda")
+    bits, scale = K.onebit_compress(x, error, 100)
+    assert bits.device == x.device and scale.shape == (11,)
+    back = K.onebit_decompress(bits, scale, 1001, 100)
+    assert torch.allclose(error, x - back)
+    tensors = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (0, 3, 500)]
+    packed = K.pack(tensors, scale=0.5)
+    assert packed.dtype == torch.bfloat16 and packed.device == x.device
+    assert torch.equal(packed, (torch.cat(tensors).float() * 0.5).bfloat16())

@@ -1,0 +1,320 @@
+"""The C++ kernels behind collectives.kernels: fused pack/unpack, fp16/int8 quantization and
+1-bit compression, checked against the NumPy reference (tests/vectors/make_kernel_vectors.py)
+and the shared vectors it generated (tests/vectors/kernels.npz, also run on CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from collectives import _C
+from collectives import kernels as K
+
+VECTORS = Path(__file__).resolve().parents[1] / "vectors"
+
+
+def _load_reference():
+    spec = importlib.util.spec_from_file_location("make_kernel_vectors",
+                                                  VECTORS / "make_kernel_vectors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ref = _load_reference()
+vectors = dict(np.load(ref.PATH))
+f32 = np.float32
+
+
+def _block(case: dict) -> int | None:
+    return int(case["block"]) or None
+
+
+def _same(a, b) -> bool:
+    """Equal values, dtype and NaN positions."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+
+
+def test_vectors_match_the_reference():
+    fresh = ref.make_vectors()
+    assert sorted(fresh) == sorted(vectors)
+    for key, value in fresh.items():
+        assert _same(value, vectors[key]), key
+
+
+def test_int8_block_size_is_one_constant():
+    assert K.INT8_BLOCK_SIZE == _C.INT8_BLOCK_SIZE == ref.INT8_BLOCK_SIZE
+    assert vectors["meta.int8.block_size"] == K.INT8_BLOCK_SIZE
+
+
+# ---- pack / unpack ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "pack")))
+def test_pack_vectors(name):
+    case = ref.cases(vectors, "pack")[name]
+    tensors = [case[f"in{k}"] for k in range(len(case) - 2)]
+    out = K.pack(tensors, scale=float(case["scale"]))
+    assert _same(out, case["out"])
+    back = [np.empty_like(t) for t in tensors]
+    K.unpack(ref.pack(tensors, 1.0), back, scale=float(case["scale"]))
+    for t, b in zip(tensors, back, strict=True):
+        assert _same(b, ref.pack([t], float(case["scale"])).reshape(t.shape))
+
+
+@pytest.mark.parametrize("dtype, scale", [(f32, 0.25), (np.float16, 0.5), (np.float16, 1.0),
+                                          (np.int8, 1.0), (np.float64, 1.0)])
+def test_pack_1000_tensors_of_every_size_into_a_larger_buffer(dtype, scale):
+    """Over 4 MiB, so the streaming-store path runs, with tensors of odd byte lengths."""
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(0, 12_000, 1000)
+    sizes[::97] = 0
+    tensors = [(rng.standard_normal(int(n)) * 50).astype(dtype).reshape(-1, 1) for n in sizes]
+    buffer = np.full(sizes.sum() + 10, -1, dtype)
+    out = K.pack(tensors, out=buffer, scale=scale)
+    assert out.base is buffer and out.size == sizes.sum()
+    assert _same(out, ref.pack(tensors, scale))
+    assert (buffer[sizes.sum():] == -1).all()
+    back = [np.zeros_like(t) for t in tensors]
+    K.unpack(buffer, back, scale=1 / scale)
+    expected = [ref.pack([ref.pack([t], scale)], 1 / scale).reshape(t.shape) for t in tensors]
+    assert all(_same(b, e) for b, e in zip(back, expected, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                   torch.int64, torch.int8])
+def test_pack_torch_tensors(dtype):
+    g = torch.Generator().manual_seed(1)
+    tensors = [(torch.randn(n, 3, generator=g) * 50).to(dtype) for n in (0, 1, 7, 300)]
+    tensors[1].requires_grad_(dtype.is_floating_point)
+    scale = 0.5 if dtype.is_floating_point else 1.0
+    out = K.pack(tensors, scale=scale)
+    expected = torch.cat([t.detach().reshape(-1).float() for t in tensors]) * scale
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype
+    assert torch.equal(out, expected.to(dtype))
+    back = [torch.empty_like(t.detach()) for t in tensors]
+    K.unpack(out, back, scale=1 / scale)
+    assert all(torch.equal(b, t.detach()) for b, t in zip(back, tensors, strict=True))
+
+
+def test_pack_nothing():
+    assert _same(K.pack([]), np.empty(0, f32))
+    K.unpack(np.empty(0, f32), [])
+
+
+def test_pack_unpack_reject_bad_input():
+    a, b = np.ones(4, f32), np.ones(4, np.float64)
+    with pytest.raises(TypeError, match=r"tensors\[1\]"):
+        K.pack([a, b])
+    with pytest.raises(TypeError, match=r"tensors\[1\]"):
+        K.pack([torch.ones(2), torch.ones(2, dtype=torch.float64)])
+    with pytest.raises(ValueError, match=r"tensors\[1\].*contiguous"):
+        K.pack([a, np.ones((4, 4), f32)[:, 0]])
+    with pytest.raises(ValueError, match="out: holds 7 elements, need 8"):
+        K.pack([a, a], out=np.empty(7, f32))
+    with pytest.raises(TypeError, match="out"):
+        K.pack([a], out=np.empty(4, np.float64))
+    with pytest.raises(ValueError, match="scale"):
+        K.pack([np.ones(3, np.int32)], scale=2.0)
+    with pytest.raises(TypeError, match=r"tensors\[0\]"):
+        K.pack([[1.0, 2.0]])
+    with pytest.raises(TypeError, match=r"tensors\[0\]"):
+        K.pack([np.ones(3, bool)])
+    readonly = np.ones(4, f32)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match=r"tensors\[0\]"):
+        K.unpack(np.ones(4, f32), [readonly])
+    with pytest.raises(ValueError, match="buffer: holds 4 elements, need 8"):
+        K.unpack(np.ones(4, f32), [a, a.copy()])
+
+
+# ---- fp16 / int8 ------------------------------------------------------------------------
+
+def test_fp16_vectors():
+    case = ref.cases(vectors, "fp16")["special"]
+    h = K.quantize_fp16(case["x"])
+    assert h.dtype == np.float16
+    assert np.array_equal(h.view(np.uint16), case["h"].view(np.uint16))
+
+
+def test_fp16_round_trips_every_half():
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    wide = K.dequantize_fp16(every)
+    assert np.array_equal(wide.view(np.uint32), every.astype(f32).view(np.uint32))
+    back = K.quantize_fp16(wide)
+    number = ~np.isnan(every)  # NaNs come back as NaNs of the same sign, made quiet
+    assert np.array_equal(back.view(np.uint16)[number], every.view(np.uint16)[number])
+    assert np.isnan(back[~number]).all()
+    assert np.array_equal(np.signbit(back), np.signbit(every))
+
+
+def test_fp16_matches_numpy_on_random_bit_patterns():
+    x = np.random.default_rng(4).integers(0, 2**32, 1 << 20, dtype=np.uint32).view(f32)
+    with np.errstate(over="ignore"):
+        expected = x.astype(np.float16)
+    h = K.quantize_fp16(x)
+    number = ~np.isnan(x)
+    assert np.array_equal(h.view(np.uint16)[number], expected.view(np.uint16)[number])
+    assert np.isnan(h[~number]).all()
+
+
+def test_fp16_keeps_shape_and_kind():
+    x = torch.randn(3, 5)
+    h = K.quantize_fp16(x)
+    assert isinstance(h, torch.Tensor) and h.dtype == torch.float16 and h.shape == x.shape
+    assert torch.equal(h, x.half())
+    assert torch.equal(K.dequantize_fp16(h), x.half().float())
+
+
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "int8")))
+def test_int8_vectors(name):
+    case = ref.cases(vectors, "int8")[name]
+    q, scales = K.quantize_int8(case["x"])
+    assert _same(q, case["q"]) and _same(scales, case["scales"])
+    assert _same(K.dequantize_int8(q, scales, q.size), case["out"])
+
+
+def test_int8_error_bound():
+    rng = np.random.default_rng(2)
+    x = (rng.standard_t(2, 100_003) * 10.0 ** rng.integers(-20, 20, 100_003)).astype(f32)
+    q, scales = K.quantize_int8(x)
+    assert q.dtype == np.int8 and scales.size == -(-x.size // K.INT8_BLOCK_SIZE)
+    back = K.dequantize_int8(q, scales, x.size)
+    padded = np.zeros(scales.size * K.INT8_BLOCK_SIZE, f32)
+    padded[: x.size] = np.abs(x)
+    bound = np.repeat(padded.reshape(scales.size, -1).max(axis=1), K.INT8_BLOCK_SIZE)[: x.size]
+    assert (np.abs(back - x) <= bound / 127).all()
+    assert (np.abs(back - x) <= bound / 254 * 1.0001).all()
+
+
+def test_int8_rejects_bad_input():
+    with pytest.raises(TypeError, match="x: expected float32"):
+        K.quantize_int8(np.ones(3))
+    q, scales = K.quantize_int8(np.ones(300, f32))
+    with pytest.raises(ValueError, match="scales: holds 1 elements, need 2"):
+        K.dequantize_int8(q, scales[:1], 300)
+    with pytest.raises(ValueError, match="q: holds 300 elements, need 301"):
+        K.dequantize_int8(q, scales, 301)
+    with pytest.raises(ValueError, match="count"):
+        K.dequantize_int8(q, scales, -1)
+    with pytest.raises(TypeError, match="h: expected float16"):
+        K.dequantize_fp16(np.ones(3, f32))
+
+
+# ---- 1-bit ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "onebit")))
+def test_onebit_vectors(name):
+    case = ref.cases(vectors, "onebit")[name]
+    block = _block(case)
+    error = case["error_in"].copy()
+    bits, scale = K.onebit_compress(case["x"], error, block)
+    assert _same(bits, case["bits"])
+    assert np.allclose(scale, case["scales"] if block else case["scales"][0], rtol=1e-6,
+                       atol=0, equal_nan=True)
+    assert np.allclose(error, case["error_out"], rtol=0, atol=1e-6, equal_nan=True)
+    count = case["x"].size
+    assert _same(K.onebit_decompress(case["bits"], case["scales"], count, block),
+                 case["decompressed"])
+
+
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "accumulate")))
+def test_onebit_accumulate_vectors(name):
+    case = ref.cases(vectors, "accumulate")[name]
+    chunks = sum(f.startswith("bits") for f in case)
+    acc = case["acc_in"].copy()
+    K.onebit_accumulate(acc, [case[f"bits{k}"] for k in range(chunks)],
+                        [case[f"scales{k}"] for k in range(chunks)], acc.size, _block(case))
+    assert _same(acc, case["acc_out"])
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 1000, 16384 * 3 + 5])
+@pytest.mark.parametrize("block", [None, 1, 5, 8, 256, 20000])
+def test_onebit_matches_reference(count, block):
+    rng = np.random.default_rng(count)
+    x = rng.standard_normal(count).astype(f32)
+    error = (rng.standard_normal(count) * 0.1).astype(f32)
+    expected_bits, expected_scales, expected_error = ref.onebit_compress(x, error, block)
+    bits, scale = K.onebit_compress(x, error, block)
+    assert bits.size == (count + 7) // 8
+    assert _same(bits, expected_bits)
+    assert np.allclose(scale, expected_scales if block else expected_scales[0], rtol=1e-6)
+    assert np.allclose(error, expected_error, atol=1e-6)
+    assert _same(K.onebit_decompress(bits, scale, count, block),
+                 ref.onebit_decompress(bits, np.atleast_1d(scale), count, block))
+
+
+def test_onebit_error_feedback_loses_nothing():
+    """Over steps, what was sent plus the error still owed equals what was given."""
+    rng = np.random.default_rng(3)
+    error = np.zeros(999, f32)
+    given, sent = np.zeros(999), np.zeros(999)
+    for _ in range(20):
+        x = rng.standard_normal(999).astype(f32)
+        bits, scales = K.onebit_compress(x, error, 100)
+        given += x
+        sent += K.onebit_decompress(bits, scales, 999, 100)
+    assert np.allclose(sent + error, given, atol=1e-4)
+
+
+def test_onebit_updates_torch_error_in_place():
+    x, error = torch.randn(37), torch.zeros(37)
+    alias = error
+    bits, scale = K.onebit_compress(x, error)
+    assert isinstance(bits, torch.Tensor) and bits.dtype == torch.uint8 and bits.numel() == 5
+    assert scale.dtype == torch.float32 and scale.dim() == 0
+    assert alias is error
+    assert torch.allclose(error, x - K.onebit_decompress(bits, scale, 37))
+
+
+def test_onebit_zero_and_empty():
+    error = np.zeros(10, f32)
+    bits, scale = K.onebit_compress(np.zeros(10, f32), error)
+    assert scale == 0 and not error.any() and bits.tolist() == [255, 192]
+    bits, scale = K.onebit_compress(np.zeros(0, f32), np.zeros(0, f32))
+    assert bits.size == 0 and scale == 0 and isinstance(scale, np.float32)
+    bits, scales = K.onebit_compress(np.zeros(0, f32), np.zeros(0, f32), 4)
+    assert bits.size == 0 and scales.size == 0
+    assert K.onebit_decompress(bits, 0.0, 0).size == 0
+
+
+def test_onebit_nan_poisons_only_its_block():
+    x = np.ones(16, f32)
+    x[9] = np.nan
+    error = np.zeros(16, f32)
+    bits, scales = K.onebit_compress(x, error, 8)
+    assert scales[0] == 1 and np.isnan(scales[1])
+    assert bits.tolist() == [255, 0b10111111]
+    assert not error[:8].any() and np.isnan(error[8:]).all()
+    assert np.isnan(K.onebit_decompress(bits, scales, 16, 8)[8:]).all()
+
+
+def test_onebit_rejects_bad_input():
+    x = np.ones(10, f32)
+    with pytest.raises(TypeError, match="error: expected float32"):
+        K.onebit_compress(x, np.zeros(10))
+    with pytest.raises(ValueError, match="error: has 9 elements"):
+        K.onebit_compress(x, np.zeros(9, f32))
+    with pytest.raises(ValueError, match="block_size"):
+        K.onebit_compress(x, np.zeros(10, f32), 0)
+    with pytest.raises(ValueError, match="error"):
+        readonly = np.zeros(10, f32)
+        readonly.flags.writeable = False
+        K.onebit_compress(x, readonly)
+    bits, scales = K.onebit_compress(x, np.zeros(10, f32), 4)
+    with pytest.raises(ValueError, match="bits: holds 2 elements, need 3"):
+        K.onebit_decompress(bits, scales, 17, 4)
+    with pytest.raises(ValueError, match="scales: holds 3 elements, need 4"):
+        K.onebit_decompress(bits, scales, 13, 4)
+    with pytest.raises(TypeError, match="bits"):
+        K.onebit_decompress(bits.astype(np.int8), scales, 10, 4)
+    with pytest.raises(ValueError, match="scales: got 1 for 2"):
+        K.onebit_accumulate(np.zeros(10, f32), [bits, bits], [scales], 10, 4)
+    with pytest.raises(ValueError, match=r"scales\[1\]: holds 2"):
+        K.onebit_accumulate(np.zeros(10, f32), [bits, bits], [scales, scales[:2]], 10, 4)
+    with pytest.raises(ValueError, match="acc: holds 10 elements, need 11"):
+        K.onebit_accumulate(np.zeros(10, f32), [bits], [scales], 11, 4)

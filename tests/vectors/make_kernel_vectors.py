@@ -1,0 +1,219 @@
+"""NumPy reference of the csrc kernels, and the shared test vectors it generates.
+
+    .venv/bin/python tests/vectors/make_kernel_vectors.py     # rewrites kernels.npz
+
+The reference is the definition: plain NumPy, one line per step of each kernel's contract.
+kernels.npz holds inputs and the reference's outputs under keys "<kernel>.<case>.<field>";
+tests/unit/test_kernels.py (C++) and tests/unit/test_cuda_kernels.py (CUDA) check the
+kernels against it, and test_kernels.py checks that this script still reproduces it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+INT8_BLOCK_SIZE = 256
+SEED = 20240611
+PATH = Path(__file__).with_name("kernels.npz")
+f32 = np.float32
+
+
+# ---- reference kernels ------------------------------------------------------------------
+
+def pack(tensors: list[np.ndarray], scale: float) -> np.ndarray:
+    """concat * scale; half types multiply in float32 and round once."""
+    flat = np.concatenate([t.reshape(-1) for t in tensors])
+    if scale == 1.0:
+        return flat
+    if flat.dtype == np.float16:
+        return (flat.astype(f32) * f32(scale)).astype(np.float16)
+    return flat * flat.dtype.type(scale)
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """scale = max|x| / 127 per block; q = clamp(rint(x / scale)); NaN/inf block: scale NaN."""
+    x = x.reshape(-1).astype(f32)
+    nblocks = -(-x.size // INT8_BLOCK_SIZE)
+    blocks = np.zeros(nblocks * INT8_BLOCK_SIZE, f32)
+    blocks[: x.size] = x  # zero padding leaves max|x| unchanged
+    blocks = blocks.reshape(nblocks, INT8_BLOCK_SIZE)
+    amax = np.abs(blocks).max(axis=1, initial=f32(0))
+    scales = np.where(np.isfinite(amax), amax / f32(127), f32(np.nan)).astype(f32)
+    usable = scales > 0  # zero (or underflowed) and NaN scales give q = 0
+    with np.errstate(invalid="ignore"):
+        q = np.clip(np.rint(blocks / np.where(usable, scales, f32(1))[:, None]), -127, 127)
+    q = np.where(usable[:, None], q, 0).astype(np.int8)
+    return q.reshape(-1)[: x.size], scales
+
+
+def dequantize_int8(q: np.ndarray, scales: np.ndarray, count: int) -> np.ndarray:
+    return q[:count].astype(f32) * np.repeat(scales, INT8_BLOCK_SIZE)[:count]
+
+
+def _blocks(count: int, block_size: int | None) -> int:
+    return max(count, 1) if block_size is None else block_size
+
+
+def onebit_compress(
+    x: np.ndarray, error: np.ndarray, block_size: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bits, scales, new error); scales has one entry (0 if empty) when block_size is None."""
+    c = x + error
+    block = _blocks(c.size, block_size)
+    bits = np.packbits(c >= 0)
+    scales = [np.sqrt(np.sum(np.square(c[lo:lo + block], dtype=np.float64)) /
+                      c[lo:lo + block].size) for lo in range(0, c.size, block)]
+    if block_size is None and c.size == 0:
+        scales = [0.0]
+    scales = np.array(scales, f32)
+    with np.errstate(invalid="ignore"):  # inf - inf in a non-finite block
+        return bits, scales, c - onebit_decompress(bits, scales, c.size, block_size)
+
+
+def onebit_decompress(
+    bits: np.ndarray, scales: np.ndarray, count: int, block_size: int | None
+) -> np.ndarray:
+    positive = np.unpackbits(bits, count=count).astype(bool)
+    scale = np.repeat(np.asarray(scales, f32).reshape(-1), _blocks(count, block_size))[:count]
+    return np.where(positive, scale, -scale)
+
+
+def onebit_accumulate(acc, bits, scales, count, block_size) -> np.ndarray:
+    acc = acc.copy()
+    for b, s in zip(bits, scales, strict=True):
+        acc[:count] += onebit_decompress(b, s, count, block_size)
+    return acc
+
+
+# ---- vectors ----------------------------------------------------------------------------
+
+COUNTS = (0, 1, 7, 8, 9, 255, 256, 257, 1037)
+
+
+def _special_values(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Random floats salted with zeros, -0, tiny, subnormal, huge, inf and round-off ties."""
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 6, n)).astype(f32)
+    salt = np.array([0.0, -0.0, 1e-45, 3e-41, 6.1e-5, 5.96e-8, 2.98e-8, 65504, 65520, 1e6,
+                     np.inf, -np.inf, 1.0009765625, 1.00048828125], f32)
+    k = min(n, salt.size)
+    x[rng.choice(n, k, replace=False)] = salt[:k]
+    return x
+
+
+def pack_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    out = {}
+    cases = {
+        "f32": (np.float32, [0, 1, 7, 8, 9, 0, 1037, 3], 0.5),
+        "f32_unit": (np.float32, [5, 0, 1001], 1.0),
+        "f32_third": (np.float32, [1, 2, 3, 1000, 17], 1 / 3),
+        "f16": (np.float16, [7, 9, 1037], 0.125),
+        "f16_third": (np.float16, [31, 1], 1 / 3),
+        "f64": (np.float64, [3, 1001], 0.25),
+        "i32": (np.int32, [2, 0, 77], 1.0),
+        "empty": (np.float32, [0, 0], 0.5),
+    }
+    for name, (dtype, sizes, scale) in cases.items():
+        ts = [(rng.standard_normal(n) * 100).astype(dtype) for n in sizes]
+        for k, t in enumerate(ts):
+            out[f"pack.{name}.in{k}"] = t
+        out[f"pack.{name}.scale"] = np.float64(scale)
+        out[f"pack.{name}.out"] = pack(ts, scale)
+    return out
+
+
+def quantize_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    out = {}
+    fp16_x = np.concatenate([_special_values(rng, 1037), np.array([np.nan, -np.nan], f32)])
+    out["fp16.special.x"] = fp16_x
+    with np.errstate(over="ignore"):
+        out["fp16.special.h"] = fp16_x.astype(np.float16)
+    for n in COUNTS:
+        x = (rng.standard_normal(n) * 3).astype(f32)
+        out[f"int8.n{n}.x"] = x
+    x = (rng.standard_normal(5 * INT8_BLOCK_SIZE) * 0.01).astype(f32)
+    x[:INT8_BLOCK_SIZE] = 0  # all-zero block
+    x[INT8_BLOCK_SIZE + 3] = np.nan  # NaN block
+    x[2 * INT8_BLOCK_SIZE + 5] = -np.inf  # inf block
+    x[3 * INT8_BLOCK_SIZE:4 * INT8_BLOCK_SIZE] *= f32(1e-38)  # subnormal and tiny values
+    out["int8.special.x"] = x
+    for key in [k for k in out if k.startswith("int8.")]:
+        case = key.rsplit(".", 1)[0]
+        q, scales = quantize_int8(out[key])
+        out[f"{case}.q"], out[f"{case}.scales"] = q, scales
+        out[f"{case}.out"] = dequantize_int8(q, scales, q.size)
+    return out
+
+
+def onebit_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    out = {}
+    cases = [(f"n{n}", n, None) for n in COUNTS]
+    cases += [("n1037_b1", 1037, 1), ("n1037_b3", 1037, 3), ("n1037_b8", 1037, 8),
+              ("n1037_b100", 1037, 100), ("n1037_b5000", 1037, 5000), ("n9_b4", 9, 4),
+              ("n0_b16", 0, 16)]
+    for name, n, block in cases:
+        x = rng.standard_normal(n).astype(f32)
+        error = (rng.standard_normal(n) * 0.1).astype(f32)
+        out.update(_onebit_case(name, x, error, block))
+    # longer than the C++ kernel's chunk (16384): values on a coarse grid keep the file small
+    for name, block in [("n20000_b1000", 1000), ("n20000_b24", 24), ("n20000", None)]:
+        x = (rng.integers(-16, 16, 20000) / 8).astype(f32)
+        error = (rng.integers(-4, 4, 20000) / 64).astype(f32)
+        out.update(_onebit_case(name, x, error, block))
+    zeros = np.zeros(100, f32)
+    out.update(_onebit_case("zeros", zeros, zeros.copy(), None))
+    out.update(_onebit_case("zeros_b8", zeros, zeros.copy(), 8))
+    x = rng.standard_normal(100).astype(f32)
+    x[[13, 14]] = [np.nan, -np.inf]
+    out.update(_onebit_case("nan_b10", x, np.zeros(100, f32), 10))
+    out.update(_onebit_case("nan", x, np.zeros(100, f32), None))
+    for name, n, block, chunks in [("acc_n1037", 1037, None, 3), ("acc_n1037_b100", 1037, 100, 4),
+                                   ("acc_n7_b3", 7, 3, 2), ("acc_n0", 0, None, 2)]:
+        out.update(_accumulate_case(rng, name, n, block, chunks))
+    return out
+
+
+def _onebit_case(name: str, x: np.ndarray, error: np.ndarray, block: int | None) -> dict:
+    bits, scales, new_error = onebit_compress(x, error, block)
+    p = f"onebit.{name}."
+    return {p + "x": x, p + "error_in": error, p + "block": np.int64(block or 0),
+            p + "bits": bits, p + "scales": scales, p + "error_out": new_error,
+            p + "decompressed": onebit_decompress(bits, scales, x.size, block)}
+
+
+def _accumulate_case(rng, name: str, n: int, block: int | None, chunks: int) -> dict:
+    acc = rng.standard_normal(n).astype(f32)
+    bits, scales = [], []
+    for _ in range(chunks):
+        b, s, _ = onebit_compress(rng.standard_normal(n).astype(f32), np.zeros(n, f32), block)
+        bits.append(b)
+        scales.append(s)
+    p = f"accumulate.{name}."
+    out = {p + "acc_in": acc, p + "block": np.int64(block or 0),
+           p + "acc_out": onebit_accumulate(acc, bits, scales, n, block)}
+    for k in range(chunks):
+        out[f"{p}bits{k}"], out[f"{p}scales{k}"] = bits[k], scales[k]
+    return out
+
+
+def make_vectors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    vectors = {"meta.int8.block_size": np.int64(INT8_BLOCK_SIZE)}
+    for part in (pack_vectors, quantize_vectors, onebit_vectors):
+        vectors.update(part(rng))
+    return vectors
+
+
+def cases(vectors, kernel: str) -> dict[str, dict[str, np.ndarray]]:
+    """{case: {field: array}} for one kernel's entries of a vectors mapping."""
+    grouped: dict[str, dict[str, np.ndarray]] = {}
+    for key in vectors:
+        k, case, field = key.split(".")
+        if k == kernel:
+            grouped.setdefault(case, {})[field] = vectors[key]
+    return grouped
+
+
+if __name__ == "__main__":
+    np.savez_compressed(PATH, **make_vectors())
+    print(f"wrote {PATH} ({PATH.stat().st_size} bytes)")
