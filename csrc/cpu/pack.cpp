@@ -12,7 +12,7 @@
 #include <cstring>
 
 #include "clones.h"
-#include "convert.h"
+#include "dtypes.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -34,14 +34,14 @@ COLLECTIVES_CLONES void scale_copy_f16(uint16_t* __restrict__ dst,
                                       const uint16_t* __restrict__ src, int64_t count,
                                       float scale) {
   for (int64_t i = 0; i < count; ++i)
-    dst[i] = float_to_half_vec(half_to_float_vec(src[i]) * scale);
+    dst[i] = float_to_half(half_to_float(src[i]) * scale);
 }
 
 COLLECTIVES_CLONES void scale_copy_bf16(uint16_t* __restrict__ dst,
                                        const uint16_t* __restrict__ src, int64_t count,
                                        float scale) {
   for (int64_t i = 0; i < count; ++i)
-    dst[i] = float_to_bf16_vec(bf16_to_float(src[i]) * scale);
+    dst[i] = float_to_bf16(bf16_to_float(src[i]) * scale);
 }
 
 #if defined(__SSE2__)

@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "clones.h"
-#include "convert.h"
+#include "dtypes.h"
 
 namespace collectives {
 namespace {
@@ -39,12 +39,12 @@ COLLECTIVES_CLONES void quantize_block(const float* __restrict__ x, int8_t* __re
 
 COLLECTIVES_CLONES void quantize_fp16(const float* __restrict__ x, uint16_t* __restrict__ h,
                                      int64_t count) {
-  for (int64_t i = 0; i < count; ++i) h[i] = float_to_half_vec(x[i]);
+  for (int64_t i = 0; i < count; ++i) h[i] = float_to_half(x[i]);
 }
 
 COLLECTIVES_CLONES void dequantize_fp16(const uint16_t* __restrict__ h, float* __restrict__ x,
                                        int64_t count) {
-  for (int64_t i = 0; i < count; ++i) x[i] = half_to_float_vec(h[i]);
+  for (int64_t i = 0; i < count; ++i) x[i] = half_to_float(h[i]);
 }
 
 void quantize_int8(const float* x, int8_t* q, float* scales, int64_t count) {
