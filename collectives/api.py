@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from . import dispatch, kernels, select, stats, topology
+from . import dispatch, kernels, quantized, select, stats, topology
 from .agreement import agree
-from .buffers import Buffer, wrap
+from .buffers import Buffer, store_float32, wrap
 from .compression import Compression, check_compression
 from .engine import ENGINE, Handle
 from .ops import ReduceOp, check_op, kernel_op
@@ -82,12 +82,13 @@ def _check_root(root_rank: object) -> int:
 
 # ----------------------------------------------------------------------------- allreduce
 
-def _allreduce_work(buf: Buffer, out: Buffer, op: ReduceOp, algorithm: str) -> Callable[[], Any]:
+def _allreduce_work(buf: Buffer, out: Buffer, op: ReduceOp, algorithm: str,
+                    compression: str) -> Callable[[], Any]:
     def work() -> Any:
         topo = topology.get()
         algo = _resolve(algorithm, "allreduce", buf.nbytes)
         agree(topo, "allreduce", (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
-                                  ("algorithm", algorithm)))
+                                  ("algorithm", algorithm), ("compression", compression)))
 
         def move() -> None:
             dispatch.allreduce(algo, topo, buf.flat, out.flat, kernel_op(op), buf.dtype)
@@ -103,16 +104,45 @@ def _allreduce_work(buf: Buffer, out: Buffer, op: ReduceOp, algorithm: str) -> C
     return work
 
 
+def _int8_work(buf: Buffer, x: Any, op: ReduceOp, algorithm: str,
+               inplace: bool) -> Callable[[], Any]:
+    """Compression.int8: quantized allgather + local sum (collectives/quantized.py)."""
+    as_f32 = wrap(x.astype(np.float32) if isinstance(x, np.ndarray) else x.detach().float(), "x")
+
+    def work() -> Any:
+        topo = topology.get()
+        agree(topo, "allreduce", (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
+                                  ("algorithm", algorithm), ("compression", "int8")))
+        result = _timed("allreduce", "int8",
+                        lambda: quantized.allreduce(topo, as_f32.flat, op, algorithm))
+        out = buf if inplace else buf.empty(buf.shape)
+        store_float32(out, result)
+        if inplace:
+            buf.write_back()
+            return buf.orig
+        return out.result()
+
+    return work
+
+
 def _allreduce_prepare(x: Any, op: ReduceOp, algorithm: str, compression: Any,
                        inplace: bool) -> Callable[[], Any]:
     op = check_op(op)
     _check_algorithm(algorithm)
     compressor = check_compression(compression)
-    wrap(x, "x")  # type check now, in the caller's thread
+    buf = wrap(x, "x")  # type check now, in the caller's thread
+    if compressor is not Compression.none and buf.dtype in ("float32", "float64", "float16",
+                                                             "bfloat16"):
+        if compressor is Compression.int8:
+            return _int8_work(buf, x, op, algorithm, inplace)
+    else:
+        compressor = Compression.none  # like Horovod: only floating tensors are compressed
     sent, ctx = compressor.compress(x)
-    buf = wrap(sent, "x")
+    if sent is not x:
+        buf = wrap(sent, "x")
     direct = inplace and sent is x
-    work = _allreduce_work(buf, buf if direct else buf.empty(buf.shape), op, algorithm)
+    work = _allreduce_work(buf, buf if direct else buf.empty(buf.shape), op, algorithm,
+                           compressor.name)
     if direct or compressor is Compression.none and not inplace:
         return work
 

@@ -80,6 +80,14 @@ class Buffer:
             self.orig[...] = cupy.asarray(self.flat.reshape(self.shape))
 
 
+def store_float32(out: Buffer, values: np.ndarray) -> None:
+    """out.flat = float32 values rounded to out's floating dtype (to nearest even)."""
+    if out.dtype == "bfloat16":
+        out.flat[...] = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy()
+    else:
+        out.flat[...] = values
+
+
 def _unsupported(name: str, what: str) -> TypeError:
     return TypeError(f"{name}: unsupported {what}; expected one of {list(DTYPES)}")
 

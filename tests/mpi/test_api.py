@@ -145,3 +145,25 @@ def test_fp16_compression_roundtrip(comm):
     assert y.dtype == torch.float32 and torch.all(y == 1.5 * n)
     C.allreduce_(x, op=C.Sum, compression=C.Compression.fp16)
     assert torch.all(x == 1.5 * n)
+
+
+@pytest.mark.parametrize("algo", ["auto", "ring", "mpi"])
+def test_int8_compression(comm, algo):
+    from conftest import assert_same_on_all_ranks
+
+    r, n = comm.Get_rank(), comm.Get_size()
+    x = np.random.default_rng(r).standard_normal(1000).astype(np.float32)
+    y = C.allreduce(x, op=C.Average, algorithm=algo, compression=C.Compression.int8)
+    exact = np.mean(np.stack(comm.allgather(x)), axis=0)
+    # each rank's error is at most max|block| / 254 (+ rounding); averaging keeps that bound
+    bound = max(np.abs(v).max() for v in comm.allgather(x)) / 254 * 1.01
+    assert y.dtype == np.float32 and np.max(np.abs(y - exact)) <= bound
+    assert_same_on_all_ranks(comm, y, "int8 allreduce")
+    t = torch.from_numpy(x).to(torch.bfloat16)
+    C.allreduce_(t, op=C.Sum, algorithm=algo, compression=C.Compression.int8)
+    assert t.dtype == torch.bfloat16 and torch.allclose(t.double(), torch.from_numpy(exact * n).double(),
+                                                       atol=0.1 * n)
+    ints = np.arange(5)
+    assert np.all(C.allreduce(ints, op=C.Sum, compression=C.Compression.int8) == ints * n)
+    with pytest.raises(ValueError, match="op"):
+        C.allreduce(x, op=C.Max, compression=C.Compression.int8)
