@@ -25,7 +25,7 @@ $(VENV)/.built: $(VENV)/.deps setup.py $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h)
 install: $(VENV)/.built
 
 train: install
-	$(MPIRUN) -np 2 --oversubscribe $(PY) examples/allreduce_demo.py
+	$(MPIRUN) -np $(NP) --oversubscribe $(PY) examples/train.py
 
 test: install
 	bash ci/test.sh

@@ -1,0 +1,195 @@
+"""Data-parallel training of a small CNN on scikit-learn's bundled 8x8 digits (no download).
+
+    mpirun -np 4 --oversubscribe python examples/train.py       # or one process: python examples/train.py
+    python examples/train.py --optimizer adam --compression fp16 --algorithm ring \
+        --checkpoint /tmp/digits.pt                              # rerun to resume from it
+
+Every rank holds the same model. Each global batch is cut into one slice per rank (all ranks
+shuffle identically from --seed); DistributedOptimizer averages the gradients while backward
+runs. Rank 0 shows progress on stderr and prints loss, test accuracy and samples/s per epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+from tqdm import tqdm
+
+import collectives as C
+from optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+
+COMPRESSIONS = {"none": C.Compression.none, "fp16": C.Compression.fp16, "int8": C.Compression.int8}
+
+
+def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:
+    """A builder wrapping a torch optimizer in DistributedOptimizer."""
+    def build(model: nn.Module, args: argparse.Namespace) -> DistributedOptimizer:
+        return DistributedOptimizer(make(list(model.parameters()), args.lr),
+                                    named_parameters=model.named_parameters(),
+                                    compression=COMPRESSIONS[args.compression],
+                                    algorithm=args.algorithm)
+    return build
+
+
+#: --optimizer name -> (builder(model, args) -> distributed optimizer, default lr). An
+#: optimizer that communicates by itself (1-bit Adam) adds a builder that skips the wrapper.
+OPTIMIZERS = {
+    "sgd": (_averaged(lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)), 0.05),
+    "adam": (_averaged(lambda params, lr: torch.optim.Adam(params, lr=lr)), 3e-3),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    p.add_argument("--compression", choices=sorted(COMPRESSIONS), default="none")
+    p.add_argument("--algorithm", choices=C.ALGORITHMS, default="auto")
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch, over all ranks")
+    p.add_argument("--lr", type=float, default=None, help="default: per optimizer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", metavar="PATH", help="save every epoch; resume if it exists")
+    args = p.parse_args()
+    if args.epochs < 1 or args.batch_size < 1:
+        p.error("--epochs and --batch-size must be >= 1")
+    if args.lr is None:
+        args.lr = OPTIMIZERS[args.optimizer][1]
+    return args
+
+
+def load_data() -> tuple[torch.Tensor, ...]:
+    """(x_train, y_train, x_test, y_test): 1797 digits as 1x8x8 images in [0, 1], the same
+    stratified 80/20 split on every rank."""
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0,
+                                                        stratify=y)
+    return x_train, y_train, x_test, y_test
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 32 x 4 x 4
+        nn.Flatten(), nn.Dropout(0.25), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+    )
+
+
+def my_slice(count: int) -> slice:
+    """This rank's contiguous share of `count` items (shares differ by at most one)."""
+    r, n = C.rank(), C.size()
+    return slice(r * count // n, (r + 1) * count // n)
+
+
+def seed_rank_rng(seed: int, epoch: int) -> None:
+    """A distinct torch RNG stream per rank, so dropout masks differ across ranks."""
+    torch.manual_seed(seed + 1000 * epoch + C.rank())
+
+
+def train_epoch(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor,
+                args: argparse.Namespace, epoch: int) -> float:
+    """One pass over the training set; returns the mean loss over all ranks' samples."""
+    model.train()
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed + epoch))
+    batches = order.split(args.batch_size)
+    loss_sum = torch.zeros(2, dtype=torch.float64)  # (summed loss, samples) on this rank
+    bar = tqdm(batches, desc=f"epoch {epoch + 1}", file=sys.stderr, leave=False,
+               disable=C.rank() != 0)
+    for batch in bar:
+        mine = batch[my_slice(len(batch))]
+        loss = F.cross_entropy(model(x[mine]), y[mine], reduction="sum")
+        # averaging this over ranks gives the global batch's mean loss even when the
+        # slices differ in size
+        (loss * C.size() / len(batch)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_sum += torch.tensor([loss.item(), len(mine)], dtype=torch.float64)
+        bar.set_postfix(loss=f"{loss.item() / max(len(mine), 1):.3f}")
+    total, count = C.allreduce(loss_sum, op=C.Sum).tolist()
+    return total / count
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Test accuracy, each rank scoring its share of the test set."""
+    model.eval()
+    mine = my_slice(len(x))
+    correct = (model(x[mine]).argmax(1) == y[mine]).sum().item()
+    right, total = C.allreduce(torch.tensor([correct, len(x[mine])], dtype=torch.float64),
+                               op=C.Sum).tolist()
+    return right / total
+
+
+def save_checkpoint(path: str, model: nn.Module, opt, epoch: int) -> None:
+    """Rank 0 writes model, optimizer, the next epoch and every rank's RNG state."""
+    rng = C.allgather(torch.get_rng_state()[None])  # rows in rank order
+    if C.rank() == 0:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+                 "rng": rng}
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a crash mid-write leaves the previous checkpoint
+
+
+def start(path: str | None, model: nn.Module, opt, seed: int) -> int:
+    """Give every rank the same model and optimizer state (rank 0's; from the checkpoint
+    if there is one) and its RNG state; returns the epoch to start from."""
+    resumed = None
+    if C.rank() == 0 and path and os.path.exists(path):
+        ckpt = torch.load(path)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        resumed = ckpt["epoch"], ckpt["rng"]
+    broadcast_parameters(model.state_dict(), root_rank=0)
+    broadcast_optimizer_state(opt, root_rank=0)
+    epoch, rng = C.broadcast_object(resumed, root_rank=0) or (0, None)
+    if rng is not None and len(rng) == C.size():
+        torch.set_rng_state(rng[C.rank()].clone())  # torch crashes on a row view (offset)
+    else:  # a fresh run, or a different world size than the checkpoint's
+        seed_rank_rng(seed, epoch)
+    return epoch
+
+
+def main() -> None:
+    args = parse_args()
+    C.init()
+    rank, size = C.rank(), C.size()
+    torch.set_num_threads(1)  # one core per rank: the ranks, not intra-op threads, share the cores
+    x_train, y_train, x_test, y_test = load_data()
+    torch.manual_seed(args.seed)
+    model = make_model()
+    opt = OPTIMIZERS[args.optimizer][0](model, args)
+    first = start(args.checkpoint, model, opt, args.seed)
+    if rank == 0:
+        print(f"{size} rank(s), {args.optimizer} lr={args.lr}, global batch {args.batch_size}, "
+              f"compression {args.compression}, algorithm {args.algorithm}; "
+              f"{len(x_train)} train / {len(x_test)} test digits; from epoch {first + 1}",
+              flush=True)
+    trained, seconds, accuracy = 0, 0.0, evaluate(model, x_test, y_test)
+    for epoch in range(first, args.epochs):
+        t0 = time.perf_counter()
+        loss = train_epoch(model, opt, x_train, y_train, args, epoch)
+        elapsed = time.perf_counter() - t0
+        trained, seconds = trained + len(x_train), seconds + elapsed
+        accuracy = evaluate(model, x_test, y_test)
+        if rank == 0:
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {loss:.4f}  test accuracy "
+                  f"{accuracy:.2%}  {len(x_train) / elapsed:.0f} samples/s", flush=True)
+        if args.checkpoint:
+            save_checkpoint(args.checkpoint, model, opt, epoch + 1)
+    if rank == 0:
+        speed = f"{trained / seconds:.0f} samples/s" if seconds else "no epochs left to train"
+        print(f"final test accuracy {accuracy:.2%}; {speed} on {size} rank(s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

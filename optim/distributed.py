@@ -1,0 +1,463 @@
+"""Data-parallel training on top of collectives: DistributedOptimizer averages gradients
+over all ranks while backward runs, and the broadcasts start every rank from one state.
+
+How gradients move. At construction the parameters are split, in reverse registration
+order (the order backward produces their gradients), into buckets of at most
+`fusion_threshold_bytes`, one dtype and device each. A hook on each parameter marks its
+gradient ready; a bucket whose gradients are all ready is packed into one flat buffer and
+its allreduce launched asynchronously, while backward goes on. Buckets launch in their
+fixed order on every rank (a bucket ready early waits for the ones before it), so the
+collectives are issued identically everywhere whatever order the hooks fire in. `step()`
+launches what is left, waits, unpacks the averages into `.grad` and steps the optimizer.
+
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+    broadcast_parameters(model.state_dict(), root_rank=0)
+    broadcast_optimizer_state(opt, root_rank=0)
+    loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+import collectives as C
+from collectives import kernels as _kernels
+
+#: The compressors a user may pass (Compression.none, .fp16, and any added later).
+_COMPRESSORS = {name: c for name, c in vars(C.Compression).items() if not name.startswith("_")}
+#: Parameter dtypes the collectives reduce.
+_GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Tensor dtypes the collectives broadcast (bool travels as its uint8 view).
+_BROADCAST_DTYPES = _GRAD_DTYPES + (torch.int8, torch.uint8, torch.int32, torch.int64)
+
+
+# ------------------------------------------------------------------------------ fusion
+
+def _torch_pack(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> torch.Tensor:
+    """out = concat(flattened tensors) * scale: the fusion buffer, with plain torch copies."""
+    torch.cat([t.reshape(-1) for t in tensors], out=out)
+    return out.mul_(scale) if scale != 1.0 else out
+
+
+def _torch_unpack(buffer: torch.Tensor, tensors: list[torch.Tensor], scale: float) -> None:
+    """Each tensor, in place, = its slice of buffer * scale (the inverse of _torch_pack)."""
+    offset = 0
+    for t in tensors:
+        torch.mul(buffer[offset:offset + t.numel()].view_as(t), scale, out=t)
+        offset += t.numel()
+
+
+# The C++ kernels pack a whole bucket in one call with the GIL released; plain torch
+# copies stand in where the installed collectives predates them.
+if hasattr(_kernels, "pack") and hasattr(_kernels, "unpack"):
+    _pack, _unpack = _kernels.pack, _kernels.unpack
+else:
+    _pack, _unpack = _torch_pack, _torch_unpack
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reduction:
+    """How every bucket is reduced: scaled by `prescale` while packing, reduced with `op`,
+    scaled by `postscale` while unpacking (gradient_predivide_factor splits the average)."""
+
+    op: C.ReduceOp
+    algorithm: str
+    compression: Any
+    prescale: float = 1.0
+    postscale: float = 1.0
+
+
+class _Bucket:
+    """Gradients of one dtype and device reduced together through one flat buffer."""
+
+    __slots__ = ("params", "buffer", "ready", "grads", "handle")
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)
+        self.ready = 0  # parameters whose gradient is complete for this step
+        self.grads: list[torch.Tensor] = []  # the .grad tensors packed at launch
+        self.handle: C.Handle | None = None
+
+    def complete(self) -> bool:
+        return self.ready == len(self.params)
+
+    def launch(self, how: _Reduction) -> None:
+        """Pack the gradients and start their allreduce. A parameter that got no gradient
+        this step contributes zeros (and receives the reduced gradient as its .grad)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.grads = [p.grad for p in self.params]
+        _pack(self.grads, self.buffer, how.prescale)
+        self.handle = C.allreduce_async_(self.buffer, op=how.op, algorithm=how.algorithm,
+                                         compression=how.compression)
+
+    def finish(self, how: _Reduction) -> None:
+        """Wait for the allreduce and write the reduced gradients back into .grad."""
+        C.synchronize(self.handle)
+        _unpack(self.buffer, self.grads, how.postscale)
+        self.grads, self.handle, self.ready = [], None, 0
+
+
+def _make_buckets(params: list[torch.Tensor], threshold: int) -> list[_Bucket]:
+    """params (in backward order) grouped into buckets of one dtype and device holding at
+    most `threshold` bytes (a larger parameter gets a bucket of its own), in the order
+    their first gradient arrives."""
+    groups: list[list[torch.Tensor]] = []
+    sizes: list[int] = []
+    open_group: dict[tuple, int] = {}  # (dtype, device) -> index of the group being filled
+    for p in params:
+        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        i = open_group.get(key)
+        if i is None or sizes[i] + nbytes > threshold:
+            i = open_group[key] = len(groups)
+            groups.append([])
+            sizes.append(0)
+        groups[i].append(p)
+        sizes[i] += nbytes
+    return [_Bucket(g) for g in groups]
+
+
+# --------------------------------------------------------------------- argument checks
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_reduction(op: object, factor: object, algorithm: object,
+                     compression: object) -> _Reduction:
+    if op is not C.Average and op is not C.Sum:
+        raise ValueError(f"op: expected collectives.Average or collectives.Sum, got {op!r}")
+    if (isinstance(factor, bool) or not isinstance(factor, (int, float))
+            or not math.isfinite(factor) or factor <= 0):
+        raise ValueError(f"gradient_predivide_factor: expected a finite number > 0, got {factor!r}")
+    if factor != 1 and op is not C.Average:
+        raise ValueError(f"gradient_predivide_factor: only valid with op=Average, got {factor!r} "
+                         f"with op={op!r}")
+    if algorithm not in C.ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {list(C.ALGORITHMS)}, got {algorithm!r}")
+    if not any(compression is c for c in _COMPRESSORS.values()):
+        names = [f"Compression.{n}" for n in _COMPRESSORS]
+        raise ValueError(f"compression: expected one of {names}, got {compression!r}")
+    if factor == 1:
+        return _Reduction(op, algorithm, compression)
+    # Sum of x / f over the ranks, then * f / size: the average, with smaller partial sums.
+    return _Reduction(C.Sum, algorithm, compression, 1.0 / factor, factor / C.size())
+
+
+def _user_names(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
+    """id(tensor) -> name, or ValueError naming duplicate names or twice-named tensors."""
+    try:
+        pairs = [(name, p) for name, p in named_parameters]
+    except (TypeError, ValueError):
+        raise TypeError("named_parameters: expected an iterable of (name, tensor) pairs, "
+                        "e.g. model.named_parameters()") from None
+    duplicates = sorted(n for n, count in Counter(n for n, _ in pairs).items() if count > 1)
+    if duplicates:
+        raise ValueError(f"named_parameters: duplicate names {duplicates}")
+    names: dict[int, str] = {}
+    for name, p in pairs:
+        if not isinstance(name, str) or not isinstance(p, torch.Tensor):
+            raise TypeError(f"named_parameters: expected (str, tensor) pairs, got "
+                            f"({type(name).__name__}, {type(p).__name__})")
+        if id(p) in names:
+            raise ValueError(f"named_parameters: {names[id(p)]!r} and {name!r} are the same tensor")
+        names[id(p)] = name
+    return names
+
+
+# ---------------------------------------------------------------------------- optimizer
+
+def _hook(owner: weakref.ref, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook reporting to the optimizer while it is alive."""
+    def hook(param: torch.Tensor) -> None:
+        opt = owner()
+        if opt is not None:
+            opt._grad_ready(param, bucket)
+    return hook
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
+class DistributedOptimizer:
+    """Wraps a torch optimizer (by composition) so each step uses gradients reduced over
+    all ranks (averaged by default). It behaves as the wrapped optimizer: param_groups,
+    state, state_dict/load_state_dict, zero_grad and add_param_group pass through, and
+    `.optimizer` is the wrapped one (give that to an LR scheduler).
+
+    backward_passes_per_step=k: gradients add up locally over k backward passes and are
+    reduced once, during the k-th. For gradient clipping, reduce first:
+    `opt.synchronize(); clip(...); with opt.skip_synchronize(): opt.step()`.
+
+    A parameter that got no gradient on a rank (unused in its forward) counts as zeros
+    there, and every rank's .grad receives the reduced gradient, so all ranks step alike
+    (as in Horovod; a parameter unused on every rank gets zeros where a single process
+    would leave .grad None). Parameters with requires_grad=False at construction are not
+    reduced. Every rank must construct it over the same parameters and call
+    add_param_group alike.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 compression: Any = C.Compression.none, backward_passes_per_step: int = 1,
+                 op: C.ReduceOp = C.Average, gradient_predivide_factor: float = 1.0,
+                 fusion_threshold_bytes: int = 64 << 20, algorithm: str = "auto"):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, "
+                            f"got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._passes = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
+        self._threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
+        self._how = _check_reduction(op, gradient_predivide_factor, algorithm, compression)
+        self._user_names = None if named_parameters is None else _user_names(named_parameters)
+        self._names: dict[int, str] = {}  # id(param) -> name, for error messages
+        self._buckets: list[_Bucket] = []
+        self._next = 0  # index of the first bucket not launched this step
+        self._counts: dict[int, int] = {}  # id(param) -> backward passes since the last reduction
+        self._synchronized = False
+        self._skip = False
+        self._lock = threading.Lock()
+        self._hooks: list = []
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        for index in range(len(optimizer.param_groups)):
+            self._add_group(index)
+
+    # ---- the wrapped optimizer's face
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; its parameters get buckets after the others."""
+        self.optimizer.add_param_group(param_group)
+        self._add_group(len(self.optimizer.param_groups) - 1)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients and any partly accumulated backward passes."""
+        if self._next:
+            raise RuntimeError("zero_grad() called while gradients are being reduced (after "
+                               "backward, before step() or synchronize()); call step() or "
+                               "synchronize() first")
+        self._reset_counts()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    # ---- reduction
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce the gradients (unless inside skip_synchronize()) and step the optimizer."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._skip:
+            self.synchronize()
+        elif self._next or self._counts:
+            raise RuntimeError("step() inside skip_synchronize() with gradients not yet "
+                               "reduced: call synchronize() before the with block")
+        self.optimizer.step()
+        self._synchronized = False
+        return loss
+
+    def synchronize(self) -> None:
+        """Finish reducing this step's gradients into .grad; a no-op if already done.
+
+        Buckets still waiting are launched, in order, with zeros for parameters that got
+        no gradient (unused in forward): every rank reduces every bucket every step."""
+        with self._lock:
+            if self._synchronized:
+                return
+            while self._next < len(self._buckets):
+                self._launch_next()
+            for bucket in self._buckets:
+                bucket.finish(self._how)
+            self._next = 0
+            self._counts.clear()
+            self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block step() does not reduce (the gradients were reduced by an
+        explicit synchronize(), e.g. to clip them first)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    # ---- internals
+    def _add_group(self, index: int) -> None:
+        """Name the group's parameters, bucket them and hook them."""
+        trainable = []
+        for i, p in enumerate(self.optimizer.param_groups[index]["params"]):
+            self._names[id(p)] = self._name(p, f"param_groups[{index}][{i}]")
+            if p.requires_grad:
+                trainable.append(p)
+        buckets = _make_buckets(list(reversed(trainable)), self._threshold)
+        owner = weakref.ref(self)
+        for bucket in buckets:
+            for p in bucket.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(_hook(owner, bucket)))
+        self._buckets.extend(buckets)
+
+    def _name(self, p: torch.Tensor, position: str) -> str:
+        if p.dtype not in _GRAD_DTYPES:
+            raise TypeError(f"parameter {position}: dtype {p.dtype} is not supported; expected "
+                            f"one of {[str(d) for d in _GRAD_DTYPES]}")
+        if self._user_names is None:
+            return position
+        if id(p) not in self._user_names:
+            raise ValueError(f"named_parameters: the optimizer's parameter {position} (shape "
+                             f"{tuple(p.shape)}) is missing; name every parameter it updates")
+        return self._user_names[id(p)]
+
+    def _grad_ready(self, param: torch.Tensor, bucket: _Bucket) -> None:
+        """Hook: count a backward pass for param; launch the buckets that are complete."""
+        with self._lock:
+            count = self._counts.get(id(param), 0) + 1
+            if count > self._passes:
+                raise RuntimeError(
+                    f"gradient of {self._names[id(param)]!r} computed {count} times since the "
+                    f"last reduction with backward_passes_per_step={self._passes}; call step() "
+                    f"(or synchronize()) after every {self._passes} backward passes")
+            self._counts[id(param)] = count
+            self._synchronized = False
+            if count == self._passes:
+                bucket.ready += 1
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch complete buckets in their fixed order, so every rank issues the same
+        sequence of collectives."""
+        while self._next < len(self._buckets) and self._buckets[self._next].complete():
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        self._buckets[self._next].launch(self._how)
+        self._next += 1
+
+    def _reset_counts(self) -> None:
+        self._counts.clear()
+        for bucket in self._buckets:
+            bucket.ready = 0
+
+
+# --------------------------------------------------------------------------- broadcasts
+
+def _broadcastable(name: str, t: object) -> torch.Tensor:
+    """t (bool as its uint8 view) ready for broadcast_, or TypeError naming it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.dtype not in _BROADCAST_DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} cannot be broadcast; expected bool or one "
+                        f"of {[str(d) for d in _BROADCAST_DTYPES]}")
+    return t
+
+
+def _broadcast_all(named: list[tuple[str, Any]], root_rank: int) -> None:
+    """broadcast_ every tensor in place: all checked first, then launched together."""
+    tensors = [_broadcastable(name, t) for name, t in named]
+    handles = [C.broadcast_async_(t, root_rank=root_rank) for t in tensors]
+    for handle in handles:
+        C.synchronize(handle)
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                         root_rank: int = 0) -> None:
+    """Overwrite every rank's tensors, in place, with root_rank's (start from one init).
+
+    params: a state_dict or (name, tensor) pairs such as model.named_parameters(); they
+    travel sorted by name, so every rank must pass the same names."""
+    items = sorted(params.items() if isinstance(params, Mapping) else params,
+                   key=lambda item: item[0])
+    _broadcast_all([(f"params[{name!r}]", t) for name, t in items], root_rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Marks where the index-th broadcast tensor goes back into a state_dict."""
+
+    index: int
+
+
+def _hollow(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """obj with each tensor of one or more dimensions moved to `tensors` (a _Slot left in
+    its place); scalars such as Adam's step counter stay in obj."""
+    if isinstance(obj, torch.Tensor) and obj.dim() > 0:
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: _hollow(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_hollow(v, tensors) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of _hollow."""
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer | DistributedOptimizer,
+                              root_rank: int = 0) -> None:
+    """Give every rank root_rank's optimizer state and hyper-parameters (lr, betas, ...).
+
+    State the optimizer creates lazily (Adam's moments before its first step) arrives by
+    load_state_dict, not by a dummy step, so broadcasting never changes training: root's
+    state is untouched and a rank whose root has no state yet keeps none."""
+    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch optimizer or DistributedOptimizer, "
+                        f"got {type(optimizer).__name__}")
+    is_root = C.rank() == root_rank
+    tensors: list[torch.Tensor] = []
+    payload = None
+    if is_root:
+        skeleton = _hollow(inner.state_dict(), tensors)
+        payload = (skeleton, [(tuple(t.shape), t.dtype) for t in tensors])
+    skeleton, specs = C.broadcast_object(payload, root_rank)
+    if not is_root:
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    _broadcast_all([(f"optimizer state tensor {i}", t) for i, t in enumerate(tensors)], root_rank)
+    if not is_root:
+        inner.load_state_dict(_fill(skeleton, tensors))
