@@ -16,7 +16,7 @@ env_args=()
 echo "== tests/mpi at np=$np${rpn:+ (simulated nodes of $rpn ranks)} =="
 start=$(date +%s)
 timeout --kill-after=10 "$limit" "$mpirun" -np "$np" --oversubscribe "${env_args[@]}" \
-  bash -c 'exec "$0" -m mpi4py -m pytest -x -q --with-mpi -p no:cacheprovider --color=no tests/mpi "$@" \
+  bash -c 'exec "$0" -m mpi4py -m pytest -x -q --with-mpi -p no:cacheprovider --color=no --durations=8 tests/mpi "$@" \
            > "'"$logs"'/rank$OMPI_COMM_WORLD_RANK.log" 2>&1' "$py" "$@"
 rc=$?
 grep -a -v -E "^(rank|size|MPI |mpi4py)" "$logs/rank0.log"
