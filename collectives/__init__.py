@@ -26,6 +26,7 @@ from .api import (
 )
 from .compression import Compression
 from .engine import Handle
+from .onebit import compressed_allreduce
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .stats import stats
 from .topology import cross_rank, cross_size, init, local_rank, local_size, rank, shutdown, size
@@ -35,7 +36,7 @@ __all__ = [
     "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError", "Product",
     "ReduceOp", "StallError", "Sum", "allgather", "allgather_async", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "cross_rank", "cross_size", "init", "local_rank",
-    "local_size", "poll", "rank", "reducescatter", "reducescatter_async", "shutdown", "size",
-    "stats", "synchronize",
+    "broadcast_async_", "broadcast_object", "compressed_allreduce", "cross_rank", "cross_size",
+    "init", "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
+    "shutdown", "size", "stats", "synchronize",
 ]

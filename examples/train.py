@@ -25,7 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 import collectives as C
-from optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from optim import DistributedOptimizer, OnebitAdam, broadcast_optimizer_state, broadcast_parameters
 
 COMPRESSIONS = {"none": C.Compression.none, "fp16": C.Compression.fp16, "int8": C.Compression.int8}
 
@@ -40,11 +40,17 @@ def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:
     return build
 
 
+def _onebit_adam(model: nn.Module, args: argparse.Namespace) -> OnebitAdam:
+    """1-bit Adam averages gradients (then compressed momentum) itself: no wrapper."""
+    return OnebitAdam(model.parameters(), lr=args.lr, freeze_step=args.freeze_step)
+
+
 #: --optimizer name -> (builder(model, args) -> distributed optimizer, default lr). An
 #: optimizer that communicates by itself (1-bit Adam) adds a builder that skips the wrapper.
 OPTIMIZERS = {
     "sgd": (_averaged(lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)), 0.05),
     "adam": (_averaged(lambda params, lr: torch.optim.Adam(params, lr=lr)), 3e-3),
+    "onebit-adam": (_onebit_adam, 3e-3),
 }
 
 
@@ -57,10 +63,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="global batch, over all ranks")
     p.add_argument("--lr", type=float, default=None, help="default: per optimizer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--freeze-step", type=int, default=50, metavar="N",
+                   help="onebit-adam: steps of full-precision Adam before the momentum is "
+                        "sent in 1 bit (the variance is frozen)")
     p.add_argument("--checkpoint", metavar="PATH", help="save every epoch; resume if it exists")
     args = p.parse_args()
-    if args.epochs < 1 or args.batch_size < 1:
-        p.error("--epochs and --batch-size must be >= 1")
+    if args.epochs < 1 or args.batch_size < 1 or args.freeze_step < 1:
+        p.error("--epochs, --batch-size and --freeze-step must be >= 1")
     if args.lr is None:
         args.lr = OPTIMIZERS[args.optimizer][1]
     return args

@@ -1,0 +1,212 @@
+"""compressed_allreduce (collectives/onebit.py) against a NumPy reference of the same
+algorithm, written to round exactly as the C++ kernels do, so results and both error
+buffers must match bit for bit; plus bytes on the wire, dtypes and argument checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_equal, assert_same_on_all_ranks
+from mpi4py import MPI
+
+import collectives as C
+from collectives.onebit import compressed_allreduce, error_sizes
+
+pytestmark = pytest.mark.mpi(min_size=2)
+f32 = np.float32
+
+
+# ---- reference ---------------------------------------------------------------------------
+
+def _rms_rows(rows: np.ndarray) -> np.ndarray:
+    """float32 rms of each row, its squares summed in double in the kernel's order: 8
+    lanes taking every 8th element, the leftover tail into lane 0, then a fixed tree."""
+    sq = np.square(rows.astype(np.float64))
+    main = rows.shape[1] // 8 * 8
+    lanes = np.zeros((rows.shape[0], 8))
+    if main:
+        lanes = np.cumsum(sq[:, :main].reshape(rows.shape[0], -1, 8), axis=1)[:, -1, :].copy()
+    for i in range(main, rows.shape[1]):
+        lanes[:, 0] += sq[:, i]
+    lane = lanes.T
+    total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))
+    return np.sqrt(total / rows.shape[1]).astype(f32)
+
+
+def ref_compress(x: np.ndarray, error: np.ndarray, block: int | None):
+    """(signs as bool, scales, new error) of x + error."""
+    c = x + error
+    block = block or c.size
+    full = c.size // block * block
+    scales = [_rms_rows(c[:full].reshape(-1, block))] if full else []
+    if full < c.size:
+        scales.append(_rms_rows(c[full:].reshape(1, -1)))
+    scales = np.concatenate(scales)
+    positive = c >= 0
+    return positive, scales, c - ref_decompress(positive, scales, block)
+
+
+def ref_decompress(positive: np.ndarray, scales: np.ndarray, block: int | None) -> np.ndarray:
+    s = np.repeat(scales, block or positive.size)[:positive.size]
+    return np.where(positive, s, -s)
+
+
+def ref_compressed_allreduce(xs, workers, servers, block):
+    """(result, new worker errors, new server errors) for every rank's x and errors."""
+    n, padded = len(xs), workers[0].size
+    chunk = padded // n
+    sent = []  # sent[k][j]: rank k's chunk j as (signs, scales)
+    new_workers = []
+    for x, err in zip(xs, workers):
+        xp = np.zeros(padded, f32)
+        xp[:x.size] = x
+        if block is None:
+            positive, scales, err = ref_compress(xp, err, None)
+            sent.append([(positive[j * chunk:(j + 1) * chunk], scales) for j in range(n)])
+        else:
+            parts = [ref_compress(xp[j * chunk:(j + 1) * chunk], err[j * chunk:(j + 1) * chunk],
+                                  block) for j in range(n)]
+            sent.append([(p, s) for p, s, _ in parts])
+            err = np.concatenate([e for _, _, e in parts])
+        new_workers.append(err)
+    out, new_servers = [], []
+    for j in range(n):
+        acc = np.zeros(chunk, f32)
+        for k in range(n):
+            positive, scales = sent[k][j]
+            acc = acc + ref_decompress(positive, scales / f32(n), block)
+        positive, scales, err = ref_compress(acc, servers[j], block)
+        new_servers.append(err)
+        out.append(ref_decompress(positive, scales, block))
+    return np.concatenate(out)[:xs[0].size], new_workers, new_servers
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+def _inputs(count: int, seed: int) -> np.ndarray:
+    """Every rank's own values, on very different scales across the vector."""
+    rng = np.random.default_rng([seed, C.rank(), count])
+    return (rng.standard_normal(count) * np.exp(rng.uniform(-4, 2, count))).astype(f32)
+
+
+def _check_against_reference(comm: MPI.Comm, count: int, block: int | None, steps: int) -> None:
+    padded, chunk = error_sizes(count, comm.Get_size())
+    worker, server = np.zeros(padded, f32), np.zeros(chunk, f32)
+    ref_workers = [np.zeros(padded, f32)] * comm.Get_size()
+    ref_servers = [np.zeros(chunk, f32)] * comm.Get_size()
+    for step in range(steps):
+        x = _inputs(count, step)
+        result = compressed_allreduce(x, worker, server, block_size=block)
+        expected, ref_workers, ref_servers = ref_compressed_allreduce(
+            comm.allgather(x), ref_workers, ref_servers, block)
+        what = f"count {count} block {block} step {step}"
+        assert_equal(result, expected, what)
+        assert_equal(worker, ref_workers[comm.Get_rank()], f"worker_error, {what}")
+        assert_equal(server, ref_servers[comm.Get_rank()], f"server_error, {what}")
+        assert_same_on_all_ranks(comm, result, what)
+
+
+# ---- tests -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [None, 5, 64, 256])
+@pytest.mark.parametrize("count", [1, 7, 8, 9, 100, 1000, 65537])
+def test_matches_reference(comm, count, block):
+    _check_against_reference(comm, count, block, steps=3)
+
+
+@pytest.mark.parametrize("block", [None, 256])
+def test_matches_reference_large(comm, block):
+    _check_against_reference(comm, 1_000_001, block, steps=2)
+
+
+def test_error_feedback_loses_nothing(comm):
+    """Over many calls, the results plus what the error buffers still owe add up to the
+    exact averages: sum(out) + mean over ranks of worker_error + server_error = sum(avg)."""
+    n, count = comm.Get_size(), 999
+    padded, chunk = error_sizes(count, n)
+    worker, server = np.zeros(padded, f32), np.zeros(chunk, f32)
+    sent, exact = np.zeros(count), np.zeros(count)
+    for step in range(30):
+        x = _inputs(count, step)
+        sent += compressed_allreduce(x, worker, server)
+        exact += np.mean(comm.allgather(x.astype(np.float64)), axis=0)
+    owed = np.mean(comm.allgather(worker.astype(np.float64)), axis=0)
+    owed += np.concatenate(comm.allgather(server.astype(np.float64)))
+    assert np.allclose(sent + owed[:count], exact, rtol=0, atol=1e-4)
+
+
+def test_zero_elements():
+    worker, server = np.zeros(0, f32), np.zeros(0, f32)
+    result = compressed_allreduce(np.zeros((0, 3), f32), worker, server)
+    assert result.shape == (0, 3) and result.dtype == f32
+
+
+@pytest.mark.parametrize("kind", ["numpy-float64", "numpy-float16", "torch-float32",
+                                  "torch-bfloat16"])
+def test_types_and_shapes(comm, kind):
+    """Any floating x is averaged as float32; the result has x's type, dtype and shape."""
+    framework, dtype = kind.split("-")
+    values = _inputs(60, 0).reshape(3, 4, 5)
+    if framework == "numpy":
+        x = values.astype(dtype)
+    else:
+        x = torch.from_numpy(values).to(getattr(torch, dtype))
+    as_f32 = (x.astype(f32) if framework == "numpy" else x.float().numpy()).reshape(-1)
+    padded, chunk = error_sizes(60, comm.Get_size())
+    worker, server = torch.zeros(padded), torch.zeros(chunk)
+    result = compressed_allreduce(x, worker, server, block_size=8)
+    n = comm.Get_size()
+    expected, workers, _ = ref_compressed_allreduce(comm.allgather(as_f32), [np.zeros(padded, f32)] * n,
+                                                    [np.zeros(chunk, f32)] * n, 8)
+    assert type(result) is type(x) and result.dtype == x.dtype and result.shape == x.shape
+    if framework == "numpy":
+        assert_equal(result.reshape(-1), expected.astype(dtype), kind)
+    else:
+        assert torch.equal(result.reshape(-1), torch.from_numpy(expected).to(x.dtype))
+    assert_equal(worker.numpy(), workers[comm.Get_rank()], "worker_error")
+
+
+@pytest.mark.parametrize("block", [None, 256])
+def test_bytes_on_the_wire(comm, block):
+    """Per rank: n-1 packets out in each phase, each a chunk's signs plus its scales; under
+    1/20 of a float32 ring allreduce's bytes."""
+    n, count = comm.Get_size(), 1 << 20
+    padded, chunk = error_sizes(count, n)
+    scales = 1 if block is None else -(-chunk // block)
+    x = _inputs(count, 0)
+    before = C.stats()["per_op"].get("compressed_allreduce/onebit", {"bytes_sent": 0, "calls": 0})
+    compressed_allreduce(x, np.zeros(padded, f32), np.zeros(chunk, f32), block_size=block)
+    after = C.stats()["per_op"]["compressed_allreduce/onebit"]
+    sent = after["bytes_sent"] - before["bytes_sent"]
+    assert after["calls"] == before["calls"] + 1
+    assert sent == 2 * (n - 1) * (chunk // 8 + 4 * scales)
+    ring = 2 * (n - 1) / n * 4 * count
+    assert sent <= ring / 20
+
+
+def test_rejects_bad_arguments(comm):
+    padded, chunk = error_sizes(100, comm.Get_size())
+    x, worker, server = np.ones(100, f32), np.zeros(padded, f32), np.zeros(chunk, f32)
+    with pytest.raises(ValueError, match=f"worker_error: expected a 1-D array of {padded}"):
+        compressed_allreduce(x, np.zeros(100, f32), server)
+    with pytest.raises(ValueError, match=f"server_error: expected a 1-D array of {chunk}"):
+        compressed_allreduce(x, worker, np.zeros(padded, f32))
+    with pytest.raises(TypeError, match="worker_error: expected float32"):
+        compressed_allreduce(x, worker.astype(np.float64), server)
+    with pytest.raises(TypeError, match="x: expected a floating dtype"):
+        compressed_allreduce(np.ones(100, np.int32), worker, server)
+    with pytest.raises(TypeError, match="server_error"):
+        compressed_allreduce(x, worker, [0.0] * chunk)
+    with pytest.raises(ValueError, match="block_size"):
+        compressed_allreduce(x, worker, server, block_size=0)
+    with pytest.raises(ValueError, match="count"):
+        error_sizes(-1, 2)
+
+
+def test_ranks_must_agree_on_block_size(comm):
+    padded, chunk = error_sizes(64, comm.Get_size())
+    block = 32 if comm.Get_rank() == 0 else 16
+    with pytest.raises(C.MismatchError, match="block_size"):
+        compressed_allreduce(np.ones(64, f32), np.zeros(padded, f32), np.zeros(chunk, f32),
+                             block_size=block)
