@@ -88,6 +88,13 @@ def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None):
     """A zero-argument callable running one collective, or None if algo lacks op."""
     if algo == "gloo":
         return gloo.make(op, x)
+    if algo == "onebit":  # 1-bit compressed allreduce (averages; error feedback state)
+        if op != "allreduce":
+            return None
+        from collectives.onebit import error_sizes
+
+        worker, server = (np.zeros(k, np.float32) for k in error_sizes(x.size, C.size()))
+        return lambda: C.compressed_allreduce(x, worker, server, block_size=256)
     if op == "allreduce":
         return lambda: C.allreduce(x, op=C.Sum, algorithm=algo)
     if op == "allgather":
@@ -108,8 +115,8 @@ def local_input(op: str, nbytes: int, dtype: np.dtype, comm: MPI.Comm) -> np.nda
 
 def count_wrong(op: str, algo: str, x: np.ndarray, comm: MPI.Comm, gloo) -> int:
     """Elements differing from a NumPy reference over mpi4py-gathered inputs."""
-    if algo == "gloo":
-        return 0
+    if algo in ("gloo", "onebit"):  # gloo: not ours; onebit: lossy by design
+        return -1
     inputs = comm.allgather(x)
     n, r = comm.Get_size(), comm.Get_rank()
     got = make_call(op, algo, x, gloo)()
@@ -141,6 +148,8 @@ def run(args, comm: MPI.Comm) -> list[dict]:
     dtype = np.dtype(args.dtype)
     gloo = Gloo(comm) if "gloo" in args.algo else None
     rows, plan = [], [(op, s) for op in args.op for s in sizes(args.b, args.e, args.f)]
+    if "onebit" in args.algo and dtype != np.float32:
+        raise SystemExit("--algo onebit needs --dtype float32")
     for k, (op, nbytes) in enumerate(plan):
         x = local_input(op, nbytes, dtype, comm)
         calls = {a: make_call(op, a, x, gloo) for a in args.algo}
@@ -229,8 +238,8 @@ def main(argv: list[str] | None = None) -> None:
         if op not in OPS:
             p.error(f"--op: {op!r} is not one of {OPS}")
     for a in args.algo:
-        if a not in C.ALGORITHMS + ("gloo",):
-            p.error(f"--algo: {a!r} is not one of {C.ALGORITHMS + ('gloo',)}")
+        if a not in C.ALGORITHMS + ("gloo", "onebit"):
+            p.error(f"--algo: {a!r} is not one of {C.ALGORITHMS + ('gloo', 'onebit')}")
     if "mpi" not in args.algo:
         args.algo.append("mpi")  # the reference every ratio is taken against
     comm = MPI.COMM_WORLD
