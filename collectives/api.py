@@ -16,7 +16,7 @@ from .compression import Compression, check_compression
 from .engine import ENGINE, Handle
 from .ops import ReduceOp, check_op, kernel_op
 
-ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "mpi")
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "shm", "mpi")
 
 
 def _check_algorithm(algorithm: object) -> str:
@@ -27,9 +27,11 @@ def _check_algorithm(algorithm: object) -> str:
 
 def _resolve(algorithm: str, collective: str, nbytes: int) -> str:
     """The concrete algorithm for `auto` (a function of agreed values: the same everywhere)."""
+    topo = topology.get()
     if algorithm != "auto":
+        dispatch.check_shm(algorithm, topo)
         return algorithm
-    return select.choose(collective, nbytes, topology.get())
+    return select.choose(collective, nbytes, topo)
 
 
 def _run(name: str, work: Callable[[], Any]) -> Any:

@@ -9,23 +9,25 @@ from collections.abc import Callable
 import numpy as np
 
 from . import select
-from .algorithms import hierarchical, mpi, ring, tree
+from .algorithms import hierarchical, mpi, ring, shm, tree
 from .ops import ReduceOp
 from .topology import Topology
 
-FLAT = ("ring", "tree", "mpi")
+FLAT = ("ring", "tree", "mpi", "shm")
 
 
 @functools.cache
 def _table(seg: int) -> dict[str, dict[str, Callable]]:
     return {
         "allreduce": {"ring": functools.partial(ring.allreduce, segment_bytes=seg),
-                      "tree": tree.allreduce, "mpi": mpi.allreduce},
+                      "tree": tree.allreduce, "mpi": mpi.allreduce, "shm": shm.allreduce},
         "reducescatter": {"ring": functools.partial(ring.reducescatter, segment_bytes=seg),
-                          "tree": tree.reducescatter, "mpi": mpi.reducescatter},
-        "allgather": {"ring": ring.allgather, "tree": tree.allgather, "mpi": mpi.allgather},
+                          "tree": tree.reducescatter, "mpi": mpi.reducescatter,
+                          "shm": shm.reducescatter},
+        "allgather": {"ring": ring.allgather, "tree": tree.allgather, "mpi": mpi.allgather,
+                      "shm": shm.allgather},
         "broadcast": {"ring": functools.partial(ring.broadcast, segment_bytes=seg),
-                      "tree": tree.broadcast, "mpi": mpi.broadcast},
+                      "tree": tree.broadcast, "mpi": mpi.broadcast, "shm": shm.broadcast},
     }
 
 
@@ -36,6 +38,14 @@ def _flat(topo: Topology, collective: str, algo: str) -> Callable:
 def _level(collective: str, level: str, topo: Topology, nbytes: int) -> Callable:
     """The flat algorithm for one level ("intra" or "inter") of a hierarchical call."""
     return _flat(topo, collective, select.choose_level(collective, level, nbytes, topo))
+
+
+def check_shm(algo: str, topo: Topology) -> None:
+    """shm on the world communicator needs every rank on one node."""
+    if algo == "shm" and len(topo.nodes) > 1:
+        raise ValueError(f"algorithm: 'shm' needs every rank on one node, but the job spans "
+                         f"{len(topo.nodes)} nodes; use 'hierarchical' (its node level uses "
+                         f"shared memory) or 'auto'")
 
 
 def allreduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,

@@ -110,6 +110,10 @@ def flat_cost(algo: str, collective: str, n: int, m: int, alpha: float, beta: fl
         return ring
     if algo == "tree":
         return tree
+    if algo == "shm":  # copy in, reduce a 1/n slice, copy out: ~2-3 passes over memory
+        passes = {"allreduce": 3, "reducescatter": 2}.get(collective, 2)
+        chunks = max(1, m // (1 << 20))
+        return 3 * chunks * (alpha + o) + passes * m * p.gamma
     # the MPI library: its own best of similar algorithms, steps in C, one call's overhead
     o_saved = (ring_steps if ring < tree else _log2(n) + fold) * o
     return min(ring, tree) - o_saved + p.mpi_call
@@ -119,8 +123,8 @@ def choose_level(collective: str, level: str, nbytes: int, topo: Topology) -> st
     """The cheapest flat algorithm for one level of a hierarchical call."""
     n = topo.local_size if level == "intra" else max(len(topo.nodes), 1)
     alpha, beta = _link(topo, level)
-    return min(("ring", "tree", "mpi"),
-               key=lambda a: flat_cost(a, collective, n, nbytes, alpha, beta))
+    options = ("ring", "tree", "mpi", "shm") if level == "intra" else ("ring", "tree", "mpi")
+    return min(options, key=lambda a: flat_cost(a, collective, n, nbytes, alpha, beta))
 
 
 def predict(algo: str, collective: str, nbytes: int, topo: Topology) -> float:
@@ -153,6 +157,8 @@ def choose(collective: str, nbytes: int, topo: Topology) -> str:
 def candidates(topo: Topology) -> list[str]:
     """Algorithms `auto` may pick on this topology."""
     found = ["ring", "tree", "mpi"]
+    if len(topo.nodes) == 1 and topo.size > 1:
+        found.append("shm")
     if len(topo.nodes) > 1 and topo.max_local_size > 1:
         found.append("hierarchical")
     return found

@@ -1,0 +1,423 @@
+"""Shared-memory collectives for ranks that share a node: allreduce, reducescatter,
+allgather and broadcast through one MPI-3 shared window per communicator.
+
+How it works. Every rank owns a segment of a window made with MPI.Win.Allocate_shared and
+kept across calls (grown on demand, collectively; freed by `shutdown`). A segment holds
+three counters and DEPTH staging buffers of up to SLOT_BYTES. A call is cut into chunks;
+chunk g (numbered across calls) uses buffer g % DEPTH. The data is cut into one block per
+rank, and each chunk takes one piece of every block:
+  reducescatter  1. copy-in: every rank copies its pieces of the other ranks' blocks into its
+                    buffer, then bumps READY; 2. reduce: rank r folds piece r of every rank's
+                    buffer (its own straight from its input), in rank order, into its output
+                    in one C++ pass, then bumps DONE.
+  allreduce      the same over even blocks, but step 2 leaves piece r in r's own buffer and
+                 bumps REDUCED; 3. copy-out: every rank copies every piece into its output.
+  allgather      1. copy a piece of the input into the buffer (and into the own output
+                 block); 2. copy every other rank's piece out.
+  broadcast      1. the root copies a piece in; 2. the others copy it out.
+Calls staging at most SMALL_BYTES in all take one chunk: every rank copies its whole input
+in, waits once, and reads what it needs (allreduce: every rank folds the whole vector).
+A counter is a number of chunks done, written only by its owner after MPI.Win.Sync (a full
+memory fence) and read by the others before a Sync, so a reader that sees chunk g counted
+also sees its data. Before writing buffer g % DEPTH a rank waits until every rank has
+counted chunk g - DEPTH as DONE. Stage s of chunk k runs at step k + s, so each wait is on
+work the others did a step earlier, and chunks stay in cache from copy-in to copy-out.
+Every element is folded once, in rank order, so all ranks get bit-identical results.
+
+Cost per rank for L ranks and m bytes (w = one counter wait, about a microsecond; copies and
+folds run at memory speed; waits overlap work across the pipeline):
+  allreduce      copy in (L-1)/L m, fold m/L (reading m), copy out m; 3 w per chunk. Memory
+                 traffic ~2m (input read, output written; +m read-for-ownership when recv is
+                 not send), against 5-11 m for a message-passing ring.
+  small          copy in the whole input; allreduce folds L m, reducescatter m, allgather
+                 copies m out; 2 w in all.
+  reducescatter  copy in (L-1)/L m, fold m/L; 2 w per chunk.
+  allgather      copy in 2 m/L (window and own block), copy out (L-1)/L m (m = gathered).
+  broadcast      root copies m in, the others m out; 2 w per chunk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import kernels
+from ..ops import ReduceOp
+from ..p2p import even_bounds
+
+#: Largest staging buffer per rank and chunk: chunks that stay in the L2/L3 caches.
+SLOT_BYTES = 1 << 20
+#: Smallest buffer allocated, so that small calls do not regrow the window one by one.
+MIN_SLOT_BYTES = 64 << 10
+#: Staging buffers per rank: at least the deepest pipeline (3 stages) so no rank waits on
+#: itself, plus one so a rank can copy in while a slow peer still reads.
+DEPTH = 4
+#: Calls staging at most this many bytes in all (every rank's whole input) take one chunk:
+#: one wait instead of two or three, at the price of copying whole inputs in.
+SMALL_BYTES = 256 << 10
+#: A wait this long means a rank has left the collective: raise instead of hanging.
+STALL_SECONDS = 300.0
+#: Seconds a waiting rank polls before it yields its core between polls (at once when the
+#: node has more ranks than cores: then the rank waited for may need this core to run).
+SPIN_SECONDS = 1e-3
+
+_HEADER = 4096  # counters page at the start of each segment
+_STRIDE = 16  # int64s between counters: each on its own 128-byte line pair
+READY, REDUCED, DONE = 0, 1, 2
+_COUNTERS = ("READY", "REDUCED", "DONE")
+_ALIGN = 64  # pieces start on cache lines
+
+
+class _Window:
+    """One communicator's shared window: each rank's counters and staging buffers."""
+
+    __slots__ = ("win", "rank", "size", "slot_bytes", "flags", "segments", "typed", "seq",
+                 "spin_seconds")
+
+    def __init__(self, comm: MPI.Comm, slot_bytes: int):
+        self.slot_bytes = slot_bytes
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # page-aligned segments, first-touched locally
+        self.win = MPI.Win.Allocate_shared(_HEADER + DEPTH * slot_bytes, 1, info, comm)
+        info.Free()
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # Win.Sync needs a passive-target epoch
+        raw = [self.win.Shared_query(j)[0] for j in range(self.size)]
+        self.flags = [memoryview(b)[:_HEADER].cast("q") for b in raw]
+        self.segments = [np.frombuffer(b, np.uint8, DEPTH * slot_bytes, _HEADER) for b in raw]
+        self.typed: dict[np.dtype, list[np.ndarray]] = {}
+        self.seq = 0  # chunks done so far on this window, the same on every rank
+        self.spin_seconds = SPIN_SECONDS if self.size <= (os.cpu_count() or 1) else 0.0
+
+    def data(self, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's DEPTH buffers as one flat array of dtype (cached per dtype)."""
+        views = self.typed.get(dtype)
+        if views is None:
+            views = self.typed[dtype] = [s.view(dtype) for s in self.segments]
+        return views
+
+    def offset(self, g: int, dtype: np.dtype) -> int:
+        """Element offset of chunk g's buffer."""
+        return (g % DEPTH) * (self.slot_bytes // dtype.itemsize)
+
+    def post(self, counter: int, g: int) -> None:
+        """Count chunk g on this rank's counter; the fence first publishes its data."""
+        self.win.Sync()
+        self.flags[self.rank][counter * _STRIDE] = g + 1
+
+    def wait(self, counter: int, g: int) -> None:
+        """Return once every rank has counted chunk g (at once for g < 0)."""
+        index = counter * _STRIDE
+        for j, flag in enumerate(self.flags):
+            if flag[index] <= g:
+                self._spin(j, counter, g)
+        self.win.Sync()  # acquire: no read of the data before the counter was seen
+
+    def wait_for(self, j: int, counter: int, g: int) -> None:
+        """Return once rank j has counted chunk g."""
+        if self.flags[j][counter * _STRIDE] <= g:
+            self._spin(j, counter, g)
+        self.win.Sync()
+
+    def _spin(self, j: int, counter: int, g: int) -> None:
+        """Poll rank j's counter, yielding the core between polls after spin_seconds."""
+        flag, index = self.flags[j], counter * _STRIDE
+        start = time.perf_counter()
+        polls = 0
+        while flag[index] <= g:
+            polls += 1
+            if polls % 32 == 0:
+                waited = time.perf_counter() - start
+                if waited > self.spin_seconds:
+                    os.sched_yield()
+                if waited > STALL_SECONDS:
+                    raise RuntimeError(f"shm: rank {j} has not counted chunk {g} as "
+                                       f"{_COUNTERS[counter]} after {STALL_SECONDS:g} s; "
+                                       "did it leave the collective?")
+
+    def free(self) -> None:
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+#: Live windows by communicator handle, in creation order (the same on every rank).
+_windows: dict[int, _Window] = {}
+
+
+def _window(comm: MPI.Comm, slot_bytes: int) -> _Window:
+    """comm's window with buffers of at least slot_bytes; creating or growing it is
+    collective, and every rank asks for the same size because sizes are agreed."""
+    w = _windows.get(comm.handle)
+    if w is not None and w.slot_bytes >= slot_bytes:
+        return w
+    if w is None:
+        _check_shared(comm)
+        grown = max(slot_bytes, MIN_SLOT_BYTES)
+    else:
+        comm.Barrier()  # no rank still reads the old window
+        del _windows[comm.handle]
+        w.free()
+        grown = max(slot_bytes, min(2 * w.slot_bytes, SLOT_BYTES))
+    w = _windows[comm.handle] = _Window(comm, -(-grown // _ALIGN) * _ALIGN)
+    return w
+
+
+def _check_shared(comm: MPI.Comm) -> None:
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    shared = node.Get_size() == comm.Get_size()
+    node.Free()
+    if not shared:
+        raise ValueError("shm: the ranks of comm do not all share memory; pass the node "
+                         "communicator")
+
+
+def shutdown(comm: MPI.Comm | None = None) -> None:
+    """Free comm's window (collective over comm), or every window if comm is None (collective
+    over each window's communicator). Call it before freeing a communicator the shm
+    collectives have used: windows are found by communicator handle, which MPI may reuse."""
+    for handle, w in list(_windows.items()):
+        if comm is None or handle == comm.handle:
+            del _windows[handle]
+            w.free()
+
+
+# ------------------------------------------------------------------------------- plumbing
+
+def _piece_elems(longest: int, pieces: int, itemsize: int) -> int:
+    """Elements per piece so that `pieces` pieces fit SLOT_BYTES, cache-line aligned."""
+    per = max(SLOT_BYTES // pieces // itemsize // _ALIGN * _ALIGN, _ALIGN)
+    return min(longest, per)
+
+
+def _pipeline(nchunks: int, stages: list[Callable[[int], None]]) -> None:
+    """Run stage s of chunk k at step k + s, earlier stages first within a step: each wait
+    is on work the other ranks did a step ago."""
+    for step in range(nchunks + len(stages) - 1):
+        for s, stage in enumerate(stages):
+            if 0 <= step - s < nchunks:
+                stage(step - s)
+
+
+def _single(comm: MPI.Comm, send: np.ndarray, counts: list[int],
+            finish: Callable[[list[np.ndarray]], None]) -> None:
+    """A small call in one chunk: every rank copies its whole send in, waits once, and
+    finish reads what it needs from every rank's buffer (rank j's holds counts[j])."""
+    w = _window(comm, max(counts) * send.itemsize)
+    g = w.seq
+    o = w.offset(g, send.dtype)
+    data = w.data(send.dtype)
+    w.wait(DONE, g - DEPTH)
+    np.copyto(data[w.rank][o:o + send.size], send)
+    w.post(READY, g)
+    w.wait(READY, g)
+    finish([d[o:o + c] for d, c in zip(data, counts)])
+    w.post(DONE, g)
+    w.seq = g + 1
+
+
+class _Blocks:
+    """A buffer cut into one block per rank (bounds) and each block into pieces of e."""
+
+    __slots__ = ("bounds", "e", "nchunks")
+
+    def __init__(self, bounds: list[int], e: int):
+        self.bounds, self.e = bounds, e
+        longest = max(bounds[j + 1] - bounds[j] for j in range(len(bounds) - 1))
+        self.nchunks = -(-longest // e)
+
+    def piece(self, j: int, k: int) -> tuple[int, int]:
+        """[lo, hi) of block j's piece in chunk k (empty past the block's end)."""
+        end = self.bounds[j + 1]
+        lo = min(self.bounds[j] + k * self.e, end)
+        return lo, min(lo + self.e, end)
+
+
+def _bounds(counts: list[int]) -> list[int]:
+    return list(itertools.accumulate(counts, initial=0))
+
+
+# ------------------------------------------------------------------ reduce over blocks
+
+def _copy_in(w: _Window, blocks: _Blocks, send: np.ndarray) -> Callable[[int], None]:
+    """Stage: copy this rank's pieces of the other ranks' blocks into its buffer (piece j
+    of block j at j * e); its own piece stays in its input until the reduce."""
+    r, e = w.rank, blocks.e
+    mine = w.data(send.dtype)[r]
+
+    def stage(k: int) -> None:
+        g = w.seq + k
+        w.wait(DONE, g - DEPTH)
+        o = w.offset(g, send.dtype)
+        for j in range(w.size):
+            if j != r:
+                lo, hi = blocks.piece(j, k)
+                np.copyto(mine[o + j * e:o + j * e + hi - lo], send[lo:hi])
+        w.post(READY, g)
+
+    return stage
+
+
+def _reduce(w: _Window, blocks: _Blocks, send: np.ndarray, op: ReduceOp, dtype: str,
+            out: Callable[[int, int, int], np.ndarray], counter: int) -> Callable[[int], None]:
+    """Stage: fold this rank's piece over all ranks, in rank order, into out(o, lo, hi)."""
+    r, e = w.rank, blocks.e
+    data = w.data(send.dtype)
+
+    def stage(k: int) -> None:
+        g = w.seq + k
+        w.wait(READY, g)
+        o = w.offset(g, send.dtype) + r * e
+        lo, hi = blocks.piece(r, k)
+        srcs = [send[lo:hi] if j == r else data[j][o:o + hi - lo] for j in range(w.size)]
+        kernels.reduce(out(o, lo, hi), srcs, dtype, op)
+        w.post(counter, g)
+
+    return stage
+
+
+def _copy_out(w: _Window, blocks: _Blocks, recv: np.ndarray) -> Callable[[int], None]:
+    """Stage: copy every rank's reduced piece (left in its own slot) into recv."""
+    e = blocks.e
+    data = w.data(recv.dtype)
+
+    def stage(k: int) -> None:
+        g = w.seq + k
+        w.wait(REDUCED, g)
+        o = w.offset(g, recv.dtype)
+        for j in range(w.size):
+            lo, hi = blocks.piece(j, k)
+            np.copyto(recv[lo:hi], data[j][o + j * e:o + j * e + hi - lo])
+        w.post(DONE, g)
+
+    return stage
+
+
+def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+              dtype: str) -> None:
+    """recv = reduction of every rank's send (send may be recv)."""
+    size = comm.Get_size()
+    if size == 1 or recv.size == 0:
+        if recv is not send:
+            np.copyto(recv, send)
+        return
+    if recv.nbytes * size <= SMALL_BYTES:  # every rank folds the whole vector
+        return _single(comm, send, [send.size] * size,
+                       lambda slots: kernels.reduce(recv, slots, dtype, op))
+    bounds = even_bounds(recv.size, size)
+    blocks = _Blocks(bounds, _piece_elems(bounds[1], size, recv.itemsize))
+    w = _window(comm, size * blocks.e * recv.itemsize)
+    mine = w.data(recv.dtype)[w.rank]
+    _pipeline(blocks.nchunks, [
+        _copy_in(w, blocks, send),
+        _reduce(w, blocks, send, op, dtype, lambda o, lo, hi: mine[o:o + hi - lo], REDUCED),
+        _copy_out(w, blocks, recv),
+    ])
+    w.seq += blocks.nchunks
+
+
+def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
+                  op: ReduceOp, dtype: str) -> None:
+    """recv = this rank's block (counts[rank] elements) of the reduction of every send."""
+    size, r = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        np.copyto(recv, send)
+        return
+    if send.size == 0:
+        return
+    bounds = _bounds(counts)
+    start, end = bounds[r], bounds[r + 1]
+    if send.nbytes * size <= SMALL_BYTES:
+        return _single(comm, send, [send.size] * size,
+                       lambda slots: kernels.reduce(recv, [s[start:end] for s in slots], dtype, op))
+    blocks = _Blocks(bounds, _piece_elems(max(counts), size, send.itemsize))
+    w = _window(comm, size * blocks.e * send.itemsize)
+    _pipeline(blocks.nchunks, [
+        _copy_in(w, blocks, send),
+        _reduce(w, blocks, send, op, dtype, lambda o, lo, hi: recv[lo - start:hi - start], DONE),
+    ])
+    w.seq += blocks.nchunks
+
+
+# ------------------------------------------------------------------------ pure copies
+
+def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
+    """recv = every rank's send concatenated in rank order (counts[i] elements from rank i)."""
+    size = comm.Get_size()
+    if size == 1:
+        np.copyto(recv, send)
+        return
+    if recv.size == 0:
+        return
+    bounds = _bounds(counts)
+    if recv.nbytes <= SMALL_BYTES:
+        def finish(slots: list[np.ndarray]) -> None:
+            for j, slot in enumerate(slots):
+                np.copyto(recv[bounds[j]:bounds[j + 1]], slot)
+
+        return _single(comm, send, counts, finish)
+    blocks = _Blocks(bounds, _piece_elems(max(counts), 1, send.itemsize))
+    w = _window(comm, blocks.e * send.itemsize)
+    r = w.rank
+    start = bounds[r]
+    data = w.data(send.dtype)
+
+    def copy_in(k: int) -> None:
+        g = w.seq + k
+        w.wait(DONE, g - DEPTH)
+        o = w.offset(g, send.dtype)
+        lo, hi = blocks.piece(r, k)
+        piece = send[lo - start:hi - start]
+        np.copyto(data[r][o:o + hi - lo], piece)
+        np.copyto(recv[lo:hi], piece)
+        w.post(READY, g)
+
+    def copy_out(k: int) -> None:
+        g = w.seq + k
+        w.wait(READY, g)
+        o = w.offset(g, send.dtype)
+        for j in range(size):
+            if j != r:
+                lo, hi = blocks.piece(j, k)
+                np.copyto(recv[lo:hi], data[j][o:o + hi - lo])
+        w.post(DONE, g)
+
+    _pipeline(blocks.nchunks, [copy_in, copy_out])
+    w.seq += blocks.nchunks
+
+
+def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
+    """buf on every rank = buf on root: the root copies pieces in, the others copy them out."""
+    if comm.Get_size() == 1 or buf.size == 0:
+        return
+    raw = buf.view(np.uint8)
+    e = min(raw.size, SLOT_BYTES)
+    nchunks = -(-raw.size // e)
+    w = _window(comm, e)
+    src = w.segments[root]
+    is_root = w.rank == root
+
+    def copy_in(k: int) -> None:
+        g = w.seq + k
+        if is_root:
+            w.wait(DONE, g - DEPTH)
+            lo, hi = k * e, min((k + 1) * e, raw.size)
+            o = w.offset(g, raw.dtype)
+            np.copyto(src[o:o + hi - lo], raw[lo:hi])
+            w.post(READY, g)
+
+    def copy_out(k: int) -> None:
+        g = w.seq + k
+        if not is_root:
+            w.wait_for(root, READY, g)
+            lo, hi = k * e, min((k + 1) * e, raw.size)
+            o = w.offset(g, raw.dtype)
+            np.copyto(raw[lo:hi], src[o:o + hi - lo])
+        w.post(DONE, g)
+
+    _pipeline(nchunks, [copy_in, copy_out])
+    w.seq += nchunks

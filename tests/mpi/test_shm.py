@@ -1,0 +1,221 @@
+"""The shared-memory algorithms called directly on COMM_WORLD (all test ranks share one
+machine): every dtype and op, awkward sizes, in-place and out-of-place, against a NumPy
+reference built from mpi4py-gathered inputs, bit-identical on all ranks, with random
+per-rank delays (before calls and, in the stress tests, between pipeline stages) to catch
+torn reads, and long runs of back-to-back calls that grow, reuse and recreate the window."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import DTYPES, assert_equal, assert_same_on_all_ranks, make_input, reference_reduce
+
+import collectives as C
+from collectives.algorithms import shm
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+OPS = [C.Sum, C.Min, C.Max, C.Product]
+BIG = (1 << 20) + 1
+HEAVY = 40_000
+
+
+@pytest.fixture(params=["default", "pieces"])
+def path(request, monkeypatch) -> str:
+    """`default`: the module's sizes; `pieces`: every allreduce takes the pipelined path
+    with tiny chunks, so even small counts span many chunks and wrap the DEPTH buffers."""
+    if request.param == "pieces":
+        monkeypatch.setattr(shm, "SMALL_BYTES", 0)
+        monkeypatch.setattr(shm, "SLOT_BYTES", 4096)
+    return request.param
+
+
+@pytest.fixture(scope="module", autouse=True)
+def free_windows():
+    yield
+    shm.shutdown()
+
+
+def counts_for(path: str, n: int) -> list[int]:
+    return sorted({0, 1, n - 1, n + 1, 1001} | ({HEAVY, BIG} if path == "default" else {20_001}))
+
+
+def thin(cases: list, dtype: str, count: int) -> list:
+    """Every case below HEAVY elements; from there one case per dtype, in turn, so the run
+    stays short: the cases differ only in code that the smaller counts cover."""
+    return cases if count < HEAVY else [cases[DTYPES.index(dtype) % len(cases)]]
+
+
+def to_storage(a: np.ndarray, dtype: str) -> np.ndarray:
+    """make_input's values in the algorithms' storage (bfloat16 as uint16 bits)."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(a).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return a
+
+
+def readable(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Storage back to comparable values (bfloat16 bits as float64)."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(torch.float64).numpy()
+    return a
+
+
+def pause(rng: np.random.Generator) -> None:
+    """A random per-rank delay of up to 2 ms, so ranks enter calls out of step."""
+    time.sleep(rng.random() * 2e-3)
+
+
+def horovod_split(count: int, n: int) -> list[int]:
+    return [count // n + (1 if j < count % n else 0) for j in range(n)]
+
+
+def uneven_split(count: int, n: int) -> list[int]:
+    """Rank 1 gets nothing, the others grow with their rank; rank 0 takes the remainder."""
+    weights = [0 if j == 1 else j + 1 for j in range(n)]
+    counts = [count * w // sum(weights) for w in weights]
+    counts[0] += count - sum(counts)
+    return counts
+
+
+def check_allreduce(comm, x: np.ndarray, op, dtype: str, inplace: bool, what: str) -> None:
+    inputs = comm.allgather(x)
+    send = to_storage(x, dtype).copy()
+    recv = send if inplace else np.empty_like(send)
+    shm.allreduce(comm, send, recv, op, dtype)
+    expected = reference_reduce(inputs, op, dtype, comm.Get_size())
+    assert_equal(readable(recv, dtype), expected, what)
+    assert_same_on_all_ranks(comm, recv, what)
+
+
+def check_reducescatter(comm, x: np.ndarray, counts: list[int], op, dtype: str, what: str) -> None:
+    r = comm.Get_rank()
+    inputs = comm.allgather(x)
+    send = to_storage(x, dtype)
+    before = send.copy()
+    recv = np.empty(counts[r], send.dtype)
+    shm.reducescatter(comm, send, recv, counts, op, dtype)
+    start = sum(counts[:r])
+    expected = reference_reduce(inputs, op, dtype, comm.Get_size())[start:start + counts[r]]
+    assert_equal(readable(recv, dtype), expected, what)
+    assert_equal(send, before, f"{what}: input modified")
+
+
+def check_allgather(comm, x: np.ndarray, what: str) -> None:
+    inputs = comm.allgather(x)
+    recv = np.empty(sum(i.size for i in inputs), x.dtype)
+    shm.allgather(comm, x, recv, [i.size for i in inputs])
+    assert_equal(recv, np.concatenate(inputs), what)
+    assert_same_on_all_ranks(comm, recv, what)
+
+
+def check_broadcast(comm, x: np.ndarray, root: int, what: str) -> None:
+    expected = comm.bcast(x, root=root)
+    buf = x.copy()
+    shm.broadcast(comm, buf, root)
+    assert_equal(buf, expected, what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce(comm, path, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng(r)
+    for count in counts_for(path, n):
+        x = make_input(dtype, (count,), seed=count * 97 + r)
+        for op, inplace in thin([(op, i) for op in OPS for i in (False, True)], dtype, count):
+            pause(rng)
+            check_allreduce(comm, x, op, dtype, inplace,
+                            f"{path} allreduce {dtype} {op.name} count={count} inplace={inplace}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reducescatter(comm, path, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng(r)
+    for count in counts_for(path, n):
+        x = make_input(dtype, (count,), seed=count * 89 + r)
+        for op, split in thin([(op, s) for op in OPS for s in (horovod_split, uneven_split)],
+                              dtype, count):
+            pause(rng)
+            check_reducescatter(comm, x, split(count, n), op, dtype,
+                                f"{path} reducescatter {dtype} {op.name} count={count} "
+                                f"{split.__name__}")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "int64"])
+def test_allgather(comm, path, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng(r)
+    for count in counts_for(path, n):
+        for mine in thin([count, max(count - 3 * r, 0), count if r == 1 else 0], dtype, count):
+            pause(rng)
+            check_allgather(comm, make_input(dtype, (mine,), seed=count + r),
+                            f"{path} allgather {dtype} count={count} mine={mine}")
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "bfloat16", "float64"])
+def test_broadcast(comm, path, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng(r)
+    for count in counts_for(path, n):
+        for root in thin(sorted({0, n - 1}), dtype, count):
+            pause(rng)
+            x = to_storage(make_input(dtype, (count,), seed=count + r), dtype)
+            check_broadcast(comm, x, root, f"{path} broadcast {dtype} count={count} root={root}")
+
+
+def test_back_to_back_growth_and_reuse(comm):
+    """A fresh window grown call by call, then recreated after shutdown, across all four
+    collectives and several dtypes; every call's inputs differ, so stale data shows."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    shared = np.random.default_rng(1234)  # the same draws on every rank
+    mine = np.random.default_rng(r)
+    shm.shutdown(comm)
+    for i in range(80):
+        if i == 40:
+            shm.shutdown(comm)
+        dtype = ["float32", "int32", "bfloat16", "int8"][i % 4]
+        count = int(shared.choice([1, n + 1, 3000, 9000, 70_000, 300_001]))
+        x = make_input(dtype, (count,), seed=i * 31 + r)
+        kind = i % 5
+        time.sleep(mine.random() * 2e-4)
+        what = f"call {i} {dtype} count={count}"
+        if kind <= 1:
+            check_allreduce(comm, x, C.Sum, dtype, kind == 1, f"allreduce {what}")
+        elif kind == 2:
+            check_reducescatter(comm, x, horovod_split(count, n), C.Max, dtype,
+                                f"reducescatter {what}")
+        elif kind == 3:
+            check_allgather(comm, x[:count - r] if count > r else x, f"allgather {what}")
+        else:
+            check_broadcast(comm, to_storage(x, dtype), i % n, f"broadcast {what}")
+
+
+def test_delays_between_stages(comm, monkeypatch):
+    """Random per-rank sleeps before counters are bumped and before reductions, on many-chunk
+    pipelines, so ranks drift apart mid-call and wrap the DEPTH buffers while others lag."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng(100 + r)
+    post, reduce = shm._Window.post, shm.kernels.reduce
+
+    def slow(fn):
+        def call(*args):
+            if rng.random() < 0.2:
+                time.sleep(rng.random() * 3e-4)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(shm._Window, "post", slow(post))
+    monkeypatch.setattr(shm.kernels, "reduce", slow(reduce))
+    monkeypatch.setattr(shm, "SMALL_BYTES", 0)
+    monkeypatch.setattr(shm, "SLOT_BYTES", 2048)
+    for i in range(40):
+        count = 5000 + 37 * i
+        x = make_input("int64", (count,), seed=i * 7 + r)
+        check_allreduce(comm, x, C.Sum, "int64", i % 2 == 0, f"allreduce call {i}")
+        check_reducescatter(comm, x, uneven_split(count, n), C.Sum, "int64",
+                            f"reducescatter call {i}")
+        check_allgather(comm, x[:count - i * r], f"allgather call {i}")
+        check_broadcast(comm, x, i % n, f"broadcast call {i}")
