@@ -34,7 +34,7 @@ test: install
 	bash ci/test.sh
 
 bench: install
-	$(MPIRUN) -np 2 $(PY) benchmarks/bandwidth.py -b 4K -e 64M -f 4 --algo ring,mpi
+	$(MPIRUN) -np 2 $(PY) benchmarks/bandwidth.py -b 4K -e 64M -f 4 --algo ring,tree,shm,auto,mpi
 
 clean:
 	rm -rf build *.egg-info collectives/_C*.so $(VENV)
