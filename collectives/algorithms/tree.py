@@ -54,6 +54,19 @@ def _real(v: int, e: int) -> int:
     return 2 * v + 1 if v < e else v + e
 
 
+def _fold(comm: MPI.Comm, buf: np.ndarray, tmp: np.ndarray, e: int, op: ReduceOp,
+          dtype: str) -> None:
+    """Each even rank below 2e hands buf to the odd rank above, which folds it in first."""
+    r = comm.Get_rank()
+    if r >= 2 * e:
+        return
+    if r % 2 == 0:
+        isend(comm, buf, r + 1, TAG_FOLD).Wait()
+    else:
+        irecv(comm, tmp, r - 1, TAG_FOLD).Wait()
+        kernels.reduce(buf, [tmp, buf], dtype, op)
+
+
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
               dtype: str) -> None:
     """recv = reduction of every rank's send (send may be recv), by recursive doubling."""
@@ -64,12 +77,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
         return
     p, e = _fold_shape(n)
     tmp = np.empty_like(recv)
-    if r < 2 * e:  # fold: even ranks hand their data to the odd rank above
-        if r % 2 == 0:
-            isend(comm, recv, r + 1, TAG_FOLD).Wait()
-        else:
-            irecv(comm, tmp, r - 1, TAG_FOLD).Wait()
-            kernels.reduce(recv, [tmp, recv], dtype, op)
+    _fold(comm, recv, tmp, e, op, dtype)
     v = _virtual(r, e)
     if v >= 0:
         d = 1
@@ -98,12 +106,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
     p, e = _fold_shape(n)
     acc = send.copy()
     tmp = np.empty_like(acc)
-    if r < 2 * e:
-        if r % 2 == 0:
-            isend(comm, acc, r + 1, TAG_FOLD).Wait()
-        else:
-            irecv(comm, tmp, r - 1, TAG_FOLD).Wait()
-            kernels.reduce(acc, [tmp, acc], dtype, op)
+    _fold(comm, acc, tmp, e, op, dtype)
     v = _virtual(r, e)
     if v >= 0:
         # element range of active rank u's blocks: its own, or the folded pair's two
