@@ -147,12 +147,14 @@ class _Window:
 
 #: Live windows by communicator handle, in creation order (the same on every rank).
 _windows: dict[int, _Window] = {}
+_keyval: int | None = None  # created on first use: MPI must be initialized
 
 
 def _window(comm: MPI.Comm, slot_bytes: int) -> _Window:
     """comm's window with buffers of at least slot_bytes; creating or growing it is
     collective, and every rank asks for the same size because sizes are agreed."""
-    w = _windows.get(comm.handle)
+    key = comm.handle
+    w = _windows.get(key)
     if w is not None and w.slot_bytes >= slot_bytes:
         return w
     if w is None:
@@ -160,11 +162,34 @@ def _window(comm: MPI.Comm, slot_bytes: int) -> _Window:
         grown = max(slot_bytes, MIN_SLOT_BYTES)
     else:
         comm.Barrier()  # no rank still reads the old window
-        del _windows[comm.handle]
-        w.free()
+        _forget(key)
         grown = max(slot_bytes, min(2 * w.slot_bytes, SLOT_BYTES))
-    w = _windows[comm.handle] = _Window(comm, -(-grown // _ALIGN) * _ALIGN)
+    w = _Window(comm, -(-grown // _ALIGN) * _ALIGN)
+    comm.Set_attr(_on_free(), (key, w))
+    _windows[key] = w
     return w
+
+
+def _on_free() -> int:
+    """The attribute key that ties a window to its communicator: MPI reuses handles, so a
+    window must not outlive its communicator in _windows."""
+    global _keyval
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=_comm_freed)
+    return _keyval
+
+
+def _comm_freed(comm: MPI.Comm, keyval: int, value: tuple[int, _Window]) -> None:
+    """Attribute delete callback (the communicator is being freed): free its window."""
+    _forget(*value)
+
+
+def _forget(key: int, w: _Window | None = None) -> None:
+    """Free the window registered under key (only if it is w, when given): collective."""
+    current = _windows.get(key)
+    if current is not None and (w is None or current is w):
+        del _windows[key]
+        current.free()
 
 
 def _check_shared(comm: MPI.Comm) -> None:
@@ -178,12 +203,11 @@ def _check_shared(comm: MPI.Comm) -> None:
 
 def shutdown(comm: MPI.Comm | None = None) -> None:
     """Free comm's window (collective over comm), or every window if comm is None (collective
-    over each window's communicator). Call it before freeing a communicator the shm
-    collectives have used: windows are found by communicator handle, which MPI may reuse."""
-    for handle, w in list(_windows.items()):
-        if comm is None or handle == comm.handle:
-            del _windows[handle]
-            w.free()
+    over each window's communicator, in creation order). Freeing a communicator frees its
+    window too."""
+    for key in list(_windows):
+        if comm is None or key == comm.handle:
+            _forget(key)
 
 
 # ------------------------------------------------------------------------------- plumbing

@@ -193,6 +193,20 @@ def test_back_to_back_growth_and_reuse(comm):
             check_broadcast(comm, to_storage(x, dtype), i % n, f"broadcast {what}")
 
 
+def test_freed_communicator_frees_its_window(comm):
+    """MPI reuses communicator handles: a window must go with its communicator, so that the
+    next one (here with the ranks reversed every other time) gets a window of its own."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    for i in range(4):
+        sub = comm.Split(0, key=n - 1 - r if i % 2 else r)
+        check_allgather(sub, make_input("int32", (3000 + sub.Get_rank(),), seed=i * 13 + r),
+                        f"communicator {i}")
+        key = sub.handle
+        assert key in shm._windows
+        sub.Free()
+        assert key not in shm._windows
+
+
 def test_delays_between_stages(comm, monkeypatch):
     """Random per-rank sleeps before counters are bumped and before reductions, on many-chunk
     pipelines, so ranks drift apart mid-call and wrap the DEPTH buffers while others lag."""
