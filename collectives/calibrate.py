@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
 def _use(tuning: dict) -> None:
     """Make `auto` in this process use the fresh tuning (for the printed table)."""
     select._tuning = lambda: tuning  # type: ignore[assignment]
+    select._choices.clear()
 
 
 if __name__ == "__main__":

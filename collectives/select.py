@@ -147,7 +147,19 @@ def predict(algo: str, collective: str, nbytes: int, topo: Topology) -> float:
 
 
 def choose(collective: str, nbytes: int, topo: Topology) -> str:
-    """The algorithm `auto` runs for this call (the same on every rank)."""
+    """The algorithm `auto` runs for this call (the same on every rank); memoized, as the
+    model's inputs are fixed once the job is up."""
+    key = (collective, nbytes, id(topo))
+    algo = _choices.get(key)
+    if algo is None:
+        algo = _choices[key] = _choose(collective, nbytes, topo)
+    return algo
+
+
+_choices: dict[tuple, str] = {}
+
+
+def _choose(collective: str, nbytes: int, topo: Topology) -> str:
     measured = _measured(collective, nbytes, topo)
     if measured:
         return min(measured, key=measured.get)
