@@ -25,8 +25,8 @@ HEAVY = 40_000
 
 @pytest.fixture(params=["default", "pieces"])
 def path(request, monkeypatch) -> str:
-    """`default`: the module's sizes; `pieces`: every allreduce takes the pipelined path
-    with tiny chunks, so even small counts span many chunks and wrap the DEPTH buffers."""
+    """`default`: the module's sizes; `pieces`: every call takes the pipelined path with
+    tiny chunks, so even small counts span many chunks and wrap the DEPTH buffers."""
     if request.param == "pieces":
         monkeypatch.setattr(shm, "SMALL_BYTES", 0)
         monkeypatch.setattr(shm, "SLOT_BYTES", 4096)
