@@ -6,9 +6,6 @@ a GPU still compiles the .cu files: ci/compile_cuda.sh.)"""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -29,19 +26,7 @@ if _gpus() == 0:
     pytest.skip("no CUDA GPU visible to CuPy: the CUDA kernels need one to run",
                 allow_module_level=True)
 
-VECTORS = Path(__file__).resolve().parents[1] / "vectors"
-
-
-def _load_reference():
-    spec = importlib.util.spec_from_file_location("make_kernel_vectors",
-                                                  VECTORS / "make_kernel_vectors.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = _load_reference()
-vectors = dict(np.load(ref.PATH))
+from kernel_vectors import ref, vectors  # noqa: E402
 
 
 def _host(x) -> np.ndarray:

@@ -4,29 +4,14 @@ and the shared vectors it generated (tests/vectors/kernels.npz, also run on CUDA
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from kernel_vectors import ref, vectors
 
 from collectives import _C
 from collectives import kernels as K
 
-VECTORS = Path(__file__).resolve().parents[1] / "vectors"
-
-
-def _load_reference():
-    spec = importlib.util.spec_from_file_location("make_kernel_vectors",
-                                                  VECTORS / "make_kernel_vectors.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = _load_reference()
-vectors = dict(np.load(ref.PATH))
 f32 = np.float32
 
 
