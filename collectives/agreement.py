@@ -1,10 +1,12 @@
 """Ranks agree on what they are about to do before any data moves.
 
-Every collective starts with one tiny MPI_Allgather of (signature hash, dim-0 rows): equal
-hashes mean every rank called the same collective with the same op, dtype, shape and
-algorithm; the rows give allgather its per-rank sizes for free. On a mismatch a second
-round gathers the readable signatures so every rank raises the same error, naming the field,
-the values and the ranks, and the communicator stays usable."""
+Every collective starts with a recursive-doubling exchange of a 32-byte header holding a
+digest of (collective, op, dtype, shape, algorithm, ...) (csrc/cpu/agree.cpp): equal digests
+everywhere mean every rank made the same call. Small payloads ride in the same messages: an
+allreduce of up to PIGGYBACK_BYTES is reduced during its own check (no extra round trip), and
+allgather's per-rank row counts travel the same way. On a mismatch every rank learns it in
+the same step; a second round gathers the readable signatures so every rank raises the same
+error, naming the field, the values and the ranks, and the communicator stays usable."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import hashlib
 
 import numpy as np
 
+from . import kernels, stats
+from .ops import ReduceOp, kernel_op
 from .topology import Topology
 from .watchdog import StallError
 
@@ -22,7 +26,8 @@ class MismatchError(ValueError):
 
 
 @functools.lru_cache(maxsize=4096)
-def _digest(signature: tuple) -> int:
+def digest(signature: tuple) -> int:
+    """A 64-bit digest of (collective, fields), equal on every rank for equal calls."""
     raw = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
     return int.from_bytes(raw, "little", signed=True)
 
@@ -62,22 +67,64 @@ def _groups(verb: str, values: list[str]) -> str:
     return ", ".join(parts)
 
 
-def agree(topo: Topology, collective: str, fields: tuple, rows: int = 0) -> np.ndarray:
-    """Check that every rank passes the same (collective, fields); return each rank's rows.
+#: Largest allreduce payload carried inside the agreement messages (bytes).
+PIGGYBACK_BYTES = 64 << 10
+_TAG = 20
+_NO_DATA = np.empty(0, np.uint8)
 
-    fields is a tuple of (name, value) pairs. Raises MismatchError on every rank if not;
-    a long wait is reported and, past the stall timeout, fails (see watchdog.py)."""
-    dog, comm = topo.watchdog, topo.comm
+
+def agree(topo: Topology, collective: str, fields: tuple) -> None:
+    """Check that every rank passes the same (collective, fields), a tuple of (name, value)
+    pairs. Raises MismatchError on every rank if not; a long wait is reported and, past the
+    stall timeout, fails (see watchdog.py)."""
+    exchange(topo, collective, fields, _NO_DATA, _NO_DATA, "uint8", ReduceOp.Sum)
+
+
+def agree_rows(topo: Topology, collective: str, fields: tuple, rows: int) -> np.ndarray:
+    """agree(), also returning every rank's `rows` (allgather's per-rank sizes)."""
+    n = topo.size
+    if 8 * n > PIGGYBACK_BYTES:  # very large jobs: a second, plain allgather
+        agree(topo, collective, fields)
+        return np.array(topo.comm.allgather(rows), dtype=np.int64)
+    mine = np.zeros(n, np.int64)
+    mine[topo.rank] = rows
+    everyone = np.empty(n, np.int64)
+    exchange(topo, collective, fields, mine, everyone, "int64", ReduceOp.Sum)
+    return everyone
+
+
+def agree_reduce(topo: Topology, collective: str, fields: tuple, send: np.ndarray,
+                 out: np.ndarray, dtype: str, op: ReduceOp) -> None:
+    """agree(), also reducing a payload of at most PIGGYBACK_BYTES into out (every rank gets
+    the same bits; Average divides by the world size). Payload bytes count in stats."""
+    divisor = topo.size if op is ReduceOp.Average else 1
+    sent, received = exchange(topo, collective, fields, send, out, dtype,
+                              int(kernel_op(op)), divisor)
+    stats.add_bytes(sent, received)
+
+
+def exchange(topo: Topology, collective: str, fields: tuple, send: np.ndarray,
+             out: np.ndarray, dtype: str, op: int, divisor: int = 1) -> tuple[int, int]:
+    """The agreement exchange reducing send into out (kernel op code), then dividing the
+    result by divisor; returns the payload bytes (sent, received), not yet in stats."""
+    return exchange_digest(topo, collective, fields, digest((collective, fields)), send, out,
+                           send.size, kernels.DTYPE_CODES[dtype], op, divisor)
+
+
+def exchange_digest(topo: Topology, collective: str, fields: tuple, signature_digest: int,
+                    send: np.ndarray, out: np.ndarray, count: int, dtype_code: int, op: int,
+                    divisor: int) -> tuple[int, int]:
+    """exchange() with the digest of (collective, fields) and the codes computed by the
+    caller (the small-allreduce fast path keeps them per distinct call)."""
+    dog = topo.watchdog
     if dog.failed:
         raise StallError(f"collectives is unusable after a stall timeout ({dog.failed}); "
                          "an MPI collective cannot be cancelled: restart the job")
-    signature = (collective, fields)
-    mine = np.array([_digest(signature), rows], dtype=np.int64)
-    everyone = np.empty((comm.Get_size(), 2), dtype=np.int64)
     dog.record.enter(collective, fields)
-    cfg = topo.config
-    dog.wait(comm.Iallgather(mine, everyone), cfg.stall_warning_s, cfg.stall_timeout_s)
+    ok, sent, received = kernels._C.agree_exchange(
+        topo.comm_handle, _TAG, signature_digest, send, out, count, dtype_code, op, divisor,
+        PIGGYBACK_BYTES, dog.first_deadline, dog.on_wait)
     dog.record.state = "running"
-    if (everyone[:, 0] != mine[0]).any():
-        raise MismatchError(describe_mismatch(comm.allgather(signature)))
-    return everyone[:, 1]
+    if not ok:
+        raise MismatchError(describe_mismatch(topo.comm.allgather((collective, fields))))
+    return sent, received

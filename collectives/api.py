@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from . import dispatch, kernels, quantized, select, stats, topology
-from .agreement import agree
+from . import dispatch, kernels, quantized, select, small, stats, topology
+from .agreement import PIGGYBACK_BYTES, agree, agree_reduce, agree_rows
 from .buffers import Buffer, store_float32, wrap
 from .compression import Compression, check_compression
 from .engine import ENGINE, Handle
@@ -89,13 +89,18 @@ def _allreduce_work(buf: Buffer, out: Buffer, op: ReduceOp, algorithm: str,
     def work() -> Any:
         topo = topology.get()
         algo = _resolve(algorithm, "allreduce", buf.nbytes)
-        agree(topo, "allreduce", (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
-                                  ("algorithm", algorithm), ("compression", compression)))
+        fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
+                  ("algorithm", algorithm), ("compression", compression))
+        if algo == "tree" and buf.nbytes <= PIGGYBACK_BYTES:
+            def move() -> None:  # the data rides in the agreement's own messages
+                agree_reduce(topo, "allreduce", fields, buf.flat, out.flat, buf.dtype, op)
+        else:
+            agree(topo, "allreduce", fields)
 
-        def move() -> None:
-            dispatch.allreduce(algo, topo, buf.flat, out.flat, kernel_op(op), buf.dtype)
-            if op is ReduceOp.Average and topo.size > 1:
-                kernels.divide(out.flat, buf.dtype, topo.size)
+            def move() -> None:
+                dispatch.allreduce(algo, topo, buf.flat, out.flat, kernel_op(op), buf.dtype)
+                if op is ReduceOp.Average and topo.size > 1:
+                    kernels.divide(out.flat, buf.dtype, topo.size)
 
         _timed("allreduce", algo, move)
         if out is buf:
@@ -163,12 +168,17 @@ def _allreduce_prepare(x: Any, op: ReduceOp, algorithm: str, compression: Any,
 def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
               compression: Any = None) -> Any:
     """Reduce x over all ranks; a new array of x's type, dtype, shape and device."""
+    result = small.allreduce(x, op, algorithm, compression, False)
+    if result is not None:
+        return result
     return _run("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                compression: Any = None) -> Any:
     """Reduce x over all ranks in place; returns x."""
+    if small.allreduce(x, op, algorithm, compression, True) is not None:
+        return x
     return _run("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
 
 
@@ -191,8 +201,8 @@ def _allgather_prepare(x: Any, algorithm: str) -> Callable[[], Any]:
 
     def work() -> Any:
         topo = topology.get()
-        rows = agree(topo, "allgather", (("dtype", buf.dtype), ("row_shape", buf.shape[1:]),
-                                         ("algorithm", algorithm)), rows=buf.shape[0])
+        rows = agree_rows(topo, "allgather", (("dtype", buf.dtype), ("row_shape", buf.shape[1:]),
+                                              ("algorithm", algorithm)), buf.shape[0])
         elems = _row_elems(buf.shape)
         counts = [int(r) * elems for r in rows]
         out = buf.empty((int(rows.sum()),) + buf.shape[1:])

@@ -29,6 +29,16 @@ _NUMPY_NAMES = {np.dtype(name): name for name in STORAGE if name != "bfloat16"}
 _TORCH_NAMES = {getattr(torch, name): name for name in STORAGE} if torch is not None else {}
 
 
+def numpy_dtype_name(dtype: np.dtype) -> str | None:
+    """Our name for a NumPy dtype, None if unsupported."""
+    return _NUMPY_NAMES.get(dtype)
+
+
+def torch_dtype_name(dtype: Any) -> str | None:
+    """Our name for a torch dtype, None if unsupported."""
+    return _TORCH_NAMES.get(dtype)
+
+
 class Buffer:
     """A caller's array seen as one C-contiguous 1-D host array (`flat`).
 

@@ -46,9 +46,9 @@ class Handle:
 
 class Engine:
     def __init__(self) -> None:
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.Lock())  # guards the queue
         self._queue: collections.deque[tuple[Handle, Callable[[], Any]]] = collections.deque()
-        self._busy = False
+        self._running = threading.Lock()  # held while a collective executes
         self._thread: threading.Thread | None = None
 
     def submit(self, name: str, work: Callable[[], Any]) -> Handle:
@@ -60,35 +60,40 @@ class Engine:
                                                 daemon=True)
                 self._thread.start()
             self._queue.append((handle, work))
-            self._cv.notify_all()
+            self._cv.notify()
         return handle
 
     def run(self, name: str, work: Callable[[], Any]) -> Any:
         """Run work after everything submitted before and return its result."""
-        with self._cv:
-            inline = not self._queue and not self._busy
-            if inline:
-                self._busy = True
-        if not inline:
+        if not self.enter_inline():
             return self.submit(name, work).wait()
         try:
             return work()
         finally:
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
+            self.leave_inline()
+
+    def enter_inline(self) -> bool:
+        """Claim the engine for a sync call on the caller's thread; False if work is queued
+        or running (then the call must be submitted). Pair with leave_inline()."""
+        if self._queue or not self._running.acquire(blocking=False):
+            return False
+        if self._queue:  # queued meanwhile: it goes first
+            self._running.release()
+            return False
+        return True
+
+    def leave_inline(self) -> None:
+        self._running.release()
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue or self._busy:
+                while not self._queue:
                     self._cv.wait()
-                handle, work = self._queue.popleft()
-                self._busy = True
-            handle._run(work)
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
+            with self._running:  # popped only while held: a sync call never overtakes it
+                with self._cv:
+                    handle, work = self._queue.popleft()
+                handle._run(work)
 
 
 ENGINE = Engine()

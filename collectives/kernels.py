@@ -40,6 +40,12 @@ def reduce(dst: np.ndarray, srcs: Sequence[np.ndarray], dtype: str, op: ReduceOp
     _C.reduce(dst, list(srcs), dst.size, DTYPE_CODES[dtype], int(op))
 
 
+def copy_stream(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src for 1-D C-contiguous arrays of one dtype, with non-temporal stores: for
+    big results that will not be read again soon (saves reading dst into the cache)."""
+    _C.copy_stream(dst, src, src.nbytes)
+
+
 def divide(buf: np.ndarray, dtype: str, divisor: int) -> None:
     """buf /= divisor in place; floor division for integer dtypes."""
     _C.divide(buf, buf.size, DTYPE_CODES[dtype], divisor)

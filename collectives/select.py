@@ -3,7 +3,9 @@
 Each algorithm's time is predicted from its step structure (see each module's docstring):
   steps x (alpha + o) + bytes on the wire x beta + bytes reduced x gamma
 with separate (alpha, beta) for links inside a node and between nodes; o is our per-message
-software overhead (zero for `mpi`, whose steps run in C). The parameters come from a JSON
+software overhead (zero for `mpi`, whose steps run in C). Every call also pays the agreement's
+header exchange (log2 n steps in C), except a `tree` allreduce of at most PIGGYBACK_BYTES,
+whose data rides in that exchange: so `auto` runs small allreduces as tree. The parameters come from a JSON
 file written by `python -m collectives.calibrate` (path: COLLECTIVES_TUNING_FILE), or the
 defaults below, measured on a 2-core Linux VM with Open MPI 5 shared memory.
 
@@ -22,6 +24,7 @@ import math
 import numpy as np
 
 from . import topology
+from .agreement import PIGGYBACK_BYTES
 from .topology import Topology
 
 
@@ -163,7 +166,26 @@ def _choose(collective: str, nbytes: int, topo: Topology) -> str:
     measured = _measured(collective, nbytes, topo)
     if measured:
         return min(measured, key=measured.get)
-    return min(candidates(topo), key=lambda a: predict(a, collective, nbytes, topo))
+    costs = {a: predict(a, collective, nbytes, topo) + agreement_cost(topo)
+             for a in candidates(topo)}
+    if collective == "allreduce" and nbytes <= PIGGYBACK_BYTES:
+        costs["tree"] = piggyback_cost(nbytes, topo)
+    return min(costs, key=costs.get)
+
+
+def agreement_cost(topo: Topology) -> float:
+    """The header exchange every call starts with: recursive doubling, steps in C."""
+    alpha, _ = _link(topo, "inter")
+    pow2 = 1 << (topo.size.bit_length() - 1)
+    return (_log2(pow2) + (0 if pow2 == topo.size else 2)) * alpha + params().mpi_call
+
+
+def piggyback_cost(nbytes: int, topo: Topology) -> float:
+    """A small tree allreduce carried by the header exchange itself (steps in C)."""
+    alpha, beta = _link(topo, "inter")
+    pow2 = 1 << (topo.size.bit_length() - 1)
+    steps = _log2(pow2) + (0 if pow2 == topo.size else 2)
+    return steps * (alpha + nbytes * (beta + params().gamma)) + params().mpi_call
 
 
 def candidates(topo: Topology) -> list[str]:

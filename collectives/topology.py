@@ -24,6 +24,7 @@ class Topology:
         ranks_per_node = config.ranks_per_node
         self.comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.comm_handle = MPI._handleof(self.comm)  # for C++ that calls MPI (agree.cpp)
         if ranks_per_node is None:
             self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         else:
@@ -43,7 +44,7 @@ class Topology:
         self.max_local_size = max(len(node) for node in self.nodes)
         self.node_index = next(i for i, node in enumerate(self.nodes) if self.rank in node)
         self._shard_comms: list[MPI.Comm] | None = None
-        self.watchdog = Watchdog(self.comm)
+        self.watchdog = Watchdog(self.comm, config.stall_warning_s, config.stall_timeout_s)
 
     def shard_owner(self, shard: int) -> int:
         """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to

@@ -58,8 +58,11 @@ def describe(snapshot: tuple) -> str:
 
 
 class Watchdog:
-    def __init__(self, comm: MPI.Comm):
+    def __init__(self, comm: MPI.Comm, warn_s: float, timeout_s: float | None):
         self.comm = comm.Dup()  # status traffic never mixes with data
+        self.warn_s, self.timeout_s = warn_s, timeout_s
+        #: seconds of waiting after which on_wait is first due
+        self.first_deadline = warn_s if timeout_s is None else min(warn_s, timeout_s)
         self.record = Record()
         self.failed: str | None = None
         self._stop = threading.Event()
@@ -106,23 +109,17 @@ class Watchdog:
                 time.sleep(0.005)
         return {r: answers.get(r) for r in range(n) if r != me}
 
-    def wait(self, req: MPI.Request, warn_s: float, timeout_s: float | None) -> None:
-        """Wait for req (this rank's agreement step), warning and failing on stalls."""
-        for _ in range(2000):  # the common case: done within microseconds
-            if req.Test():
-                return
-        start = time.monotonic()
-        next_warning = warn_s
-        while not req.Test():
-            waited = time.monotonic() - start
-            if timeout_s is not None and waited >= timeout_s:
-                self.failed = (f"{self.record.collective} #{self.record.calls} timed out after "
-                               f"{waited:.1f} s waiting for other ranks")
-                raise StallError(self.failed + "\n" + self._report(waited))
-            if waited >= next_warning:
-                log.warning(self._report(waited))
-                next_warning += warn_s
-            time.sleep(0.0005 if waited < 0.1 else 0.01)
+    def on_wait(self, waited: float) -> float:
+        """Called by a waiting agreement step (csrc/cpu/agree.cpp) at each deadline: logs
+        who is missing, or past timeout_s raises StallError; returns the next deadline."""
+        warn_s, timeout_s = self.warn_s, self.timeout_s
+        if timeout_s is not None and waited >= timeout_s:
+            self.failed = (f"{self.record.collective} #{self.record.calls} timed out after "
+                           f"{waited:.1f} s waiting for other ranks")
+            raise StallError(self.failed + "\n" + self._report(waited))
+        log.warning(self._report(waited))
+        next_warning = (int(waited / warn_s) + 1) * warn_s
+        return next_warning if timeout_s is None else min(next_warning, timeout_s)
 
     def _report(self, waited: float) -> str:
         me, mine = self.comm.Get_rank(), self.record

@@ -1,11 +1,14 @@
 // The only Python binding module (collectives._C). Arguments are checked here, with the
 // GIL held; every kernel then runs with the GIL released.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "agree.h"
 #include "onebit.h"
 #include "pack.h"
 #include "quantize.h"
@@ -343,6 +346,38 @@ void py_onebit_accumulate(const py::buffer& acc, const py::sequence& bits,
   onebit_accumulate(dst, bp.data(), sp.data(), static_cast<int>(bp.size()), count, block);
 }
 
+void py_copy_stream(const py::buffer& dst, const py::buffer& src, int64_t nbytes) {
+  if (nbytes < 0) throw py::value_error("nbytes: must be >= 0");
+  void* out = buffer_ptr(dst, "dst", nbytes, DType::u8, true);
+  const void* in = buffer_ptr(src, "src", nbytes, DType::u8, false);
+  py::gil_scoped_release release;
+  copy_streaming(out, in, nbytes);
+}
+
+// ---- Agreement with a piggybacked small allreduce (agree.h) ------------------------------
+
+py::tuple py_agree_exchange(uintptr_t comm_handle, int tag, int64_t digest, const py::buffer& send,
+                            const py::buffer& out, int64_t count, int dtype_code, int op_code,
+                            int64_t divisor, int64_t capacity, double first_wait,
+                            const OnWait& on_wait) {
+  const DType dtype = to_dtype(dtype_code);
+  const ReduceOp op = to_op(op_code);
+  if (count < 0) throw py::value_error("count: must be >= 0");
+  if (divisor == 0) throw py::value_error("divisor: must be non-zero");
+  const void* src = buffer_ptr(send, "send", count, dtype, false);
+  void* dst = buffer_ptr(out, "out", count, dtype, true);
+  MPI_Comm comm;  // mpi4py's MPI._handleof(comm): the C handle's bits
+  static_assert(sizeof(MPI_Comm) <= sizeof(uintptr_t), "MPI_Comm wider than a pointer");
+  std::memcpy(&comm, &comm_handle, sizeof(comm));
+  AgreeResult r;
+  {
+    py::gil_scoped_release release;
+    r = agree_exchange(comm, tag, digest, src, dst, count, dtype, op, divisor, capacity,
+                       first_wait, on_wait);
+  }
+  return py::make_tuple(r.ok, r.payload_sent, r.payload_received);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -352,6 +387,16 @@ PYBIND11_MODULE(_C, m) {
         "dst = srcs[0] op srcs[1] op ... elementwise over count elements");
   m.def("divide", &py_divide, py::arg("buf"), py::arg("count"), py::arg("dtype"),
         py::arg("divisor"), "buf /= divisor in place (floor division for integers)");
+
+  m.def("copy_stream", &py_copy_stream, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
+        "dst[:nbytes] = src[:nbytes] with non-temporal stores (no read of dst's lines)");
+  m.def("agree_exchange", &py_agree_exchange, py::arg("comm"), py::arg("tag"),
+        py::arg("digest"), py::arg("send"), py::arg("out"), py::arg("count"), py::arg("dtype"),
+        py::arg("op"), py::arg("divisor"), py::arg("capacity"), py::arg("first_wait"),
+        py::arg("on_wait"),
+        "Check every rank passed the same digest while allreducing a small payload into out "
+        "(then dividing it by divisor); "
+        "returns (ok, payload bytes sent, payload bytes received). MPI, GIL released.");
 
   // fusion packing, quantization, 1-bit compression
   m.attr("INT8_BLOCK_SIZE") = kInt8Block;

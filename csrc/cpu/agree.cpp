@@ -1,0 +1,205 @@
+// Recursive doubling of {header, payload}: see agree.h. Every received header is compared
+// with this rank's own; a difference, or a partner's report of one, sets `bad`, which then
+// travels in every later header. The comparisons form a hypercube over the ranks, so after
+// the last step every rank knows whether any two ranks differed.
+#include "agree.h"
+
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace collectives {
+namespace {
+
+struct Header {
+  int64_t digest;
+  int64_t nbytes;
+  int64_t bad;
+  int64_t reserved;
+};
+constexpr int64_t kHeader = sizeof(Header);
+
+using Bytes = std::vector<unsigned char>;
+
+void check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw std::runtime_error(std::string(what) + " failed: " + std::string(text, len));
+}
+
+class Exchange {
+ public:
+  Exchange(MPI_Comm comm, int tag, int64_t digest, int64_t count, DType dtype, ReduceOp op,
+           int64_t capacity, double first_wait, const OnWait& on_wait, Bytes& mine,
+           Bytes& theirs)
+      : comm_(comm), tag_(tag), digest_(digest), count_(count),
+        nbytes_(count * dtype_size(dtype)), capacity_(capacity), dtype_(dtype), op_(op),
+        first_wait_(first_wait), on_wait_(on_wait), mine_(&mine), theirs_(&theirs) {}
+
+  unsigned char* payload() { return mine_->data() + kHeader; }
+  bool bad() const { return bad_; }
+  int64_t sent() const { return sent_; }
+  int64_t received() const { return received_; }
+
+  // Swap partial results with peer and fold (the lower rank's data first).
+  void swap_with(int peer, bool peer_lower) {
+    MPI_Request reqs[2];
+    MPI_Status st[2];
+    post_recv(peer, &reqs[0]);
+    post_send(peer, &reqs[1]);
+    wait(reqs, 2, st);
+    absorb(st[0], peer_lower ? Absorb::fold_lower : Absorb::fold_higher);
+  }
+
+  // Hand this rank's payload to peer and receive the finished result from it later.
+  void hand_over(int peer) {
+    MPI_Request reqs[2];
+    MPI_Status st[2];
+    post_recv(peer, &reqs[0]);
+    post_send(peer, &reqs[1]);
+    wait(reqs, 2, st);
+    absorb(st[0], Absorb::take);
+  }
+
+  void receive_from_lower(int peer) {
+    MPI_Request req;
+    MPI_Status st;
+    post_recv(peer, &req);
+    wait(&req, 1, &st);
+    absorb(st, Absorb::fold_lower);
+  }
+
+  void send_result(int peer) {
+    MPI_Request req;
+    MPI_Status st;
+    post_send(peer, &req);
+    wait(&req, 1, &st);
+  }
+
+ private:
+  enum class Absorb { fold_lower, fold_higher, take };
+
+  void post_recv(int peer, MPI_Request* req) {
+    check(MPI_Irecv(theirs_->data(), static_cast<int>(kHeader + capacity_), MPI_BYTE, peer,
+                    tag_, comm_, req),
+          "MPI_Irecv");
+  }
+
+  void post_send(int peer, MPI_Request* req) {
+    Header head{digest_, nbytes_, bad_ ? 1 : 0, 0};
+    std::memcpy(mine_->data(), &head, kHeader);
+    check(MPI_Isend(mine_->data(), static_cast<int>(kHeader + nbytes_), MPI_BYTE, peer, tag_,
+                    comm_, req),
+          "MPI_Isend");
+    sent_ += nbytes_;
+  }
+
+  void absorb(const MPI_Status& st, Absorb how) {
+    int got = 0;
+    MPI_Get_count(&st, MPI_BYTE, &got);
+    Header head{};
+    if (got >= kHeader) std::memcpy(&head, theirs_->data(), kHeader);
+    received_ += got > kHeader ? got - kHeader : 0;
+    if (got < kHeader || head.bad || head.digest != digest_ || head.nbytes != nbytes_ ||
+        got != kHeader + head.nbytes)
+      bad_ = true;
+    if (bad_) return;
+    unsigned char* their_payload = theirs_->data() + kHeader;
+    if (how == Absorb::fold_higher) {
+      const void* srcs[2] = {payload(), their_payload};
+      reduce_many(payload(), srcs, 2, count_, dtype_, op_);
+    } else {
+      if (how == Absorb::fold_lower) {
+        const void* srcs[2] = {their_payload, payload()};
+        reduce_many(their_payload, srcs, 2, count_, dtype_, op_);
+      }
+      std::swap(mine_, theirs_);
+    }
+  }
+
+  // Spin on the requests; past each deadline ask on_wait (which may log, or throw to give up).
+  void wait(MPI_Request* reqs, int n, MPI_Status* st) {
+    int done = 0;
+    check(MPI_Testall(n, reqs, &done, st), "MPI_Testall");
+    if (done) return;
+    const auto start = std::chrono::steady_clock::now();
+    double next = first_wait_;
+    for (unsigned spins = 1;; ++spins) {
+      check(MPI_Testall(n, reqs, &done, st), "MPI_Testall");
+      if (done) return;
+      if (spins % 1024) continue;
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited < next) continue;
+      try {
+        next = on_wait_(waited);
+      } catch (...) {
+        for (int i = 0; i < n; ++i) {
+          if (reqs[i] == MPI_REQUEST_NULL) continue;
+          MPI_Cancel(&reqs[i]);  // receives are withdrawn; sends finish or die with the job
+          MPI_Request_free(&reqs[i]);
+        }
+        throw;
+      }
+    }
+  }
+
+  MPI_Comm comm_;
+  int tag_;
+  int64_t digest_, count_, nbytes_, capacity_;
+  DType dtype_;
+  ReduceOp op_;
+  double first_wait_;
+  const OnWait& on_wait_;
+  Bytes* mine_;    // header + this rank's partial result
+  Bytes* theirs_;  // receive space: header + capacity
+  bool bad_ = false;
+  int64_t sent_ = 0, received_ = 0;
+};
+
+}  // namespace
+
+AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* send, void* out,
+                           int64_t count, DType dtype, ReduceOp op, int64_t divisor, int64_t capacity,
+                           double first_wait, const OnWait& on_wait) {
+  const int64_t nbytes = count * dtype_size(dtype);
+  if (nbytes > capacity)
+    throw std::invalid_argument("payload of " + std::to_string(nbytes) +
+                                " bytes exceeds the capacity of " + std::to_string(capacity));
+  int rank = 0, n = 1;
+  check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  check(MPI_Comm_size(comm, &n), "MPI_Comm_size");
+  thread_local Bytes a, b;
+  const size_t need = static_cast<size_t>(kHeader + capacity);
+  if (a.size() < need) a.resize(need);
+  if (b.size() < need) b.resize(need);
+
+  Exchange ex(comm, tag, digest, count, dtype, op, capacity, first_wait, on_wait, a, b);
+  if (nbytes) std::memcpy(ex.payload(), send, nbytes);
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  const int e = n - p;  // ranks below 2e pair up: the even one hands its data to the odd one
+  if (rank < 2 * e && rank % 2 == 0) {
+    ex.hand_over(rank + 1);
+  } else {
+    if (rank < 2 * e) ex.receive_from_lower(rank - 1);
+    const int v = rank < 2 * e ? rank / 2 : rank - e;
+    for (int d = 1; d < p; d <<= 1) {
+      const int pv = v ^ d;
+      ex.swap_with(pv < e ? 2 * pv + 1 : pv + e, pv < v);
+    }
+    if (rank < 2 * e) ex.send_result(rank - 1);
+  }
+  if (!ex.bad() && nbytes) {
+    if (divisor != 1) divide(ex.payload(), count, dtype, divisor);
+    std::memcpy(out, ex.payload(), nbytes);
+  }
+  return {!ex.bad(), ex.sent(), ex.received()};
+}
+
+}  // namespace collectives

@@ -1,0 +1,39 @@
+// Agreement carried inside the data: the one place in csrc that talks to MPI.
+//
+// Before any collective moves data, ranks check that they called the same collective with
+// the same arguments (a 64-bit digest of them). The check is a recursive-doubling exchange
+// of a 32-byte header (MPICH's fold for non-powers of two), and a small allreduce rides in
+// the same messages: its payload follows the header and is folded at every step, so a
+// small allreduce with checks on costs no extra round trip.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <functional>
+
+#include "dtypes.h"
+#include "reduce.h"
+
+namespace collectives {
+
+// Called (GIL held) while a step has waited `seconds`; returns the waited time at which to
+// be called next, or throws to give up (the pending receive is cancelled first).
+using OnWait = std::function<double(double seconds)>;
+
+struct AgreeResult {
+  bool ok;                 // every rank passed the same digest and payload size
+  int64_t payload_sent;    // payload bytes this rank sent (headers not counted)
+  int64_t payload_received;
+};
+
+// Recursive doubling over `comm` of {digest, payload}. When ok, out holds the reduction of
+// every rank's payload (count elements of dtype; lower ranks' data folded first, so every
+// rank gets the same bits) divided by `divisor` (1: no division); otherwise out is untouched. Every rank returns the same ok.
+// Payloads of any rank are at most `capacity` bytes (the receive size). Not thread-safe per
+// communicator: callers serialize, as with any MPI collective.
+AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* send, void* out,
+                           int64_t count, DType dtype, ReduceOp op, int64_t divisor, int64_t capacity,
+                           double first_wait, const OnWait& on_wait);
+
+}  // namespace collectives

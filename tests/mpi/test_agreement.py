@@ -1,0 +1,108 @@
+"""The agreement exchange (csrc/cpu/agree.cpp) and the small-allreduce fast path riding on it:
+mismatches between the fast and the general path, payloads at the piggyback limit, results
+equal whichever path each rank takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_equal, assert_same_on_all_ranks, reference_reduce
+
+import collectives as C
+from collectives.agreement import PIGGYBACK_BYTES
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def _expect_mismatch(comm, call, word: str) -> str:
+    with pytest.raises(C.MismatchError) as info:
+        call()
+    text = str(info.value)
+    assert word in text, text
+    texts = comm.allgather(text)
+    assert len(set(texts)) == 1, texts  # the same message on every rank
+    ok = C.allreduce(np.ones(3), op=C.Sum)  # still usable
+    assert_equal(ok, np.full(3, float(comm.Get_size())), "after the mismatch")
+    return text
+
+
+@pytest.mark.parametrize("algo", ["tree", "auto"])
+def test_small_against_large_payload_is_a_shape_mismatch(comm, algo):
+    # rank 0 rides the agreement (small), the others send only the header (large)
+    size = 16 if comm.Get_rank() == 0 else PIGGYBACK_BYTES // 4 + 5
+    text = _expect_mismatch(comm, lambda: C.allreduce(np.ones(size, np.float32), algorithm=algo),
+                            "shape mismatch")
+    assert "rank 0 has (16,)" in text, text
+
+
+def test_fast_path_against_general_collective(comm):
+    r = comm.Get_rank()
+    x = np.ones(8, np.float32)
+    text = _expect_mismatch(
+        comm, lambda: C.allreduce(x, algorithm="tree") if r == 0 else C.allgather(x),
+        "collective mismatch")
+    assert "rank 0 called allreduce" in text, text
+
+
+@pytest.mark.parametrize("field,value", [("op", C.Max), ("dtype", np.float64)])
+def test_fast_path_field_mismatch_on_last_rank(comm, field, value):
+    last = comm.Get_rank() == comm.Get_size() - 1
+    dtype = value if field == "dtype" and last else np.float32
+    op = value if field == "op" and last else C.Sum
+    _expect_mismatch(comm, lambda: C.allreduce(np.ones(5, dtype), op=op, algorithm="tree"),
+                     f"{field} mismatch")
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, PIGGYBACK_BYTES // 8 - 1, PIGGYBACK_BYTES // 8,
+                                   PIGGYBACK_BYTES // 8 + 1])
+@pytest.mark.parametrize("op", [C.Sum, C.Average, C.Max])
+def test_payload_sizes_around_the_limit(comm, count, op):
+    r = comm.Get_rank()
+    x = np.arange(count, dtype=np.float64) % 17 * (r + 1) - 3.0 * r  # exact sums: any order
+    everyone = comm.allgather(x)
+    got = C.allreduce(x, op=op, algorithm="tree")
+    assert_equal(got, reference_reduce(everyone, op, "float64", comm.Get_size()), "tree")
+    assert_same_on_all_ranks(comm, got, f"tree {count} {op.name}")
+
+
+def test_each_rank_may_take_either_path(comm):
+    # contiguous NumPy takes the fast path, a strided view and a torch leaf with grad the
+    # general one: the call is the same, so the agreement passes and the bits are the same
+    r = comm.Get_rank()
+    base = (np.arange(2 * 333, dtype=np.float32) % 29 - 14) * (r + 1)  # exact sums
+    kinds = [lambda: base[::2].copy(), lambda: base[::2],
+             lambda: torch.from_numpy(base[::2].copy()).requires_grad_()]
+    mine = kinds[r % 3]()
+    got = C.allreduce(mine, op=C.Average, algorithm="tree")
+    got = got.detach().numpy() if isinstance(got, torch.Tensor) else got
+    assert_same_on_all_ranks(comm, got, "mixed paths")
+    everyone = comm.allgather(base[::2].copy())
+    assert_equal(got, reference_reduce(everyone, C.Average, "float32", comm.Get_size()),
+                 "mixed paths")
+
+
+def test_fast_path_in_place_and_torch(comm):
+    n = comm.Get_size()
+    x = np.full(10, 2, np.int32)
+    assert C.allreduce_(x, op=C.Sum) is x
+    assert_equal(x, np.full(10, 2 * n, np.int32), "in place")
+    t = torch.full((2, 3), 3.0)
+    got = C.allreduce(t, op=C.Sum)
+    assert isinstance(got, torch.Tensor) and got.shape == (2, 3)
+    assert torch.equal(got, torch.full((2, 3), 3.0 * n)) and torch.equal(t, torch.full((2, 3), 3.0))
+
+
+def test_fast_path_counts_payload_bytes(comm):
+    n = comm.Get_size()
+    before = C.stats()["per_op"].get("allreduce/tree", {"calls": 0, "bytes_sent": 0})
+    C.allreduce(np.ones(64, np.float32), algorithm="tree")
+    after = C.stats()["per_op"]["allreduce/tree"]
+    assert after["calls"] == before["calls"] + 1
+    pow2 = 1 << (n.bit_length() - 1)
+    steps = pow2.bit_length() - 1  # recursive-doubling steps, plus the fold's for extras
+    sent = after["bytes_sent"] - before["bytes_sent"]
+    r = comm.Get_rank()
+    folded = r < 2 * (n - pow2)
+    expected = 256 * (1 if folded and r % 2 == 0 else steps + (1 if folded else 0))
+    assert sent == expected, (sent, expected)
