@@ -60,6 +60,9 @@ DEPTH = 4
 #: Calls staging at most this many bytes in all (every rank's whole input) take one chunk:
 #: one wait instead of two or three, at the price of copying whole inputs in.
 SMALL_BYTES = 256 << 10
+#: Results at least this big are copied out of the window with non-temporal stores: they
+#: outgrow the caches anyway, and streaming skips reading each destination line first.
+STREAM_BYTES = 8 << 20
 #: A wait this long means a rank has left the collective: raise instead of hanging.
 STALL_SECONDS = 300.0
 #: Seconds a waiting rank polls before it yields its core between polls (at once when the
@@ -261,6 +264,11 @@ class _Blocks:
         return lo, min(lo + self.e, end)
 
 
+def _copier(nbytes: int) -> Callable[[np.ndarray, np.ndarray], None]:
+    """How a call whose result has nbytes copies pieces out: dst[...] = src."""
+    return kernels.copy_stream if nbytes >= STREAM_BYTES else np.copyto
+
+
 def _bounds(counts: list[int]) -> list[int]:
     return list(itertools.accumulate(counts, initial=0))
 
@@ -308,6 +316,7 @@ def _copy_out(w: _Window, blocks: _Blocks, recv: np.ndarray) -> Callable[[int], 
     """Stage: copy every rank's reduced piece (left in its own slot) into recv."""
     e = blocks.e
     data = w.data(recv.dtype)
+    copy = _copier(recv.nbytes)
 
     def stage(k: int) -> None:
         g = w.seq + k
@@ -315,7 +324,7 @@ def _copy_out(w: _Window, blocks: _Blocks, recv: np.ndarray) -> Callable[[int], 
         o = w.offset(g, recv.dtype)
         for j in range(w.size):
             lo, hi = blocks.piece(j, k)
-            np.copyto(recv[lo:hi], data[j][o + j * e:o + j * e + hi - lo])
+            copy(recv[lo:hi], data[j][o + j * e:o + j * e + hi - lo])
         w.post(DONE, g)
 
     return stage
@@ -389,6 +398,7 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
     r = w.rank
     start = bounds[r]
     data = w.data(send.dtype)
+    copy = _copier(recv.nbytes)
 
     def copy_in(k: int) -> None:
         g = w.seq + k
@@ -407,7 +417,7 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
         for j in range(size):
             if j != r:
                 lo, hi = blocks.piece(j, k)
-                np.copyto(recv[lo:hi], data[j][o:o + hi - lo])
+                copy(recv[lo:hi], data[j][o:o + hi - lo])
         w.post(DONE, g)
 
     _pipeline(blocks.nchunks, [copy_in, copy_out])
@@ -424,6 +434,7 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     w = _window(comm, e)
     src = w.segments[root]
     is_root = w.rank == root
+    copy = _copier(raw.nbytes)
 
     def copy_in(k: int) -> None:
         g = w.seq + k
@@ -440,7 +451,7 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
             w.wait_for(root, READY, g)
             lo, hi = k * e, min((k + 1) * e, raw.size)
             o = w.offset(g, raw.dtype)
-            np.copyto(raw[lo:hi], src[o:o + hi - lo])
+            copy(raw[lo:hi], src[o:o + hi - lo])
         w.post(DONE, g)
 
     _pipeline(nchunks, [copy_in, copy_out])

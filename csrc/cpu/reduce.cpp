@@ -2,6 +2,8 @@
 // source is folded into it, so every source byte is read once and dst written once.
 #include "reduce.h"
 
+#include "clones.h"
+
 #include <algorithm>
 #include <type_traits>
 
@@ -66,10 +68,34 @@ struct Max {
   template <typename M> static M apply(M a, M b) { return (a > b || a != a) ? a : b; }
 };
 
+// Two to four sources of a type that needs no conversion (the common case: tree and ring
+// fold two, shm one per rank) go in one pass, without the accumulator's round trip.
+// dst may be a (the contract of reduce_many), so no __restrict__ on them.
+template <typename T, typename Op>
+COLLECTIVES_CLONES void fold_direct(T* dst, const T* a, const T* __restrict__ b,
+                                    const T* __restrict__ c, const T* __restrict__ d, int nsrc,
+                                    int64_t count) {
+  if (nsrc == 2) {
+    for (int64_t i = 0; i < count; ++i) dst[i] = Op::apply(a[i], b[i]);
+  } else if (nsrc == 3) {
+    for (int64_t i = 0; i < count; ++i) dst[i] = Op::apply(Op::apply(a[i], b[i]), c[i]);
+  } else {
+    for (int64_t i = 0; i < count; ++i)
+      dst[i] = Op::apply(Op::apply(Op::apply(a[i], b[i]), c[i]), d[i]);
+  }
+}
+
 template <typename Traits, typename Op>
 void fold(void* dst_v, const void* const* srcs_v, int nsrc, int64_t count) {
   using S = typename Traits::Storage;
   using M = typename Traits::Math;
+  if constexpr (std::is_same_v<S, M>) {
+    if (nsrc >= 2 && nsrc <= 4) {
+      const S* const* s = reinterpret_cast<const S* const*>(srcs_v);
+      return fold_direct<S, Op>(static_cast<S*>(dst_v), s[0], s[1], nsrc > 2 ? s[2] : nullptr,
+                                nsrc > 3 ? s[3] : nullptr, nsrc, count);
+    }
+  }
   S* __restrict__ dst = static_cast<S*>(dst_v);
   M acc[kBlock];
   for (int64_t base = 0; base < count; base += kBlock) {
