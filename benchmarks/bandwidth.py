@@ -7,7 +7,8 @@ Every size is timed for all algorithms in interleaved rounds (so machine noise h
 alike); a row's time is the median over rounds of the per-call time, the slowest rank's.
 Columns follow nccl-tests: algbw = size / time, busbw = algbw x the op's bus factor
 (allreduce 2(n-1)/n, allgather and reducescatter (n-1)/n, broadcast 1); size is the full
-buffer (allgather: the gathered result). `vs_mpi` = mpi's time / this time (>1 = faster).
+buffer (allgather: the gathered result). `vs_mpi` = mpi's time / this time (>1 = faster);
+`vs_raw` the same against mpi-raw (the MPI collective called directly, when measured).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from mpi4py import MPI
 import collectives as C
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
+#: Beside our algorithms: torch.distributed gloo, 1-bit compressed allreduce, and the MPI
+#: library's collective called directly through mpi4py (mpi-raw; `mpi` is the same collective
+#: behind our API: argument checks, agreement, stats).
+EXTRA_ALGOS = ("gloo", "onebit", "mpi-raw")
 BUS_FACTOR = {
     "allreduce": lambda n: 2 * (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
@@ -84,10 +89,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None):
-    """A zero-argument callable running one collective, or None if algo lacks op."""
+def raw_mpi(op: str, x: np.ndarray, comm: MPI.Comm, inplace: bool):
+    """The MPI library's collective called straight through mpi4py: no checks, no library
+    of ours, output preallocated (the floor our calls are measured against)."""
+    n = comm.Get_size()
+    if op == "allreduce":
+        if inplace:
+            return lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM) or x
+        out = np.empty_like(x)
+        return lambda: comm.Allreduce(x, out, MPI.SUM) or out
+    if op == "allgather":
+        out = np.empty(x.size * n, x.dtype)
+        return lambda: comm.Allgather(x, out) or out
+    if op == "reducescatter":
+        if x.size % n:
+            return None  # Reduce_scatter_block needs equal blocks
+        out = np.empty(x.size // n, x.dtype)
+        return lambda: comm.Reduce_scatter_block(x, out, MPI.SUM) or out
+    buf = x.copy()
+    return lambda: comm.Bcast(buf, root=0) or buf
+
+
+def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None, inplace: bool = False):
+    """A zero-argument callable running one collective, or None if algo lacks op. inplace:
+    allreduce and broadcast overwrite x (allreduce_, broadcast_) instead of returning a new
+    array, so no output is allocated per call (nccl-tests' in-place columns)."""
     if algo == "gloo":
         return gloo.make(op, x)
+    if algo == "mpi-raw":
+        return raw_mpi(op, x, MPI.COMM_WORLD, inplace)
     if algo == "onebit":  # 1-bit compressed allreduce (averages; error feedback state)
         if op != "allreduce":
             return None
@@ -96,11 +126,15 @@ def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None):
         worker, server = (np.zeros(k, np.float32) for k in error_sizes(x.size, C.size()))
         return lambda: C.compressed_allreduce(x, worker, server, block_size=256)
     if op == "allreduce":
+        if inplace:
+            return lambda: C.allreduce_(x, op=C.Sum, algorithm=algo)
         return lambda: C.allreduce(x, op=C.Sum, algorithm=algo)
     if op == "allgather":
         return lambda: C.allgather(x, algorithm=algo)
     if op == "reducescatter":
         return lambda: C.reducescatter(x, op=C.Sum, algorithm=algo)
+    if inplace:
+        return lambda: C.broadcast_(x, root_rank=0, algorithm=algo)
     return lambda: C.broadcast(x, root_rank=0, algorithm=algo)
 
 
@@ -152,7 +186,7 @@ def run(args, comm: MPI.Comm) -> list[dict]:
         raise SystemExit("--algo onebit needs --dtype float32")
     for k, (op, nbytes) in enumerate(plan):
         x = local_input(op, nbytes, dtype, comm)
-        calls = {a: make_call(op, a, x, gloo) for a in args.algo}
+        calls = {a: make_call(op, a, x, gloo, args.inplace) for a in args.algo}
         calls = {a: c for a, c in calls.items() if c is not None}
         # fewer iterations for big buffers keeps a sweep's time bounded
         iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
@@ -177,22 +211,23 @@ def run(args, comm: MPI.Comm) -> list[dict]:
         if comm.rank == 0:
             print(f"[{k + 1}/{len(plan)}] {op} {size} B done", file=sys.stderr, flush=True)
     for row in rows:
-        ref = next((r for r in rows if r["op"] == row["op"] and r["size"] == row["size"]
-                    and r["algo"] == "mpi"), None)
-        row["vs_mpi"] = ref["time_us"] / row["time_us"] if ref else float("nan")
+        for algo, key in (("mpi", "vs_mpi"), ("mpi-raw", "vs_raw")):
+            ref = next((r for r in rows if r["op"] == row["op"] and r["size"] == row["size"]
+                        and r["algo"] == algo), None)
+            row[key] = ref["time_us"] / row["time_us"] if ref else float("nan")
     return rows
 
 
 def print_table(rows: list[dict], n: int) -> None:
     head = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>5} {'op':>13} {'algo':>12} "
-            f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs_mpi':>7}")
+            f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs_mpi':>7} {'vs_raw':>7}")
     print(f"# collectives bandwidth, np={n}, GB/s = 1e9 B/s")
     print(head)
     for r in rows:
         wrong = "n/a" if r["wrong"] < 0 else str(r["wrong"])
         print(f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>5} {r['op']:>13} "
               f"{r['algo']:>12} {r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} "
-              f"{wrong:>6} {r['vs_mpi']:>7.2f}")
+              f"{wrong:>6} {r['vs_mpi']:>7.2f} {r['vs_raw']:>7.2f}")
 
 
 def plot(rows: list[dict], path: str, n: int) -> None:
@@ -230,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--op", default="allreduce", type=lambda s: s.split(","))
     p.add_argument("--algo", default="ring,mpi", type=lambda s: s.split(","))
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--inplace", action="store_true",
+                   help="allreduce/broadcast in place (no output allocated per call); the "
+                        "correctness check still runs out of place")
     p.add_argument("--json", help="write rows as JSON to this file")
     p.add_argument("--csv", help="write rows as CSV to this file")
     p.add_argument("--plot", help="write busbw vs size (PNG) to this file")
@@ -238,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         if op not in OPS:
             p.error(f"--op: {op!r} is not one of {OPS}")
     for a in args.algo:
-        if a not in C.ALGORITHMS + ("gloo", "onebit"):
-            p.error(f"--algo: {a!r} is not one of {C.ALGORITHMS + ('gloo', 'onebit')}")
+        if a not in C.ALGORITHMS + EXTRA_ALGOS:
+            p.error(f"--algo: {a!r} is not one of {C.ALGORITHMS + EXTRA_ALGOS}")
     if "mpi" not in args.algo:
         args.algo.append("mpi")  # the reference every ratio is taken against
     comm = MPI.COMM_WORLD
