@@ -12,6 +12,7 @@ runs. Rank 0 shows progress on stderr and prints loss, test accuracy and samples
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -139,33 +140,64 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return right / total
 
 
+def rank_file(path: str, rank: int) -> str:
+    return f"{path}.rank{rank}"
+
+
 def save_checkpoint(path: str, model: nn.Module, opt, epoch: int) -> None:
-    """Rank 0 writes model, optimizer, the next epoch and every rank's RNG state."""
-    rng = C.allgather(torch.get_rng_state()[None])  # rows in rank order
-    if C.rank() == 0:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
-                 "rng": rng}
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)  # a crash mid-write leaves the previous checkpoint
+    """Rank 0 writes the model and the next epoch to path; every rank writes its optimizer
+    state (1-bit Adam's error buffers differ per rank) and RNG state to path.rank<r>.
+    All files are written before any replaces its previous version."""
+    rank = C.rank()
+    mine = {"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "epoch": epoch}
+    files = [(mine, rank_file(path, rank))]
+    if rank == 0:
+        files.append(({"model": model.state_dict(), "epoch": epoch, "size": C.size()}, path))
+    for state, name in files:
+        torch.save(state, name + ".tmp")
+    C.allreduce(torch.zeros(1), op=C.Sum)  # everyone has written: now replace
+    for _, name in files:
+        os.replace(name + ".tmp", name)
 
 
 def start(path: str | None, model: nn.Module, opt, seed: int) -> int:
-    """Give every rank the same model and optimizer state (rank 0's; from the checkpoint
-    if there is one) and its RNG state; returns the epoch to start from."""
-    resumed = None
+    """Give every rank the same model (rank 0's; from the checkpoint if there is one) and
+    its own optimizer and RNG state; returns the epoch to start from. A checkpoint from
+    another world size restores the model and rank 0's optimizer state only."""
+    found = None
     if C.rank() == 0 and path and os.path.exists(path):
         ckpt = torch.load(path)
         model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        resumed = ckpt["epoch"], ckpt["rng"]
+        found = ckpt["epoch"], ckpt["size"]
+    epoch, size = C.broadcast_object(found, root_rank=0) or (0, 0)
     broadcast_parameters(model.state_dict(), root_rank=0)
-    broadcast_optimizer_state(opt, root_rank=0)
-    epoch, rng = C.broadcast_object(resumed, root_rank=0) or (0, None)
-    if rng is not None and len(rng) == C.size():
-        torch.set_rng_state(rng[C.rank()].clone())  # torch crashes on a row view (offset)
+    own = size == C.size()
+    if epoch and (own or C.rank() == 0):
+        mine = torch.load(rank_file(path, C.rank()))
+        if mine["epoch"] != epoch:
+            raise RuntimeError(f"{rank_file(path, C.rank())} is from epoch {mine['epoch']}, "
+                               f"{path} from epoch {epoch}: the checkpoint is torn")
+        opt.load_state_dict(mine["optimizer"])
+    if not own:
+        broadcast_optimizer_state(opt, root_rank=0)
+    if epoch and own:
+        torch.set_rng_state(mine["rng"])
     else:  # a fresh run, or a different world size than the checkpoint's
         seed_rank_rng(seed, epoch)
     return epoch
+
+
+def replica_digest(model: nn.Module) -> str:
+    """A digest of every parameter's bytes, checked equal on all ranks (replicas must never
+    drift apart, whatever the optimizer and compression)."""
+    h = hashlib.sha256()
+    for value in model.state_dict().values():
+        h.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    digest = h.hexdigest()[:16]
+    everyone = C.broadcast_object(digest, root_rank=0)
+    if C.allreduce(torch.tensor([int(everyone != digest)]), op=C.Sum).item():
+        raise RuntimeError(f"replicas differ: rank {C.rank()} has {digest}, rank 0 {everyone}")
+    return digest
 
 
 def main() -> None:
@@ -195,9 +227,11 @@ def main() -> None:
                   f"{accuracy:.2%}  {len(x_train) / elapsed:.0f} samples/s", flush=True)
         if args.checkpoint:
             save_checkpoint(args.checkpoint, model, opt, epoch + 1)
+    digest = replica_digest(model)
     if rank == 0:
         speed = f"{trained / seconds:.0f} samples/s" if seconds else "no epochs left to train"
-        print(f"final test accuracy {accuracy:.2%}; {speed} on {size} rank(s)", flush=True)
+        print(f"final test accuracy {accuracy:.2%}; {speed} on {size} rank(s); replicas "
+              f"bit-identical (parameters sha256 {digest})", flush=True)
 
 
 if __name__ == "__main__":
