@@ -40,6 +40,16 @@ def reduce(dst: np.ndarray, srcs: Sequence[np.ndarray], dtype: str, op: ReduceOp
     _C.reduce(dst, list(srcs), dst.size, DTYPE_CODES[dtype], int(op))
 
 
+def shm_reduce(addresses: list[int], rank: int, header_bytes: int, stride: int,
+               slot_bytes: int, depth: int, spin_seconds: float, stall_seconds: float,
+               seq: int, send: np.ndarray, recv: np.ndarray, bounds: list[int], e: int,
+               nchunks: int, dtype: str, op: ReduceOp, allreduce: bool, stream: bool) -> None:
+    """The shared-memory reduction stages of collectives/algorithms/shm.py (csrc/cpu/shm.h)."""
+    _C.shm_reduce(addresses, rank, header_bytes, stride, slot_bytes, depth, spin_seconds,
+                  stall_seconds, seq, send, recv, bounds, e, nchunks, DTYPE_CODES[dtype],
+                  int(op), allreduce, stream)
+
+
 def copy_stream(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[...] = src for 1-D C-contiguous arrays of one dtype, with non-temporal stores: for
     big results that will not be read again soon (saves reading dst into the cache)."""
@@ -266,14 +276,20 @@ def onebit_compress(
 
 
 def onebit_decompress(
-    bits: Array, scales: Array | float, count: int, block_size: int | None = None
+    bits: Array, scales: Array | float, count: int, block_size: int | None = None,
+    out: np.ndarray | None = None,
 ) -> Array:
-    """float32 vector of count elements: +scale where the bit is 1, -scale where it is 0."""
+    """float32 vector of count elements: +scale where the bit is 1, -scale where it is 0.
+    out: a host float32 array of count elements to write into (returned), or None."""
     if _on_device(bits):
         return _cuda().onebit_decompress(bits, scales, count, block_size)
     count = _check_count(count)
     block = _block(block_size, count)
-    out = np.empty(count, np.float32)
+    if out is None:
+        out = np.empty(count, np.float32)
+    elif out.dtype != np.float32 or out.size != count:
+        raise ValueError(f"out: expected a float32 array of {count} elements, got "
+                         f"{out.dtype} of {out.size}")
     _C.onebit_decompress(_host(bits, "bits")[0], _host_scales(scales, "scales"), out, count,
                          block)
     return _like(out, bits)

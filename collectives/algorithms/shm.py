@@ -10,8 +10,11 @@ rank, and each chunk takes one piece of every block:
                     buffer, then bumps READY; 2. reduce: rank r folds piece r of every rank's
                     buffer (its own straight from its input), in rank order, into its output
                     in one C++ pass, then bumps DONE.
-  allreduce      the same over even blocks, but step 2 leaves piece r in r's own buffer and
-                 bumps REDUCED; 3. copy-out: every rank copies every piece into its output.
+  allreduce      the same over even blocks, but step 2 leaves piece r in r's own buffer (and
+                 copies it to r's output while it is hot) and bumps REDUCED; 3. copy-out:
+                 every rank copies every other rank's piece into its output.
+The stages of allreduce and reducescatter run in C++ with the GIL released
+(csrc/cpu/shm.cpp), the others in Python.
   allgather      1. copy a piece of the input into the buffer (and into the own output
                  block); 2. copy every other rank's piece out.
   broadcast      1. the root copies a piece in; 2. the others copy it out.
@@ -79,8 +82,8 @@ _ALIGN = 64  # pieces start on cache lines
 class _Window:
     """One communicator's shared window: each rank's counters and staging buffers."""
 
-    __slots__ = ("win", "rank", "size", "slot_bytes", "flags", "segments", "typed", "seq",
-                 "spin_seconds")
+    __slots__ = ("win", "rank", "size", "slot_bytes", "flags", "segments", "addresses", "typed",
+                 "seq", "spin_seconds")
 
     def __init__(self, comm: MPI.Comm, slot_bytes: int):
         self.slot_bytes = slot_bytes
@@ -93,6 +96,7 @@ class _Window:
         raw = [self.win.Shared_query(j)[0] for j in range(self.size)]
         self.flags = [memoryview(b)[:_HEADER].cast("q") for b in raw]
         self.segments = [np.frombuffer(b, np.uint8, DEPTH * slot_bytes, _HEADER) for b in raw]
+        self.addresses = [np.frombuffer(b, np.uint8).ctypes.data for b in raw]  # for C++
         self.typed: dict[np.dtype, list[np.ndarray]] = {}
         self.seq = 0  # chunks done so far on this window, the same on every rank
         self.spin_seconds = SPIN_SECONDS if self.size <= (os.cpu_count() or 1) else 0.0
@@ -275,59 +279,15 @@ def _bounds(counts: list[int]) -> list[int]:
 
 # ------------------------------------------------------------------ reduce over blocks
 
-def _copy_in(w: _Window, blocks: _Blocks, send: np.ndarray) -> Callable[[int], None]:
-    """Stage: copy this rank's pieces of the other ranks' blocks into its buffer (piece j
-    of block j at j * e); its own piece stays in its input until the reduce."""
-    r, e = w.rank, blocks.e
-    mine = w.data(send.dtype)[r]
-
-    def stage(k: int) -> None:
-        g = w.seq + k
-        w.wait(DONE, g - DEPTH)
-        o = w.offset(g, send.dtype)
-        for j in range(w.size):
-            if j != r:
-                lo, hi = blocks.piece(j, k)
-                np.copyto(mine[o + j * e:o + j * e + hi - lo], send[lo:hi])
-        w.post(READY, g)
-
-    return stage
-
-
-def _reduce(w: _Window, blocks: _Blocks, send: np.ndarray, op: ReduceOp, dtype: str,
-            out: Callable[[int, int, int], np.ndarray], counter: int) -> Callable[[int], None]:
-    """Stage: fold this rank's piece over all ranks, in rank order, into out(o, lo, hi)."""
-    r, e = w.rank, blocks.e
-    data = w.data(send.dtype)
-
-    def stage(k: int) -> None:
-        g = w.seq + k
-        w.wait(READY, g)
-        o = w.offset(g, send.dtype) + r * e
-        lo, hi = blocks.piece(r, k)
-        srcs = [send[lo:hi] if j == r else data[j][o:o + hi - lo] for j in range(w.size)]
-        kernels.reduce(out(o, lo, hi), srcs, dtype, op)
-        w.post(counter, g)
-
-    return stage
-
-
-def _copy_out(w: _Window, blocks: _Blocks, recv: np.ndarray) -> Callable[[int], None]:
-    """Stage: copy every rank's reduced piece (left in its own slot) into recv."""
-    e = blocks.e
-    data = w.data(recv.dtype)
-    copy = _copier(recv.nbytes)
-
-    def stage(k: int) -> None:
-        g = w.seq + k
-        w.wait(REDUCED, g)
-        o = w.offset(g, recv.dtype)
-        for j in range(w.size):
-            lo, hi = blocks.piece(j, k)
-            copy(recv[lo:hi], data[j][o + j * e:o + j * e + hi - lo])
-        w.post(DONE, g)
-
-    return stage
+def _reduce_blocks(w: _Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarray,
+                   op: ReduceOp, dtype: str, allreduce: bool) -> None:
+    """The pipelined stages (copy-in, reduce, and for allreduce copy-out) of every chunk,
+    in C++ with the GIL released (csrc/cpu/shm.cpp; same counters and order as above)."""
+    kernels.shm_reduce(w.addresses, w.rank, _HEADER, _STRIDE, w.slot_bytes, DEPTH,
+                       w.spin_seconds, STALL_SECONDS, w.seq, send, recv, blocks.bounds, blocks.e,
+                       blocks.nchunks, dtype, op, allreduce,
+                       allreduce and recv.nbytes >= STREAM_BYTES)
+    w.seq += blocks.nchunks
 
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
@@ -344,13 +304,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     bounds = even_bounds(recv.size, size)
     blocks = _Blocks(bounds, _piece_elems(bounds[1], size, recv.itemsize))
     w = _window(comm, size * blocks.e * recv.itemsize)
-    mine = w.data(recv.dtype)[w.rank]
-    _pipeline(blocks.nchunks, [
-        _copy_in(w, blocks, send),
-        _reduce(w, blocks, send, op, dtype, lambda o, lo, hi: mine[o:o + hi - lo], REDUCED),
-        _copy_out(w, blocks, recv),
-    ])
-    w.seq += blocks.nchunks
+    _reduce_blocks(w, blocks, send, recv, op, dtype, allreduce=True)
 
 
 def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
@@ -369,11 +323,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
                        lambda slots: kernels.reduce(recv, [s[start:end] for s in slots], dtype, op))
     blocks = _Blocks(bounds, _piece_elems(max(counts), size, send.itemsize))
     w = _window(comm, size * blocks.e * send.itemsize)
-    _pipeline(blocks.nchunks, [
-        _copy_in(w, blocks, send),
-        _reduce(w, blocks, send, op, dtype, lambda o, lo, hi: recv[lo - start:hi - start], DONE),
-    ])
-    w.seq += blocks.nchunks
+    _reduce_blocks(w, blocks, send, recv, op, dtype, allreduce=False)
 
 
 # ------------------------------------------------------------------------ pure copies

@@ -13,6 +13,7 @@
 #include "pack.h"
 #include "quantize.h"
 #include "reduce.h"
+#include "shm.h"
 
 namespace py = pybind11;
 using namespace collectives;
@@ -354,6 +355,37 @@ void py_copy_stream(const py::buffer& dst, const py::buffer& src, int64_t nbytes
   copy_streaming(out, in, nbytes);
 }
 
+// ---- Shared-memory reduction pipeline (shm.h) ---------------------------------------------
+
+void py_shm_reduce(const std::vector<uintptr_t>& segments, int rank, int64_t header_bytes,
+                   int64_t stride, int64_t slot_bytes, int64_t depth, double spin_seconds,
+                   double stall_seconds, int64_t seq, const py::buffer& send,
+                   const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
+                   int64_t nchunks, int dtype_code, int op_code, bool allreduce, bool stream) {
+  const DType dtype = to_dtype(dtype_code);
+  const ReduceOp op = to_op(op_code);
+  const int size = static_cast<int>(segments.size());
+  if (rank < 0 || rank >= size) throw py::value_error("rank: out of range");
+  if (static_cast<int>(bounds.size()) != size + 1) throw py::value_error("bounds: need size + 1");
+  if (e <= 0 || depth <= 0 || nchunks < 0) throw py::value_error("e, depth, nchunks: bad");
+  if (size * e * dtype_size(dtype) > slot_bytes)
+    throw py::value_error("e: pieces of every rank do not fit a slot");
+  const void* in = buffer_ptr(send, "send", bounds.back(), dtype, false);
+  void* out = buffer_ptr(recv, "recv", allreduce ? bounds.back() : bounds[rank + 1] - bounds[rank],
+                         dtype, true);
+  ShmWindow w;
+  for (uintptr_t a : segments) w.segments.push_back(reinterpret_cast<unsigned char*>(a));
+  w.rank = rank;
+  w.header_bytes = header_bytes;
+  w.stride = stride;
+  w.slot_bytes = slot_bytes;
+  w.depth = depth;
+  w.spin_seconds = spin_seconds;
+  w.stall_seconds = stall_seconds;
+  py::gil_scoped_release release;
+  shm_reduce(w, seq, in, out, bounds, e, nchunks, dtype, op, allreduce, stream);
+}
+
 // ---- Agreement with a piggybacked small allreduce (agree.h) ------------------------------
 
 py::tuple py_agree_exchange(uintptr_t comm_handle, int tag, int64_t digest, const py::buffer& send,
@@ -390,6 +422,13 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("copy_stream", &py_copy_stream, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
         "dst[:nbytes] = src[:nbytes] with non-temporal stores (no read of dst's lines)");
+  m.def("shm_reduce", &py_shm_reduce, py::arg("segments"), py::arg("rank"),
+        py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),
+        py::arg("spin_seconds"), py::arg("stall_seconds"), py::arg("seq"), py::arg("send"),
+        py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("dtype"),
+        py::arg("op"), py::arg("allreduce"), py::arg("stream"),
+        "shm.py's pipelined allreduce / reducescatter stages over a shared window "
+        "(GIL released)");
   m.def("agree_exchange", &py_agree_exchange, py::arg("comm"), py::arg("tag"),
         py::arg("digest"), py::arg("send"), py::arg("out"), py::arg("count"), py::arg("dtype"),
         py::arg("op"), py::arg("divisor"), py::arg("capacity"), py::arg("first_wait"),

@@ -1,0 +1,38 @@
+// The pipelined shared-memory reduction of collectives/algorithms/shm.py, run in C++ so
+// that no stage waits or copies under the Python interpreter (GIL released throughout).
+// The window layout, the counters' meaning and the stage order are shm.py's; read its
+// module docstring first.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dtypes.h"
+#include "reduce.h"
+
+namespace collectives {
+
+struct ShmWindow {
+  std::vector<unsigned char*> segments;  // each rank's segment: counters page, then slots
+  int rank = 0;
+  int64_t header_bytes = 0;   // counters page
+  int64_t stride = 0;         // int64s between two counters of one rank
+  int64_t slot_bytes = 0;     // one staging buffer
+  int64_t depth = 0;          // staging buffers per rank
+  double spin_seconds = 0;    // poll this long before yielding the core between polls
+  double stall_seconds = 0;   // then give up: a rank has left the collective
+};
+
+// Counter indices (shm.py: READY, REDUCED, DONE).
+enum ShmCounter : int64_t { kReady = 0, kReduced = 1, kDone = 2 };
+
+// Chunks seq .. seq + nchunks - 1 of a reduction of every rank's send, cut into one block
+// per rank (bounds, size + 1 element offsets) and each block into pieces of e elements.
+// allreduce: recv (all of bounds) gets the whole result; otherwise (reducescatter) recv is
+// this rank's block only. stream: copy results out with non-temporal stores.
+// Throws std::runtime_error if a peer stalls past stall_seconds.
+void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+                const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks, DType dtype,
+                ReduceOp op, bool allreduce, bool stream);
+
+}  // namespace collectives
