@@ -125,13 +125,14 @@ def _serve(rows: np.ndarray, error: np.ndarray, block: int | None) -> np.ndarray
     return np.concatenate([bits, np.asarray(scales, np.float32).reshape(-1).view(np.uint8)])
 
 
-def _decompress(rows: np.ndarray, chunk: int, block: int | None) -> np.ndarray:
-    """The whole vector from every rank's server packet (rows[j] = chunk j)."""
-    out = np.empty(rows.shape[0] * chunk, np.float32)
+def _decompress(rows: np.ndarray, chunk: int, block: int | None, out: np.ndarray) -> None:
+    """out = the whole vector (its first out.size elements) from every rank's server packet
+    (rows[j] = chunk j), decompressed in place."""
     for j, row in enumerate(rows):
-        bits, scales = _split(row, chunk)
-        out[j * chunk:(j + 1) * chunk] = kernels.onebit_decompress(bits, scales, chunk, block)
-    return out
+        lo, hi = j * chunk, min((j + 1) * chunk, out.size)
+        if lo < hi:
+            bits, scales = _split(row, chunk)
+            kernels.onebit_decompress(bits, scales, hi - lo, block, out=out[lo:hi])
 
 
 def _exchange(comm: MPI.Comm, send: list[np.ndarray], recv: np.ndarray, tag: int) -> None:
@@ -147,7 +148,9 @@ def _exchange(comm: MPI.Comm, send: list[np.ndarray], recv: np.ndarray, tag: int
 # -------------------------------------------------------------------------------- driver
 
 def _padded_float32(buf: Buffer, padded: int) -> np.ndarray:
-    """x as float32, zero-padded to `padded` elements."""
+    """x as float32, zero-padded to `padded` elements (x itself when that is already so)."""
+    if buf.dtype == "float32" and buf.flat.size == padded:
+        return buf.flat  # only read
     out = np.zeros(padded, np.float32)
     if buf.dtype == "bfloat16":  # bfloat16 is the top half of a float32: exact
         out[:buf.flat.size] = (buf.flat.astype(np.uint32) << 16).view(np.float32)
@@ -157,8 +160,9 @@ def _padded_float32(buf: Buffer, padded: int) -> np.ndarray:
 
 
 def _move(comm: MPI.Comm, x: np.ndarray, worker: np.ndarray, server: np.ndarray,
-          block: int | None) -> np.ndarray:
-    """The averaged, padded vector (the algorithm in the module docstring)."""
+          block: int | None, out: np.ndarray) -> None:
+    """out = the averaged vector (the algorithm in the module docstring); x is padded, out
+    holds the first out.size elements."""
     n, chunk = comm.Get_size(), server.size
     # worker: compress, then all-to-all so that rank j holds chunk j from everyone
     rows = _worker_packets(x, worker, n, block)
@@ -168,7 +172,7 @@ def _move(comm: MPI.Comm, x: np.ndarray, worker: np.ndarray, server: np.ndarray,
     mine = _serve(received, server, block)
     gathered = np.empty((n, mine.size), np.uint8)
     _exchange(comm, [mine] * n, gathered, TAG_GATHER)
-    return _decompress(gathered, chunk, block)
+    _decompress(gathered, chunk, block, out)
 
 
 def _work(buf: Buffer, worker: Buffer, server: Buffer,
@@ -180,9 +184,12 @@ def _work(buf: Buffer, worker: Buffer, server: Buffer,
         out = buf.empty(buf.shape)
         if worker.flat.size:
             x = _padded_float32(buf, worker.flat.size)
-            avg = _timed("compressed_allreduce", "onebit",
-                         lambda: _move(topo.comm, x, worker.flat, server.flat, block))
-            store_float32(out, avg[:buf.flat.size])
+            # float32 results are decompressed straight into the output
+            avg = out.flat if out.dtype == "float32" else np.empty(buf.flat.size, np.float32)
+            _timed("compressed_allreduce", "onebit",
+                   lambda: _move(topo.comm, x, worker.flat, server.flat, block, avg))
+            if avg is not out.flat:
+                store_float32(out, avg)
             worker.write_back()
             server.write_back()
         return out.result()
