@@ -320,6 +320,24 @@ def onebit_accumulate(
     )
 
 
+def onebit_serve(bits: Sequence[np.ndarray], scales: Sequence[np.ndarray | float],
+                 error: np.ndarray, block_size: int | None = None) -> tuple[np.ndarray, Any]:
+    """onebit_compress(acc, error, block_size) where acc = zeros accumulated with
+    onebit_accumulate(acc, bits, scales, error.size, block_size): the same bits, scales and
+    error, in one pass without materializing acc (compressed allreduce's server step; host
+    arrays only: that step always runs on the host)."""
+    es = _host_f32(error, "error")
+    count = es.size
+    block = _block(block_size, count)
+    out_bits = np.empty((count + 7) // 8, np.uint8)
+    out_scales = np.zeros(max(_nblocks(count, block), 1 if block_size is None else 0),
+                          np.float32)
+    _C.onebit_serve([_host(b, "bits")[0] for b in bits],
+                    [_host_scales(s, "scales") for s in scales], es, out_bits, out_scales,
+                    count, block)
+    return out_bits, out_scales[0] if block_size is None else out_scales
+
+
 def _host_scales(scales: Array | float, name: str) -> np.ndarray:
     """A scale given as a Python/NumPy float, 0-d or 1-d array or tensor, as float32 1-d."""
     if isinstance(scales, (float, int, np.floating)) and not isinstance(scales, bool):

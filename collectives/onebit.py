@@ -118,10 +118,9 @@ def _serve(rows: np.ndarray, error: np.ndarray, block: int | None) -> np.ndarray
     again into one packet; error keeps what the packet misses."""
     n, chunk = rows.shape[0], error.size
     parts = [_split(row, chunk) for row in rows]
-    acc = np.zeros(chunk, np.float32)
-    kernels.onebit_accumulate(acc, [bits for bits, _ in parts],
-                              [scales / np.float32(n) for _, scales in parts], chunk, block)
-    bits, scales = kernels.onebit_compress(acc, error, block)
+    bits, scales = kernels.onebit_serve([bits for bits, _ in parts],
+                                        [scales / np.float32(n) for _, scales in parts],
+                                        error, block)
     return np.concatenate([bits, np.asarray(scales, np.float32).reshape(-1).view(np.uint8)])
 
 

@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "agree.h"
@@ -325,15 +326,13 @@ void py_onebit_decompress(const py::buffer& bits, const py::buffer& scales,
   onebit_decompress(bp, sp, dst, count, block);
 }
 
-void py_onebit_accumulate(const py::buffer& acc, const py::sequence& bits,
-                          const py::sequence& scales, int64_t count, int64_t block) {
-  check_count(count);
-  const int64_t nscales = onebit_blocks(count, block);
+// The (bits, scales) arrays of n compressed sources of count elements, checked.
+std::pair<std::vector<const uint8_t*>, std::vector<const float*>> onebit_sources(
+    const py::sequence& bits, const py::sequence& scales, int64_t count, int64_t nscales) {
   const size_t n = py::len(bits);
   if (py::len(scales) != n)
     throw py::value_error("scales: got " + std::to_string(py::len(scales)) + " arrays for " +
                           std::to_string(n) + " bits arrays");
-  auto* dst = static_cast<float*>(typed_ptr(acc, "acc", DType::f32, true, count));
   std::vector<const uint8_t*> bp;
   std::vector<const float*> sp;
   for (size_t k = 0; k < n; ++k) {
@@ -343,8 +342,30 @@ void py_onebit_accumulate(const py::buffer& acc, const py::sequence& bits,
     sp.push_back(
         static_cast<const float*>(typed_ptr(scales[k], "scales", DType::f32, false, nscales, i)));
   }
+  return {bp, sp};
+}
+
+void py_onebit_accumulate(const py::buffer& acc, const py::sequence& bits,
+                          const py::sequence& scales, int64_t count, int64_t block) {
+  check_count(count);
+  const int64_t nscales = onebit_blocks(count, block);
+  auto* dst = static_cast<float*>(typed_ptr(acc, "acc", DType::f32, true, count));
+  const auto [bp, sp] = onebit_sources(bits, scales, count, nscales);
   py::gil_scoped_release release;
   onebit_accumulate(dst, bp.data(), sp.data(), static_cast<int>(bp.size()), count, block);
+}
+
+void py_onebit_serve(const py::sequence& bits, const py::sequence& scales,
+                     const py::buffer& error, const py::buffer& out_bits,
+                     const py::buffer& out_scales, int64_t count, int64_t block) {
+  check_count(count);
+  const int64_t nscales = onebit_blocks(count, block);
+  const auto [bp, sp] = onebit_sources(bits, scales, count, nscales);
+  auto* ep = static_cast<float*>(typed_ptr(error, "error", DType::f32, true, count));
+  auto* ob = static_cast<uint8_t*>(typed_ptr(out_bits, "out_bits", DType::u8, true, (count + 7) / 8));
+  auto* os = static_cast<float*>(typed_ptr(out_scales, "out_scales", DType::f32, true, nscales));
+  py::gil_scoped_release release;
+  onebit_serve(bp.data(), sp.data(), static_cast<int>(bp.size()), ep, ob, os, count, block);
 }
 
 void py_copy_stream(const py::buffer& dst, const py::buffer& src, int64_t nbytes) {
@@ -459,6 +480,11 @@ PYBIND11_MODULE(_C, m) {
         "bits, scales = 1-bit compression of x + error; error updated in place");
   m.def("onebit_decompress", &py_onebit_decompress, py::arg("bits"), py::arg("scales"),
         py::arg("out"), py::arg("count"), py::arg("block"), "out = +-scales from bits");
+  m.def("onebit_serve", &py_onebit_serve, py::arg("bits"), py::arg("scales"),
+        py::arg("error"), py::arg("out_bits"), py::arg("out_scales"), py::arg("count"),
+        py::arg("block"),
+        "onebit_accumulate from zeros then onebit_compress, fused (compressed allreduce's "
+        "server step)");
   m.def("onebit_accumulate", &py_onebit_accumulate, py::arg("acc"), py::arg("bits"),
         py::arg("scales"), py::arg("count"), py::arg("block"),
         "acc += decompress(bits[k], scales[k]) for each k, in order");

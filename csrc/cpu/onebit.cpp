@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace collectives {
 namespace {
@@ -143,6 +144,37 @@ void onebit_accumulate(float* acc, const uint8_t* const* bits, const float* cons
         add_scaled_signs(sgn + (a - t), acc + a, z - a, scales[k][b]);
       });
     }
+  }
+}
+
+void onebit_serve(const uint8_t* const* bits, const float* const* scales, int n, float* error,
+                  uint8_t* out_bits, float* out_scales, int64_t count, int64_t block) {
+  block = std::min(block, std::max<int64_t>(count, 1));
+  if (kTile % block != 0 && count > kTile) {  // a block would span tiles
+    std::vector<float> acc(static_cast<size_t>(count), 0.0f);
+    onebit_accumulate(acc.data(), bits, scales, n, count, block);
+    return onebit_compress(acc.data(), error, out_bits, out_scales, count, block);
+  }
+  for (int64_t t = 0; t < count; t += kTile) {
+    const int64_t len = std::min(kTile, count - t);
+    float acc[kTile], sgn[kTile], c[kTile];
+    std::fill(acc, acc + len, 0.0f);
+    for (int k = 0; k < n; ++k) {
+      expand_signs(bits[k] + t / 8, sgn, len);
+      for_each_block(t, t + len, block, [&](int64_t a, int64_t z, int64_t b) {
+        add_scaled_signs(sgn + (a - t), acc + (a - t), z - a, scales[k][b]);
+      });
+    }
+    for_each_block(t, t + len, block, [&](int64_t a, int64_t z, int64_t b) {
+      const double m = static_cast<double>(z - a);
+      out_scales[b] =
+          static_cast<float>(std::sqrt(sum_squares(acc + (a - t), error + a, z - a) / m));
+    });
+    add(acc, error + t, c, len);
+    pack_signs(c, out_bits + t / 8, len);
+    for_each_block(t, t + len, block, [&](int64_t a, int64_t z, int64_t b) {
+      update_error(c + (a - t), error + a, z - a, out_scales[b]);
+    });
   }
 }
 

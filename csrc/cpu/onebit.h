@@ -28,4 +28,11 @@ void onebit_decompress(const uint8_t* bits, const float* scales, float* out, int
 void onebit_accumulate(float* acc, const uint8_t* const* bits, const float* const* scales,
                        int n, int64_t count, int64_t block);
 
+// The server step of compressed allreduce in one pass: acc = accumulate(bits, scales) from
+// zeros, then onebit_compress(acc, error, out_bits, out_scales, count, block), with the same
+// bits and scales as those two calls. acc lives tile by tile in L1 where every block fits
+// one tile (block divides the tile, or count fits one); otherwise it is materialized.
+void onebit_serve(const uint8_t* const* bits, const float* const* scales, int n, float* error,
+                  uint8_t* out_bits, float* out_scales, int64_t count, int64_t block);
+
 }  // namespace collectives

@@ -233,6 +233,27 @@ def test_onebit_matches_reference(count, block):
                  ref.onebit_decompress(bits, np.atleast_1d(scale), count, block))
 
 
+@pytest.mark.parametrize("count", [0, 1, 9, 2048, 2049, 16384 * 3 + 5, 1 << 20])
+@pytest.mark.parametrize("block", [None, 3, 256, 2048, 5000])
+def test_onebit_serve_equals_accumulate_then_compress(count, block):
+    # fused where blocks fit tiles (256, 2048, small counts), materialized otherwise (3, 5000)
+    rng = np.random.default_rng(count + 7)
+    n = 3
+    sources = [K.onebit_compress(rng.standard_normal(count).astype(f32),
+                                 np.zeros(count, f32), block) for _ in range(n)]
+    bits = [b for b, _ in sources]
+    scales = [np.atleast_1d(sc) / f32(n) for _, sc in sources]
+    error = (rng.standard_normal(count) * 0.1).astype(f32)
+    acc = np.zeros(count, f32)
+    K.onebit_accumulate(acc, bits, scales, count, block)
+    expected_error = error.copy()
+    expected_bits, expected_scales = K.onebit_compress(acc, expected_error, block)
+    got_bits, got_scales = K.onebit_serve(bits, scales, error, block)
+    assert _same(got_bits, expected_bits)
+    assert _same(got_scales, expected_scales)
+    assert _same(error, expected_error)
+
+
 def test_onebit_error_feedback_loses_nothing():
     """Over steps, what was sent plus the error still owed equals what was given."""
     rng = np.random.default_rng(3)
