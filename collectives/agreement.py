@@ -121,9 +121,12 @@ def exchange_digest(topo: Topology, collective: str, fields: tuple, signature_di
         raise StallError(f"collectives is unusable after a stall timeout ({dog.failed}); "
                          "an MPI collective cannot be cancelled: restart the job")
     dog.record.enter(collective, fields)
-    ok, sent, received = kernels._C.agree_exchange(
-        topo.comm_handle, _TAG, signature_digest, send, out, count, dtype_code, op, divisor,
-        PIGGYBACK_BYTES, dog.first_deadline, dog.on_wait)
+    channel = topo.agree_channel
+    if channel is None:
+        channel = topo.agree_channel = kernels._C.AgreeChannel(
+            topo.comm_handle, _TAG, PIGGYBACK_BYTES, dog.first_deadline, dog.on_wait)
+    ok, sent, received = channel.exchange(signature_digest, send, out, count, dtype_code, op,
+                                          divisor)
     dog.record.state = "running"
     if not ok:
         raise MismatchError(describe_mismatch(topo.comm.allgather((collective, fields))))

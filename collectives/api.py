@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from . import dispatch, kernels, quantized, select, small, stats, topology
+from . import dispatch, fastpath, kernels, quantized, select, stats, topology
 from .agreement import PIGGYBACK_BYTES, agree, agree_reduce, agree_rows
 from .buffers import Buffer, store_float32, wrap
 from .compression import Compression, check_compression
 from .engine import ENGINE, Handle
 from .ops import ReduceOp, check_op, kernel_op
 
-ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "shm", "mpi")
+ALGORITHMS = dispatch.ALGORITHMS
 
 
 def _check_algorithm(algorithm: object) -> str:
@@ -168,7 +168,7 @@ def _allreduce_prepare(x: Any, op: ReduceOp, algorithm: str, compression: Any,
 def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
               compression: Any = None) -> Any:
     """Reduce x over all ranks; a new array of x's type, dtype, shape and device."""
-    result = small.allreduce(x, op, algorithm, compression, False)
+    result = fastpath.allreduce(x, op, algorithm, compression, False)
     if result is not None:
         return result
     return _run("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
@@ -177,7 +177,7 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                compression: Any = None) -> Any:
     """Reduce x over all ranks in place; returns x."""
-    if small.allreduce(x, op, algorithm, compression, True) is not None:
+    if fastpath.allreduce(x, op, algorithm, compression, True) is not None:
         return x
     return _run("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
 

@@ -96,7 +96,7 @@ def measure() -> select.Params:
     return select.Params(**values)
 
 
-MEASURE_SIZES = [8, 4 << 10, 64 << 10, 1 << 20, 16 << 20]
+MEASURE_SIZES = [8, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
 def measure_algorithms() -> dict:

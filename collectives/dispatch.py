@@ -13,6 +13,8 @@ from .algorithms import hierarchical, mpi, ring, shm, tree
 from .ops import ReduceOp
 from .topology import Topology
 
+#: The algorithm names a caller may pass.
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "shm", "mpi")
 FLAT = ("ring", "tree", "mpi", "shm")
 
 

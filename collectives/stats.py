@@ -30,11 +30,13 @@ def counter(collective: str, algorithm: str) -> list[int]:
         return _per.setdefault((collective, algorithm), [0, 0, 0])
 
 
-def count(entry: list[int], sent: int, received: int) -> None:
-    """One finished call moving these bytes (not yet counted by add_bytes), on a counter."""
+def count(entry: list[int], sent: int, received: int, counted: bool = False) -> None:
+    """One finished call moving these bytes, on a counter; counted: the bytes are already
+    in the totals (add_bytes)."""
     with _lock:
-        _totals["bytes_sent"] += sent
-        _totals["bytes_received"] += received
+        if not counted:
+            _totals["bytes_sent"] += sent
+            _totals["bytes_received"] += received
         _totals["calls"] += 1
         entry[0] += 1
         entry[1] += sent

@@ -45,6 +45,7 @@ class Topology:
         self.node_index = next(i for i, node in enumerate(self.nodes) if self.rank in node)
         self._shard_comms: list[MPI.Comm] | None = None
         self.watchdog = Watchdog(self.comm, config.stall_warning_s, config.stall_timeout_s)
+        self.agree_channel = None  # the C++ agreement exchange, made by agreement.py
 
     def shard_owner(self, shard: int) -> int:
         """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to

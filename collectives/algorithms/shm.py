@@ -69,7 +69,7 @@ STREAM_BYTES = 8 << 20
 #: A wait this long means a rank has left the collective: raise instead of hanging.
 STALL_SECONDS = 300.0
 #: Seconds a waiting rank polls before it yields its core between polls (at once when the
-#: node has more ranks than cores: then the rank waited for may need this core to run).
+#: machine runs more ranks than it has cores: then the rank waited for may need this core).
 SPIN_SECONDS = 1e-3
 
 _HEADER = 4096  # counters page at the start of each segment
@@ -77,6 +77,20 @@ _STRIDE = 16  # int64s between counters: each on its own 128-byte line pair
 READY, REDUCED, DONE = 0, 1, 2
 _COUNTERS = ("READY", "REDUCED", "DONE")
 _ALIGN = 64  # pieces start on cache lines
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _ranks_on_machine(comm_size: int) -> int:
+    """MPI processes sharing this machine's cores: the launcher's count of local ranks where
+    it says (Open MPI, MPICH), which also covers simulated nodes, else comm_size."""
+    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(var, "").isdigit():
+            return max(int(os.environ[var]), comm_size)
+    return comm_size
 
 
 class _Window:
@@ -99,7 +113,7 @@ class _Window:
         self.addresses = [np.frombuffer(b, np.uint8).ctypes.data for b in raw]  # for C++
         self.typed: dict[np.dtype, list[np.ndarray]] = {}
         self.seq = 0  # chunks done so far on this window, the same on every rank
-        self.spin_seconds = SPIN_SECONDS if self.size <= (os.cpu_count() or 1) else 0.0
+        self.spin_seconds = SPIN_SECONDS if _ranks_on_machine(self.size) <= _cores() else 0.0
 
     def data(self, dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's DEPTH buffers as one flat array of dtype (cached per dtype)."""

@@ -1,6 +1,5 @@
 // The only Python binding module (collectives._C). Arguments are checked here, with the
 // GIL held; every kernel then runs with the GIL released.
-#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -409,27 +408,45 @@ void py_shm_reduce(const std::vector<uintptr_t>& segments, int rank, int64_t hea
 
 // ---- Agreement with a piggybacked small allreduce (agree.h) ------------------------------
 
-py::tuple py_agree_exchange(uintptr_t comm_handle, int tag, int64_t digest, const py::buffer& send,
-                            const py::buffer& out, int64_t count, int dtype_code, int op_code,
-                            int64_t divisor, int64_t capacity, double first_wait,
-                            const OnWait& on_wait) {
-  const DType dtype = to_dtype(dtype_code);
-  const ReduceOp op = to_op(op_code);
-  if (count < 0) throw py::value_error("count: must be >= 0");
-  if (divisor == 0) throw py::value_error("divisor: must be non-zero");
-  const void* src = buffer_ptr(send, "send", count, dtype, false);
-  void* dst = buffer_ptr(out, "out", count, dtype, true);
-  MPI_Comm comm;  // mpi4py's MPI._handleof(comm): the C handle's bits
-  static_assert(sizeof(MPI_Comm) <= sizeof(uintptr_t), "MPI_Comm wider than a pointer");
-  std::memcpy(&comm, &comm_handle, sizeof(comm));
-  AgreeResult r;
-  {
-    py::gil_scoped_release release;
-    r = agree_exchange(comm, tag, digest, src, dst, count, dtype, op, divisor, capacity,
-                       first_wait, on_wait);
+// One communicator's agreement exchange, with what stays fixed across calls bound once.
+class AgreeChannel {
+ public:
+  AgreeChannel(uintptr_t comm_handle, int tag, int64_t capacity, double first_wait,
+               py::function on_wait)
+      : tag_(tag), capacity_(capacity), first_wait_(first_wait), on_wait_(std::move(on_wait)) {
+    static_assert(sizeof(MPI_Comm) <= sizeof(uintptr_t), "MPI_Comm wider than a pointer");
+    std::memcpy(&comm_, &comm_handle, sizeof(comm_));  // mpi4py's MPI._handleof(comm)
+    if (capacity < 0) throw py::value_error("capacity: must be >= 0");
   }
-  return py::make_tuple(r.ok, r.payload_sent, r.payload_received);
-}
+
+  py::tuple exchange(int64_t digest, const py::buffer& send, const py::buffer& out,
+                     int64_t count, int dtype_code, int op_code, int64_t divisor) {
+    const DType dtype = to_dtype(dtype_code);
+    const ReduceOp op = to_op(op_code);
+    if (count < 0) throw py::value_error("count: must be >= 0");
+    if (divisor == 0) throw py::value_error("divisor: must be non-zero");
+    const void* src = buffer_ptr(send, "send", count, dtype, false);
+    void* dst = buffer_ptr(out, "out", count, dtype, true);
+    const OnWait on_wait = [this](double waited) {
+      py::gil_scoped_acquire gil;
+      return on_wait_(waited).cast<double>();
+    };
+    AgreeResult r;
+    {
+      py::gil_scoped_release release;
+      r = agree_exchange(comm_, tag_, digest, src, dst, count, dtype, op, divisor, capacity_,
+                         first_wait_, on_wait);
+    }
+    return py::make_tuple(r.ok, r.payload_sent, r.payload_received);
+  }
+
+ private:
+  MPI_Comm comm_;
+  int tag_;
+  int64_t capacity_;
+  double first_wait_;
+  py::function on_wait_;
+};
 
 }  // namespace
 
@@ -450,13 +467,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("op"), py::arg("allreduce"), py::arg("stream"),
         "shm.py's pipelined allreduce / reducescatter stages over a shared window "
         "(GIL released)");
-  m.def("agree_exchange", &py_agree_exchange, py::arg("comm"), py::arg("tag"),
-        py::arg("digest"), py::arg("send"), py::arg("out"), py::arg("count"), py::arg("dtype"),
-        py::arg("op"), py::arg("divisor"), py::arg("capacity"), py::arg("first_wait"),
-        py::arg("on_wait"),
-        "Check every rank passed the same digest while allreducing a small payload into out "
-        "(then dividing it by divisor); "
-        "returns (ok, payload bytes sent, payload bytes received). MPI, GIL released.");
+  py::class_<AgreeChannel>(m, "AgreeChannel",
+                           "The agreement exchange of one communicator (agree.h): "
+                           "AgreeChannel(comm handle, tag, capacity, first_wait, on_wait)")
+      .def(py::init<uintptr_t, int, int64_t, double, py::function>(), py::arg("comm"),
+           py::arg("tag"), py::arg("capacity"), py::arg("first_wait"), py::arg("on_wait"))
+      .def("exchange", &AgreeChannel::exchange, py::arg("digest"), py::arg("send"),
+           py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("divisor"),
+           "Check every rank passed the same digest while allreducing a small payload into "
+           "out (then dividing it by divisor); returns (ok, payload bytes sent, received). "
+           "MPI, GIL released.");
 
   // fusion packing, quantization, 1-bit compression
   m.attr("INT8_BLOCK_SIZE") = kInt8Block;

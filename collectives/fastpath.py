@@ -1,0 +1,111 @@
+"""The allreduce fast path: a contiguous host NumPy array or CPU torch tensor without
+compression skips the general path's staging and closures, and everything derived from
+the call's arguments (signature digest, kernel codes, the concrete algorithm) is kept per
+distinct (dtype, shape, op, algorithm). Horovod-style code allreduces many small tensors
+(loss, metrics, counters), so per-call overhead here is what users feel. An allreduce of at
+most agreement.PIGGYBACK_BYTES under `tree` is reduced inside its own agreement exchange.
+Results are the same bits as the general path's: the same exchange and algorithms."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import dispatch, kernels, select, stats, topology
+from .agreement import PIGGYBACK_BYTES, digest, exchange_digest
+from .buffers import numpy_dtype_name, torch_dtype_name
+from .compression import Compression
+from .engine import ENGINE
+from .ops import ReduceOp, kernel_op
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+_NO_DATA = np.empty(0, np.uint8)
+_UINT8 = kernels.DTYPE_CODES["uint8"]
+
+
+class _Plan(NamedTuple):
+    fields: tuple
+    digest: int
+    dtype: str
+    algo: str              # concrete algorithm
+    piggyback: bool        # data rides in the agreement exchange (tree, small)
+    op: ReduceOp           # kernel op (Average moves as Sum)
+    divisor: int           # world size for Average, else 1
+    counter: list[int]     # stats of (allreduce, algo)
+
+
+_plans: dict[tuple, _Plan | None] = {}
+
+
+def _plan(dtype: str | None, shape: tuple, nbytes: int, op: ReduceOp, algorithm: str,
+          topo: topology.Topology) -> _Plan | None:
+    if dtype is None or dtype == "bfloat16":
+        return None
+    if algorithm == "auto":
+        algo = select.choose("allreduce", nbytes, topo)
+    else:
+        dispatch.check_shm(algorithm, topo)
+        algo = algorithm
+    fields = (("op", op.name), ("dtype", dtype), ("shape", shape), ("algorithm", algorithm),
+              ("compression", Compression.none.name))
+    return _Plan(fields, digest(("allreduce", fields)), dtype, algo,
+                 algo == "tree" and nbytes <= PIGGYBACK_BYTES, kernel_op(op),
+                 topo.size if op is ReduceOp.Average else 1, stats.counter("allreduce", algo))
+
+
+def allreduce(x: Any, op: Any, algorithm: str, compression: Any, inplace: bool) -> Any:
+    """The result of the call, or None when the fast path does not apply (the caller then
+    takes the general path, which gives the same result)."""
+    if compression is not None and compression is not Compression.none:
+        return None
+    tensor = None
+    if type(x) is np.ndarray:
+        arr = x
+    elif torch is not None and type(x) is torch.Tensor and x.device.type == "cpu":
+        if x.requires_grad and inplace or x.dtype == torch.bfloat16:
+            return None
+        tensor, arr = x, x.detach().numpy()
+    else:
+        return None
+    topo = topology.get()
+    key = (arr.dtype, arr.shape, op, algorithm, id(topo))
+    plan = _plans.get(key, False)
+    if plan is False:
+        if type(op) is not ReduceOp or algorithm not in dispatch.ALGORITHMS:
+            return None  # the general path raises the argument error
+        plan = _plans[key] = _plan(numpy_dtype_name(arr.dtype) if tensor is None else
+                                   torch_dtype_name(x.dtype), arr.shape, arr.nbytes, op,
+                                   algorithm, topo)
+    if plan is None or not arr.flags.c_contiguous or inplace and not arr.flags.writeable:
+        return None
+    if not ENGINE.enter_inline():
+        return None
+    try:
+        out = arr if inplace else np.empty_like(arr)
+        if plan.piggyback:
+            sent, received = exchange_digest(topo, "allreduce", plan.fields, plan.digest, arr,
+                                             out, arr.size, kernels.DTYPE_CODES[plan.dtype],
+                                             int(plan.op), plan.divisor)
+            stats.count(plan.counter, sent, received)
+        else:
+            exchange_digest(topo, "allreduce", plan.fields, plan.digest, _NO_DATA, _NO_DATA,
+                            0, _UINT8, 0, 1)
+            sent0, received0 = stats.snapshot()
+            send = arr.reshape(-1)
+            recv = send if inplace else out.reshape(-1)  # algorithms test `send is recv`
+            dispatch.allreduce(plan.algo, topo, send, recv, plan.op, plan.dtype)
+            if plan.divisor > 1:
+                kernels.divide(recv, plan.dtype, plan.divisor)
+            sent1, received1 = stats.snapshot()
+            stats.count(plan.counter, sent1 - sent0, received1 - received0, counted=True)
+    finally:
+        topo.watchdog.record.leave()
+        ENGINE.leave_inline()
+    if tensor is None:
+        return out
+    return tensor if inplace else torch.from_numpy(out)
