@@ -75,7 +75,7 @@ class Engine:
     def enter_inline(self) -> bool:
         """Claim the engine for a sync call on the caller's thread; False if work is queued
         or running (then the call must be submitted). Pair with leave_inline()."""
-        if self._queue or not self._running.acquire(blocking=False):
+        if self._queue or not self._running.acquire(False):
             return False
         if self._queue:  # queued meanwhile: it goes first
             self._running.release()

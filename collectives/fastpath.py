@@ -32,9 +32,11 @@ class _Plan(NamedTuple):
     fields: tuple
     digest: int
     dtype: str
+    dtype_code: int
     algo: str              # concrete algorithm
     piggyback: bool        # data rides in the agreement exchange (tree, small)
     op: ReduceOp           # kernel op (Average moves as Sum)
+    op_code: int
     divisor: int           # world size for Average, else 1
     counter: list[int]     # stats of (allreduce, algo)
 
@@ -53,8 +55,9 @@ def _plan(dtype: str | None, shape: tuple, nbytes: int, op: ReduceOp, algorithm:
         algo = algorithm
     fields = (("op", op.name), ("dtype", dtype), ("shape", shape), ("algorithm", algorithm),
               ("compression", Compression.none.name))
-    return _Plan(fields, digest(("allreduce", fields)), dtype, algo,
-                 algo == "tree" and nbytes <= PIGGYBACK_BYTES, kernel_op(op),
+    kop = kernel_op(op)
+    return _Plan(fields, digest(("allreduce", fields)), dtype, kernels.DTYPE_CODES[dtype], algo,
+                 algo == "tree" and nbytes <= PIGGYBACK_BYTES, kop, int(kop),
                  topo.size if op is ReduceOp.Average else 1, stats.counter("allreduce", algo))
 
 
@@ -89,8 +92,8 @@ def allreduce(x: Any, op: Any, algorithm: str, compression: Any, inplace: bool) 
         out = arr if inplace else np.empty_like(arr)
         if plan.piggyback:
             sent, received = exchange_digest(topo, "allreduce", plan.fields, plan.digest, arr,
-                                             out, arr.size, kernels.DTYPE_CODES[plan.dtype],
-                                             int(plan.op), plan.divisor)
+                                             out, arr.size, plan.dtype_code, plan.op_code,
+                                             plan.divisor)
             stats.count(plan.counter, sent, received)
         else:
             exchange_digest(topo, "allreduce", plan.fields, plan.digest, _NO_DATA, _NO_DATA,
