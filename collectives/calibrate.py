@@ -21,7 +21,7 @@ from . import kernels, select, topology
 from .ops import ReduceOp
 from .p2p import irecv, isend
 
-BIG = 4 << 20
+BIG = 64 << 20  # past the caches: the regime where large-message choices are made
 
 
 def _median_time(fn, reps: int) -> float:

@@ -30,13 +30,16 @@ from .topology import Topology
 
 @dataclasses.dataclass(frozen=True)
 class Params:
-    alpha_intra: float = 1.0e-6   # s per message inside a node
-    beta_intra: float = 2.5e-10   # s per byte inside a node (~4 GB/s)
+    """Defaults: `python -m collectives.calibrate` at np=2 on the 2-core development VM
+    (Open MPI 5 shared memory, 2026-11-22); the inter-node pair is a 1 Gbit/s link's."""
+
+    alpha_intra: float = 1.6e-6   # s per message inside a node
+    beta_intra: float = 2.2e-10   # s per byte inside a node (~4.6 GB/s, 64 MiB messages)
     alpha_inter: float = 30e-6    # s per message between nodes
     beta_inter: float = 8.0e-9    # s per byte between nodes (~1 Gbit/s)
-    gamma: float = 2.0e-10        # s per byte reduced by our kernels
-    overhead: float = 6.0e-6      # s of Python per message in our algorithms
-    mpi_call: float = 2.0e-6      # s of fixed cost per MPI library collective call
+    gamma: float = 1.66e-10       # s per byte reduced by our kernels (64 MiB, from memory)
+    overhead: float = 1.2e-6      # s of Python per message in our algorithms
+    mpi_call: float = 0.93e-6     # s of fixed cost per MPI library collective call
 
 
 def _tuning() -> dict:
