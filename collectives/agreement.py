@@ -98,24 +98,24 @@ def agree_reduce(topo: Topology, collective: str, fields: tuple, send: np.ndarra
     """agree(), also reducing a payload of at most PIGGYBACK_BYTES into out (every rank gets
     the same bits; Average divides by the world size). Payload bytes count in stats."""
     divisor = topo.size if op is ReduceOp.Average else 1
-    sent, received = exchange(topo, collective, fields, send, out, dtype,
-                              int(kernel_op(op)), divisor)
-    stats.add_bytes(sent, received)
+    moved = exchange(topo, collective, fields, send, out, dtype, int(kernel_op(op)), divisor)
+    stats.add_bytes(moved, moved)
 
 
 def exchange(topo: Topology, collective: str, fields: tuple, send: np.ndarray,
-             out: np.ndarray, dtype: str, op: int, divisor: int = 1) -> tuple[int, int]:
+             out: np.ndarray, dtype: str, op: int, divisor: int = 1) -> int:
     """The agreement exchange reducing send into out (kernel op code), then dividing the
-    result by divisor; returns the payload bytes (sent, received), not yet in stats."""
+    result by divisor; returns the payload bytes this rank sent (= received), not yet in
+    stats."""
     return exchange_digest(topo, collective, fields, digest((collective, fields)), send, out,
                            send.size, kernels.DTYPE_CODES[dtype], op, divisor)
 
 
 def exchange_digest(topo: Topology, collective: str, fields: tuple, signature_digest: int,
                     send: np.ndarray, out: np.ndarray, count: int, dtype_code: int, op: int,
-                    divisor: int) -> tuple[int, int]:
+                    divisor: int) -> int:
     """exchange() with the digest of (collective, fields) and the codes computed by the
-    caller (the small-allreduce fast path keeps them per distinct call)."""
+    caller (the allreduce fast path keeps them per distinct call)."""
     dog = topo.watchdog
     if dog.failed:
         raise StallError(f"collectives is unusable after a stall timeout ({dog.failed}); "
@@ -125,9 +125,8 @@ def exchange_digest(topo: Topology, collective: str, fields: tuple, signature_di
     if channel is None:
         channel = topo.agree_channel = kernels._C.AgreeChannel(
             topo.comm_handle, _TAG, PIGGYBACK_BYTES, dog.first_deadline, dog.on_wait)
-    ok, sent, received = channel.exchange(signature_digest, send, out, count, dtype_code, op,
-                                          divisor)
+    moved = channel.exchange(signature_digest, send, out, count, dtype_code, op, divisor)
     dog.record.state = "running"
-    if not ok:
+    if moved < 0:
         raise MismatchError(describe_mismatch(topo.comm.allgather((collective, fields))))
-    return sent, received
+    return moved

@@ -91,10 +91,9 @@ def allreduce(x: Any, op: Any, algorithm: str, compression: Any, inplace: bool) 
     try:
         out = arr if inplace else np.empty_like(arr)
         if plan.piggyback:
-            sent, received = exchange_digest(topo, "allreduce", plan.fields, plan.digest, arr,
-                                             out, arr.size, plan.dtype_code, plan.op_code,
-                                             plan.divisor)
-            stats.count(plan.counter, sent, received)
+            moved = exchange_digest(topo, "allreduce", plan.fields, plan.digest, arr, out,
+                                    arr.size, plan.dtype_code, plan.op_code, plan.divisor)
+            stats.count(plan.counter, moved, moved)
         else:
             exchange_digest(topo, "allreduce", plan.fields, plan.digest, _NO_DATA, _NO_DATA,
                             0, _UINT8, 0, 1)

@@ -44,7 +44,6 @@ class Exchange {
   unsigned char* payload() { return mine_->data() + kHeader; }
   bool bad() const { return bad_; }
   int64_t sent() const { return sent_; }
-  int64_t received() const { return received_; }
 
   // Swap partial results with peer and fold (the lower rank's data first).
   void swap_with(int peer, bool peer_lower) {
@@ -104,7 +103,6 @@ class Exchange {
     MPI_Get_count(&st, MPI_BYTE, &got);
     Header head{};
     if (got >= kHeader) std::memcpy(&head, theirs_->data(), kHeader);
-    received_ += got > kHeader ? got - kHeader : 0;
     if (got < kHeader || head.bad || head.digest != digest_ || head.nbytes != nbytes_ ||
         got != kHeader + head.nbytes)
       bad_ = true;
@@ -159,7 +157,7 @@ class Exchange {
   Bytes* mine_;    // header + this rank's partial result
   Bytes* theirs_;  // receive space: header + capacity
   bool bad_ = false;
-  int64_t sent_ = 0, received_ = 0;
+  int64_t sent_ = 0;
 };
 
 }  // namespace
@@ -199,7 +197,7 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
     if (divisor != 1) divide(ex.payload(), count, dtype, divisor);
     std::memcpy(out, ex.payload(), nbytes);
   }
-  return {!ex.bad(), ex.sent(), ex.received()};
+  return {!ex.bad(), ex.sent()};
 }
 
 }  // namespace collectives

@@ -22,9 +22,9 @@ namespace collectives {
 using OnWait = std::function<double(double seconds)>;
 
 struct AgreeResult {
-  bool ok;                 // every rank passed the same digest and payload size
-  int64_t payload_sent;    // payload bytes this rank sent (headers not counted)
-  int64_t payload_received;
+  bool ok;               // every rank passed the same digest and payload size
+  int64_t payload_sent;  // payload bytes this rank sent (headers not counted); when ok,
+                         // also the bytes it received
 };
 
 // Recursive doubling over `comm` of {digest, payload}. When ok, out holds the reduction of

@@ -1,5 +1,6 @@
 // The only Python binding module (collectives._C). Arguments are checked here, with the
 // GIL held; every kernel then runs with the GIL released.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -408,6 +409,18 @@ void py_shm_reduce(const std::vector<uintptr_t>& segments, int rank, int64_t hea
 
 // ---- Agreement with a piggybacked small allreduce (agree.h) ------------------------------
 
+// A C-contiguous NumPy array holding at least `count` elements of `dtype`.
+void* array_ptr(const py::array& a, const char* name, int64_t count, DType dtype,
+                bool writable) {
+  if (!(a.flags() & py::array::c_style))
+    throw py::value_error(std::string(name) + ": array must be C-contiguous");
+  if (writable && !a.writeable()) throw py::value_error(std::string(name) + ": read-only");
+  if (a.nbytes() < count * dtype_size(dtype))
+    throw py::value_error(std::string(name) + ": holds " + std::to_string(a.nbytes()) +
+                          " bytes, need " + std::to_string(count * dtype_size(dtype)));
+  return const_cast<void*>(a.data());
+}
+
 // One communicator's agreement exchange, with what stays fixed across calls bound once.
 class AgreeChannel {
  public:
@@ -419,14 +432,17 @@ class AgreeChannel {
     if (capacity < 0) throw py::value_error("capacity: must be >= 0");
   }
 
-  py::tuple exchange(int64_t digest, const py::buffer& send, const py::buffer& out,
-                     int64_t count, int dtype_code, int op_code, int64_t divisor) {
+  // NumPy arrays only (read without a buffer request: this is on every call's path).
+  // Returns -1 if the ranks disagree, else the payload bytes sent (= received: when every
+  // rank agrees, every message carries the same payload size).
+  int64_t exchange(int64_t digest, const py::array& send, py::array& out, int64_t count,
+                   int dtype_code, int op_code, int64_t divisor) {
     const DType dtype = to_dtype(dtype_code);
     const ReduceOp op = to_op(op_code);
     if (count < 0) throw py::value_error("count: must be >= 0");
     if (divisor == 0) throw py::value_error("divisor: must be non-zero");
-    const void* src = buffer_ptr(send, "send", count, dtype, false);
-    void* dst = buffer_ptr(out, "out", count, dtype, true);
+    const void* src = array_ptr(send, "send", count, dtype, false);
+    void* dst = array_ptr(out, "out", count, dtype, true);
     const OnWait on_wait = [this](double waited) {
       py::gil_scoped_acquire gil;
       return on_wait_(waited).cast<double>();
@@ -437,7 +453,7 @@ class AgreeChannel {
       r = agree_exchange(comm_, tag_, digest, src, dst, count, dtype, op, divisor, capacity_,
                          first_wait_, on_wait);
     }
-    return py::make_tuple(r.ok, r.payload_sent, r.payload_received);
+    return r.ok ? r.payload_sent : -1;
   }
 
  private:
@@ -476,8 +492,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("op"),
            py::arg("divisor"),
            "Check every rank passed the same digest while allreducing a small payload into "
-           "out (then dividing it by divisor); returns (ok, payload bytes sent, received). "
-           "MPI, GIL released.");
+           "out (then dividing it by divisor); returns -1 if they differ, else the payload "
+           "bytes sent (= received). MPI, GIL released.");
 
   // fusion packing, quantization, 1-bit compression
   m.attr("INT8_BLOCK_SIZE") = kInt8Block;
