@@ -15,8 +15,8 @@ import hashlib
 
 import numpy as np
 
-from . import kernels, stats
-from .ops import ReduceOp, kernel_op
+from . import kernels
+from .ops import ReduceOp
 from .topology import Topology
 from .watchdog import StallError
 
@@ -93,29 +93,19 @@ def agree_rows(topo: Topology, collective: str, fields: tuple, rows: int) -> np.
     return everyone
 
 
-def agree_reduce(topo: Topology, collective: str, fields: tuple, send: np.ndarray,
-                 out: np.ndarray, dtype: str, op: ReduceOp) -> None:
-    """agree(), also reducing a payload of at most PIGGYBACK_BYTES into out (every rank gets
-    the same bits; Average divides by the world size). Payload bytes count in stats."""
-    divisor = topo.size if op is ReduceOp.Average else 1
-    moved = exchange(topo, collective, fields, send, out, dtype, int(kernel_op(op)), divisor)
-    stats.add_bytes(moved, moved)
-
-
 def exchange(topo: Topology, collective: str, fields: tuple, send: np.ndarray,
-             out: np.ndarray, dtype: str, op: int, divisor: int = 1) -> int:
-    """The agreement exchange reducing send into out (kernel op code), then dividing the
-    result by divisor; returns the payload bytes this rank sent (= received), not yet in
-    stats."""
+             out: np.ndarray, dtype: str, op: int) -> int:
+    """The agreement exchange reducing send into out (kernel op code); returns the payload
+    bytes this rank sent (= received), not yet in stats."""
     return exchange_digest(topo, collective, fields, digest((collective, fields)), send, out,
-                           send.size, kernels.DTYPE_CODES[dtype], op, divisor)
+                           send.size, kernels.DTYPE_CODES[dtype], op, 1)
 
 
 def exchange_digest(topo: Topology, collective: str, fields: tuple, signature_digest: int,
                     send: np.ndarray, out: np.ndarray, count: int, dtype_code: int, op: int,
                     divisor: int) -> int:
     """exchange() with the digest of (collective, fields) and the codes computed by the
-    caller (the allreduce fast path keeps them per distinct call)."""
+    caller (allreduce plans keep them per distinct call), dividing the result by divisor."""
     dog = topo.watchdog
     if dog.failed:
         raise StallError(f"collectives is unusable after a stall timeout ({dog.failed}); "

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, fastpath, kernels, quantized, select, stats, topology
-from .agreement import PIGGYBACK_BYTES, agree, agree_reduce, agree_rows
+from .agreement import agree, agree_rows
 from .buffers import Buffer, store_float32, wrap
 from .compression import Compression, check_compression
 from .engine import ENGINE, Handle
@@ -88,21 +88,8 @@ def _allreduce_work(buf: Buffer, out: Buffer, op: ReduceOp, algorithm: str,
                     compression: str) -> Callable[[], Any]:
     def work() -> Any:
         topo = topology.get()
-        algo = _resolve(algorithm, "allreduce", buf.nbytes)
-        fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
-                  ("algorithm", algorithm), ("compression", compression))
-        if algo == "tree" and buf.nbytes <= PIGGYBACK_BYTES:
-            def move() -> None:  # the data rides in the agreement's own messages
-                agree_reduce(topo, "allreduce", fields, buf.flat, out.flat, buf.dtype, op)
-        else:
-            agree(topo, "allreduce", fields)
-
-            def move() -> None:
-                dispatch.allreduce(algo, topo, buf.flat, out.flat, kernel_op(op), buf.dtype)
-                if op is ReduceOp.Average and topo.size > 1:
-                    kernels.divide(out.flat, buf.dtype, topo.size)
-
-        _timed("allreduce", algo, move)
+        p = fastpath.plan(buf.dtype, buf.shape, buf.nbytes, op, algorithm, compression, topo)
+        fastpath.run(p, topo, buf.flat, out.flat)
         if out is buf:
             buf.write_back()
             return buf.orig

@@ -1,13 +1,15 @@
-"""The allreduce fast path: a contiguous host NumPy array or CPU torch tensor without
-compression skips the general path's staging and closures, and everything derived from
-the call's arguments (signature digest, kernel codes, the concrete algorithm) is kept per
-distinct (dtype, shape, op, algorithm). Horovod-style code allreduces many small tensors
+"""How an allreduce agrees and moves (plan, run: the general path uses them too), and the
+fast entry: a contiguous host NumPy array or CPU torch tensor without compression skips the
+general path's staging and closures, and everything derived from the call's arguments
+(signature digest, kernel codes, the concrete algorithm) is kept per distinct (dtype,
+shape, op, algorithm). Horovod-style code allreduces many small tensors
 (loss, metrics, counters), so per-call overhead here is what users feel. An allreduce of at
 most agreement.PIGGYBACK_BYTES under `tree` is reduced inside its own agreement exchange.
 Results are the same bits as the general path's: the same exchange and algorithms."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -41,24 +43,42 @@ class _Plan(NamedTuple):
     counter: list[int]     # stats of (allreduce, algo)
 
 
-_plans: dict[tuple, _Plan | None] = {}
+_plans: dict[tuple, _Plan | None] = {}  # the fast entry's cache, by NumPy dtype and shape
 
 
-def _plan(dtype: str | None, shape: tuple, nbytes: int, op: ReduceOp, algorithm: str,
-          topo: topology.Topology) -> _Plan | None:
-    if dtype is None or dtype == "bfloat16":
-        return None
+@functools.lru_cache(maxsize=4096)
+def plan(dtype: str, shape: tuple, nbytes: int, op: ReduceOp, algorithm: str,
+         compression: str, topo: topology.Topology) -> _Plan:
+    """Everything an allreduce of these arguments derives from them (raises the argument
+    errors the general path would, e.g. shm on several nodes)."""
     if algorithm == "auto":
         algo = select.choose("allreduce", nbytes, topo)
     else:
         dispatch.check_shm(algorithm, topo)
         algo = algorithm
     fields = (("op", op.name), ("dtype", dtype), ("shape", shape), ("algorithm", algorithm),
-              ("compression", Compression.none.name))
+              ("compression", compression))
     kop = kernel_op(op)
     return _Plan(fields, digest(("allreduce", fields)), dtype, kernels.DTYPE_CODES[dtype], algo,
                  algo == "tree" and nbytes <= PIGGYBACK_BYTES, kop, int(kop),
                  topo.size if op is ReduceOp.Average else 1, stats.counter("allreduce", algo))
+
+
+def run(p: _Plan, topo: topology.Topology, send: np.ndarray, recv: np.ndarray) -> None:
+    """Agree on the call and reduce flat send into flat recv (recv may be send) as planned;
+    counted in stats. Used by the fast entry below and by the general path."""
+    if p.piggyback:
+        moved = exchange_digest(topo, "allreduce", p.fields, p.digest, send, recv, send.size,
+                                p.dtype_code, p.op_code, p.divisor)
+        stats.count(p.counter, moved, moved)
+        return
+    exchange_digest(topo, "allreduce", p.fields, p.digest, _NO_DATA, _NO_DATA, 0, _UINT8, 0, 1)
+    sent0, received0 = stats.snapshot()
+    dispatch.allreduce(p.algo, topo, send, recv, p.op, p.dtype)
+    if p.divisor > 1:
+        kernels.divide(recv, p.dtype, p.divisor)
+    sent1, received1 = stats.snapshot()
+    stats.count(p.counter, sent1 - sent0, received1 - received0, counted=True)
 
 
 def allreduce(x: Any, op: Any, algorithm: str, compression: Any, inplace: bool) -> Any:
@@ -77,34 +97,21 @@ def allreduce(x: Any, op: Any, algorithm: str, compression: Any, inplace: bool) 
         return None
     topo = topology.get()
     key = (arr.dtype, arr.shape, op, algorithm, id(topo))
-    plan = _plans.get(key, False)
-    if plan is False:
+    p = _plans.get(key, False)
+    if p is False:
         if type(op) is not ReduceOp or algorithm not in dispatch.ALGORITHMS:
             return None  # the general path raises the argument error
-        plan = _plans[key] = _plan(numpy_dtype_name(arr.dtype) if tensor is None else
-                                   torch_dtype_name(x.dtype), arr.shape, arr.nbytes, op,
-                                   algorithm, topo)
-    if plan is None or not arr.flags.c_contiguous or inplace and not arr.flags.writeable:
+        dtype = numpy_dtype_name(arr.dtype) if tensor is None else torch_dtype_name(x.dtype)
+        p = _plans[key] = None if dtype is None else plan(
+            dtype, arr.shape, arr.nbytes, op, algorithm, Compression.none.name, topo)
+    if p is None or not arr.flags.c_contiguous or inplace and not arr.flags.writeable:
         return None
     if not ENGINE.enter_inline():
         return None
     try:
         out = arr if inplace else np.empty_like(arr)
-        if plan.piggyback:
-            moved = exchange_digest(topo, "allreduce", plan.fields, plan.digest, arr, out,
-                                    arr.size, plan.dtype_code, plan.op_code, plan.divisor)
-            stats.count(plan.counter, moved, moved)
-        else:
-            exchange_digest(topo, "allreduce", plan.fields, plan.digest, _NO_DATA, _NO_DATA,
-                            0, _UINT8, 0, 1)
-            sent0, received0 = stats.snapshot()
-            send = arr.reshape(-1)
-            recv = send if inplace else out.reshape(-1)  # algorithms test `send is recv`
-            dispatch.allreduce(plan.algo, topo, send, recv, plan.op, plan.dtype)
-            if plan.divisor > 1:
-                kernels.divide(recv, plan.dtype, plan.divisor)
-            sent1, received1 = stats.snapshot()
-            stats.count(plan.counter, sent1 - sent0, received1 - received0, counted=True)
+        send = arr.reshape(-1)
+        run(p, topo, send, send if inplace else out.reshape(-1))  # algorithms test `is`
     finally:
         topo.watchdog.record.leave()
         ENGINE.leave_inline()
