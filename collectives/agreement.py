@@ -111,12 +111,23 @@ def exchange_digest(topo: Topology, collective: str, fields: tuple, signature_di
         raise StallError(f"collectives is unusable after a stall timeout ({dog.failed}); "
                          "an MPI collective cannot be cancelled: restart the job")
     dog.record.enter(collective, fields)
-    channel = topo.agree_channel
-    if channel is None:
-        channel = topo.agree_channel = kernels._C.AgreeChannel(
-            topo.comm_handle, _TAG, PIGGYBACK_BYTES, dog.first_deadline, dog.on_wait)
-    moved = channel.exchange(signature_digest, send, out, count, dtype_code, op, divisor)
+    moved = channel(topo).exchange(signature_digest, send, out, count, dtype_code, op, divisor)
     dog.record.state = "running"
     if moved < 0:
-        raise MismatchError(describe_mismatch(topo.comm.allgather((collective, fields))))
+        raise_mismatch(topo, collective, fields)
     return moved
+
+
+def channel(topo: Topology) -> kernels._C.AgreeChannel:
+    """topo's agreement exchange in C++ (made on first use)."""
+    if topo.agree_channel is None:
+        dog = topo.watchdog
+        topo.agree_channel = kernels._C.AgreeChannel(
+            topo.comm_handle, _TAG, PIGGYBACK_BYTES, dog.first_deadline, dog.on_wait)
+    return topo.agree_channel
+
+
+def raise_mismatch(topo: Topology, collective: str, fields: tuple) -> None:
+    """After an exchange found ranks that differ: every rank raises the same MismatchError
+    naming the field, the values and the ranks."""
+    raise MismatchError(describe_mismatch(topo.comm.allgather((collective, fields))))

@@ -85,6 +85,11 @@ class Engine:
     def leave_inline(self) -> None:
         self._running.release()
 
+    def inline_claim(self) -> tuple[collections.deque, Any]:
+        """(queue, running lock): what a C++ fast entry needs to claim the engine exactly as
+        enter_inline() and leave_inline() do (csrc/cpu/bind_agreement.cpp)."""
+        return self._queue, self._running
+
     def _loop(self) -> None:
         while True:
             with self._cv:

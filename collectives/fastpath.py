@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import dispatch, kernels, select, stats, topology
+from . import agreement, dispatch, kernels, select, stats, topology
 from .agreement import PIGGYBACK_BYTES, digest, exchange_digest
 from .buffers import numpy_dtype_name, torch_dtype_name
 from .compression import Compression
@@ -40,10 +40,15 @@ class _Plan(NamedTuple):
     op: ReduceOp           # kernel op (Average moves as Sum)
     op_code: int
     divisor: int           # world size for Average, else 1
+    count: int             # elements
     counter: list[int]     # stats of (allreduce, algo)
+    topo: topology.Topology
+    small: Any             # piggyback: the whole fast entry in C++ (_C.SmallAllreduce)
 
 
-_plans: dict[tuple, _Plan | None] = {}  # the fast entry's cache, by NumPy dtype and shape
+#: The fast entry's cache: per op code, by (NumPy dtype, shape, algorithm); a plan of an
+#: older topology is replaced.
+_plans: list[dict[tuple, _Plan | None]] = [{} for _ in ReduceOp]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -59,22 +64,34 @@ def plan(dtype: str, shape: tuple, nbytes: int, op: ReduceOp, algorithm: str,
     fields = (("op", op.name), ("dtype", dtype), ("shape", shape), ("algorithm", algorithm),
               ("compression", compression))
     kop = kernel_op(op)
-    return _Plan(fields, digest(("allreduce", fields)), dtype, kernels.DTYPE_CODES[dtype], algo,
-                 algo == "tree" and nbytes <= PIGGYBACK_BYTES, kop, int(kop),
-                 topo.size if op is ReduceOp.Average else 1, stats.counter("allreduce", algo))
+    sig, code = digest(("allreduce", fields)), kernels.DTYPE_CODES[dtype]
+    count, divisor = nbytes // kernels.STORAGE[dtype].itemsize, topo.size if op is ReduceOp.Average else 1
+    counter = stats.counter("allreduce", algo)
+    piggyback = algo == "tree" and nbytes <= PIGGYBACK_BYTES
+    small = None
+    if piggyback:
+        small = kernels._C.SmallAllreduce(
+            agreement.channel(topo), sig, count, code, int(kop), divisor, "allreduce", fields,
+            topo.watchdog, counter, stats.totals(), *ENGINE.inline_claim(),
+            functools.partial(agreement.raise_mismatch, topo, "allreduce", fields))
+    return _Plan(fields, sig, dtype, code, algo, piggyback, kop, int(kop), divisor, count,
+                 counter, topo, small)
 
 
 def run(p: _Plan, topo: topology.Topology, send: np.ndarray, recv: np.ndarray) -> None:
-    """Agree on the call and reduce flat send into flat recv (recv may be send) as planned;
-    counted in stats. Used by the fast entry below and by the general path."""
+    """Agree on the call and reduce C-contiguous send into recv of its shape (recv may be
+    send) as planned; counted in stats. Used by the fast entry below and by the general
+    path."""
     if p.piggyback:
-        moved = exchange_digest(topo, "allreduce", p.fields, p.digest, send, recv, send.size,
+        moved = exchange_digest(topo, "allreduce", p.fields, p.digest, send, recv, p.count,
                                 p.dtype_code, p.op_code, p.divisor)
         stats.count(p.counter, moved, moved)
         return
     exchange_digest(topo, "allreduce", p.fields, p.digest, _NO_DATA, _NO_DATA, 0, _UINT8, 0, 1)
     sent0, received0 = stats.snapshot()
-    dispatch.allreduce(p.algo, topo, send, recv, p.op, p.dtype)
+    flat = send.reshape(-1)
+    recv = flat if recv is send else recv.reshape(-1)  # the algorithms test `is`
+    dispatch.allreduce(p.algo, topo, flat, recv, p.op, p.dtype)
     if p.divisor > 1:
         kernels.divide(recv, p.dtype, p.divisor)
     sent1, received1 = stats.snapshot()
@@ -84,7 +101,7 @@ def run(p: _Plan, topo: topology.Topology, send: np.ndarray, recv: np.ndarray) -
 def allreduce(x: Any, op: Any, algorithm: str, compression: Any, inplace: bool) -> Any:
     """The result of the call, or None when the fast path does not apply (the caller then
     takes the general path, which gives the same result)."""
-    if compression is not None and compression is not Compression.none:
+    if compression is not None and compression is not Compression.none or type(op) is not ReduceOp:
         return None
     tensor = None
     if type(x) is np.ndarray:
@@ -96,22 +113,29 @@ def allreduce(x: Any, op: Any, algorithm: str, compression: Any, inplace: bool) 
     else:
         return None
     topo = topology.get()
-    key = (arr.dtype, arr.shape, op, algorithm, id(topo))
-    p = _plans.get(key, False)
-    if p is False:
-        if type(op) is not ReduceOp or algorithm not in dispatch.ALGORITHMS:
+    plans = _plans[op]
+    key = (arr.dtype, arr.shape, algorithm)
+    p = plans.get(key, False)
+    if p is False or p is not None and p.topo is not topo:
+        if algorithm not in dispatch.ALGORITHMS:
             return None  # the general path raises the argument error
         dtype = numpy_dtype_name(arr.dtype) if tensor is None else torch_dtype_name(x.dtype)
-        p = _plans[key] = None if dtype is None else plan(
+        p = plans[key] = None if dtype is None else plan(
             dtype, arr.shape, arr.nbytes, op, algorithm, Compression.none.name, topo)
-    if p is None or not arr.flags.c_contiguous or inplace and not arr.flags.writeable:
+    if p is None:
+        return None
+    if p.small is not None:
+        out = p.small(arr, inplace)
+        if out is None or tensor is None:
+            return out
+        return tensor if inplace else torch.from_numpy(out)
+    if not arr.flags.c_contiguous or inplace and not arr.flags.writeable:
         return None
     if not ENGINE.enter_inline():
         return None
     try:
-        out = arr if inplace else np.empty_like(arr)
-        send = arr.reshape(-1)
-        run(p, topo, send, send if inplace else out.reshape(-1))  # algorithms test `is`
+        out = arr if inplace else np.empty(arr.shape, arr.dtype)
+        run(p, topo, arr, out)
     finally:
         topo.watchdog.record.leave()
         ENGINE.leave_inline()

@@ -28,6 +28,11 @@ def counter(collective: str, algorithm: str) -> list[int]:
     return _per.setdefault((collective, algorithm), [0, 0, 0])
 
 
+def totals() -> dict[str, int]:
+    """The live totals, for C++ writers that count as count() does."""
+    return _totals
+
+
 def count(entry: list[int], sent: int, received: int, counted: bool = False) -> None:
     """One finished call moving these bytes, on a counter; counted: the bytes are already
     in the totals (add_bytes)."""

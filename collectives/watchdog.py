@@ -17,6 +17,8 @@ import time
 
 from mpi4py import MPI
 
+from .kernels import _C
+
 log = logging.getLogger("collectives")
 
 TAG_ASK, TAG_ANSWER = 41, 42
@@ -24,28 +26,6 @@ TAG_ASK, TAG_ANSWER = 41, 42
 
 class StallError(RuntimeError):
     """A collective waited longer than COLLECTIVES_STALL_TIMEOUT_S for other ranks."""
-
-
-class Record:
-    """What this rank is doing: the responder reports it to stalled ranks."""
-
-    __slots__ = ("calls", "collective", "fields", "state", "since")
-
-    def __init__(self) -> None:
-        self.calls, self.collective, self.fields = 0, "", ()
-        self.state, self.since = "idle", time.monotonic()
-
-    def enter(self, collective: str, fields: tuple) -> None:
-        self.calls += 1
-        self.collective, self.fields = collective, fields
-        self.state, self.since = "waiting", time.monotonic()
-
-    def leave(self) -> None:
-        self.state, self.since = "idle", time.monotonic()
-
-    def snapshot(self) -> tuple:
-        return (self.state, self.calls, self.collective, self.fields,
-                time.monotonic() - self.since)
 
 
 def describe(snapshot: tuple) -> str:
@@ -63,7 +43,7 @@ class Watchdog:
         self.warn_s, self.timeout_s = warn_s, timeout_s
         #: seconds of waiting after which on_wait is first due
         self.first_deadline = warn_s if timeout_s is None else min(warn_s, timeout_s)
-        self.record = Record()
+        self.record = _C.Record()  # C++: the small-allreduce fast entry keeps it too
         self.failed: str | None = None
         self._stop = threading.Event()
         self._asked = 0

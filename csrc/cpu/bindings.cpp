@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "agree.h"
+#include "bindings.h"
 #include "onebit.h"
 #include "pack.h"
 #include "quantize.h"
@@ -18,20 +18,10 @@
 
 namespace py = pybind11;
 using namespace collectives;
+using collectives::bindings::to_dtype;
+using collectives::bindings::to_op;
 
 namespace {
-
-DType to_dtype(int code) {
-  if (code < 0 || code > static_cast<int>(DType::i64))
-    throw py::value_error("dtype: unknown dtype code " + std::to_string(code));
-  return static_cast<DType>(code);
-}
-
-ReduceOp to_op(int code) {
-  if (code < 0 || code > static_cast<int>(ReduceOp::prod))
-    throw py::value_error("op: unknown reduce-op code " + std::to_string(code));
-  return static_cast<ReduceOp>(code);
-}
 
 // A C-contiguous buffer holding at least `count` elements of `dtype`.
 void* buffer_ptr(const py::buffer& obj, const char* name, int64_t count, DType dtype,
@@ -407,63 +397,6 @@ void py_shm_reduce(const std::vector<uintptr_t>& segments, int rank, int64_t hea
   shm_reduce(w, seq, in, out, bounds, e, nchunks, dtype, op, allreduce, stream);
 }
 
-// ---- Agreement with a piggybacked small allreduce (agree.h) ------------------------------
-
-// A C-contiguous NumPy array holding at least `count` elements of `dtype`.
-void* array_ptr(const py::array& a, const char* name, int64_t count, DType dtype,
-                bool writable) {
-  if (!(a.flags() & py::array::c_style))
-    throw py::value_error(std::string(name) + ": array must be C-contiguous");
-  if (writable && !a.writeable()) throw py::value_error(std::string(name) + ": read-only");
-  if (a.nbytes() < count * dtype_size(dtype))
-    throw py::value_error(std::string(name) + ": holds " + std::to_string(a.nbytes()) +
-                          " bytes, need " + std::to_string(count * dtype_size(dtype)));
-  return const_cast<void*>(a.data());
-}
-
-// One communicator's agreement exchange, with what stays fixed across calls bound once.
-class AgreeChannel {
- public:
-  AgreeChannel(uintptr_t comm_handle, int tag, int64_t capacity, double first_wait,
-               py::function on_wait)
-      : tag_(tag), capacity_(capacity), first_wait_(first_wait), on_wait_(std::move(on_wait)) {
-    static_assert(sizeof(MPI_Comm) <= sizeof(uintptr_t), "MPI_Comm wider than a pointer");
-    std::memcpy(&comm_, &comm_handle, sizeof(comm_));  // mpi4py's MPI._handleof(comm)
-    if (capacity < 0) throw py::value_error("capacity: must be >= 0");
-  }
-
-  // NumPy arrays only (read without a buffer request: this is on every call's path).
-  // Returns -1 if the ranks disagree, else the payload bytes sent (= received: when every
-  // rank agrees, every message carries the same payload size).
-  int64_t exchange(int64_t digest, const py::array& send, py::array& out, int64_t count,
-                   int dtype_code, int op_code, int64_t divisor) {
-    const DType dtype = to_dtype(dtype_code);
-    const ReduceOp op = to_op(op_code);
-    if (count < 0) throw py::value_error("count: must be >= 0");
-    if (divisor == 0) throw py::value_error("divisor: must be non-zero");
-    const void* src = array_ptr(send, "send", count, dtype, false);
-    void* dst = array_ptr(out, "out", count, dtype, true);
-    const OnWait on_wait = [this](double waited) {
-      py::gil_scoped_acquire gil;
-      return on_wait_(waited).cast<double>();
-    };
-    AgreeResult r;
-    {
-      py::gil_scoped_release release;
-      r = agree_exchange(comm_, tag_, digest, src, dst, count, dtype, op, divisor, capacity_,
-                         first_wait_, on_wait);
-    }
-    return r.ok ? r.payload_sent : -1;
-  }
-
- private:
-  MPI_Comm comm_;
-  int tag_;
-  int64_t capacity_;
-  double first_wait_;
-  py::function on_wait_;
-};
-
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -483,17 +416,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("op"), py::arg("allreduce"), py::arg("stream"),
         "shm.py's pipelined allreduce / reducescatter stages over a shared window "
         "(GIL released)");
-  py::class_<AgreeChannel>(m, "AgreeChannel",
-                           "The agreement exchange of one communicator (agree.h): "
-                           "AgreeChannel(comm handle, tag, capacity, first_wait, on_wait)")
-      .def(py::init<uintptr_t, int, int64_t, double, py::function>(), py::arg("comm"),
-           py::arg("tag"), py::arg("capacity"), py::arg("first_wait"), py::arg("on_wait"))
-      .def("exchange", &AgreeChannel::exchange, py::arg("digest"), py::arg("send"),
-           py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-           py::arg("divisor"),
-           "Check every rank passed the same digest while allreducing a small payload into "
-           "out (then dividing it by divisor); returns -1 if they differ, else the payload "
-           "bytes sent (= received). MPI, GIL released.");
+  bind_agreement(m);
 
   // fusion packing, quantization, 1-bit compression
   m.attr("INT8_BLOCK_SIZE") = kInt8Block;

@@ -10,6 +10,7 @@ import torch
 from conftest import assert_equal, assert_same_on_all_ranks, reference_reduce
 
 import collectives as C
+from collectives import topology
 from collectives.agreement import PIGGYBACK_BYTES
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -106,3 +107,29 @@ def test_fast_path_counts_payload_bytes(comm):
     folded = r < 2 * (n - pow2)
     expected = 256 * (1 if folded and r % 2 == 0 else steps + (1 if folded else 0))
     assert sent == expected, (sent, expected)
+
+
+def test_fast_path_waits_behind_queued_async_work(comm):
+    # a sync small allreduce issued while async work is queued must not overtake it (the
+    # fast entry finds the engine busy and queues behind it): same order on every rank
+    n = comm.Get_size()
+    r = comm.Get_rank()
+    big = np.full(1 << 18, float(r + 1), np.float32)
+    handles = [C.allreduce_async(big, op=C.Sum, algorithm="ring") for _ in range(3)]
+    small = C.allreduce(np.full(5, float(r), np.float64), op=C.Sum, algorithm="tree")
+    assert_equal(small, np.full(5, float(n * (n - 1) // 2)), "small behind async")
+    for h in handles:
+        assert_equal(C.synchronize(h), np.full(1 << 18, float(n * (n + 1) // 2), np.float32),
+                     "async")
+
+
+def test_fast_path_keeps_the_stall_record(comm):
+    record = topology.get().watchdog.record
+    calls = record.calls
+    C.allreduce(np.ones(3, np.float32), op=C.Max, algorithm="tree")
+    assert record.calls == calls + 1
+    state, calls_now, collective, fields, age = record.snapshot()
+    assert (state, calls_now, collective) == ("idle", calls + 1, "allreduce")
+    assert dict(fields)["op"] == "Max" and dict(fields)["shape"] == (3,) and age >= 0
+    with pytest.raises(ValueError, match="state"):
+        record.state = "sleeping"
