@@ -43,17 +43,11 @@ def reduce(dst: np.ndarray, srcs: Sequence[np.ndarray], dtype: str, op: ReduceOp
 def shm_reduce(addresses: list[int], rank: int, header_bytes: int, stride: int,
                slot_bytes: int, depth: int, spin_seconds: float, stall_seconds: float,
                seq: int, send: np.ndarray, recv: np.ndarray, bounds: list[int], e: int,
-               nchunks: int, dtype: str, op: ReduceOp, allreduce: bool, stream: bool) -> None:
+               nchunks: int, dtype: str, op: ReduceOp, allreduce: bool) -> None:
     """The shared-memory reduction stages of collectives/algorithms/shm.py (csrc/cpu/shm.h)."""
     _C.shm_reduce(addresses, rank, header_bytes, stride, slot_bytes, depth, spin_seconds,
                   stall_seconds, seq, send, recv, bounds, e, nchunks, DTYPE_CODES[dtype],
-                  int(op), allreduce, stream)
-
-
-def copy_stream(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[...] = src for 1-D C-contiguous arrays of one dtype, with non-temporal stores: for
-    big results that will not be read again soon (saves reading dst into the cache)."""
-    _C.copy_stream(dst, src, src.nbytes)
+                  int(op), allreduce)
 
 
 def divide(buf: np.ndarray, dtype: str, divisor: int) -> None:

@@ -63,9 +63,6 @@ DEPTH = 4
 #: Calls staging at most this many bytes in all (every rank's whole input) take one chunk:
 #: one wait instead of two or three, at the price of copying whole inputs in.
 SMALL_BYTES = 256 << 10
-#: Results at least this big are copied out of the window with non-temporal stores: they
-#: outgrow the caches anyway, and streaming skips reading each destination line first.
-STREAM_BYTES = 8 << 20
 #: A wait this long means a rank has left the collective: raise instead of hanging.
 STALL_SECONDS = 300.0
 #: Seconds a waiting rank polls before it yields its core between polls (at once when the
@@ -282,11 +279,6 @@ class _Blocks:
         return lo, min(lo + self.e, end)
 
 
-def _copier(nbytes: int) -> Callable[[np.ndarray, np.ndarray], None]:
-    """How a call whose result has nbytes copies pieces out: dst[...] = src."""
-    return kernels.copy_stream if nbytes >= STREAM_BYTES else np.copyto
-
-
 def _bounds(counts: list[int]) -> list[int]:
     return list(itertools.accumulate(counts, initial=0))
 
@@ -299,8 +291,7 @@ def _reduce_blocks(w: _Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarr
     in C++ with the GIL released (csrc/cpu/shm.cpp; same counters and order as above)."""
     kernels.shm_reduce(w.addresses, w.rank, _HEADER, _STRIDE, w.slot_bytes, DEPTH,
                        w.spin_seconds, STALL_SECONDS, w.seq, send, recv, blocks.bounds, blocks.e,
-                       blocks.nchunks, dtype, op, allreduce,
-                       allreduce and recv.nbytes >= STREAM_BYTES)
+                       blocks.nchunks, dtype, op, allreduce)
     w.seq += blocks.nchunks
 
 
@@ -362,7 +353,6 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
     r = w.rank
     start = bounds[r]
     data = w.data(send.dtype)
-    copy = _copier(recv.nbytes)
 
     def copy_in(k: int) -> None:
         g = w.seq + k
@@ -381,7 +371,7 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
         for j in range(size):
             if j != r:
                 lo, hi = blocks.piece(j, k)
-                copy(recv[lo:hi], data[j][o:o + hi - lo])
+                np.copyto(recv[lo:hi], data[j][o:o + hi - lo])
         w.post(DONE, g)
 
     _pipeline(blocks.nchunks, [copy_in, copy_out])
@@ -398,7 +388,6 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     w = _window(comm, e)
     src = w.segments[root]
     is_root = w.rank == root
-    copy = _copier(raw.nbytes)
 
     def copy_in(k: int) -> None:
         g = w.seq + k
@@ -415,7 +404,7 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
             w.wait_for(root, READY, g)
             lo, hi = k * e, min((k + 1) * e, raw.size)
             o = w.offset(g, raw.dtype)
-            copy(raw[lo:hi], src[o:o + hi - lo])
+            np.copyto(raw[lo:hi], src[o:o + hi - lo])
         w.post(DONE, g)
 
     _pipeline(nchunks, [copy_in, copy_out])

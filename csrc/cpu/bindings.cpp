@@ -358,21 +358,13 @@ void py_onebit_serve(const py::sequence& bits, const py::sequence& scales,
   onebit_serve(bp.data(), sp.data(), static_cast<int>(bp.size()), ep, ob, os, count, block);
 }
 
-void py_copy_stream(const py::buffer& dst, const py::buffer& src, int64_t nbytes) {
-  if (nbytes < 0) throw py::value_error("nbytes: must be >= 0");
-  void* out = buffer_ptr(dst, "dst", nbytes, DType::u8, true);
-  const void* in = buffer_ptr(src, "src", nbytes, DType::u8, false);
-  py::gil_scoped_release release;
-  copy_streaming(out, in, nbytes);
-}
-
 // ---- Shared-memory reduction pipeline (shm.h) ---------------------------------------------
 
 void py_shm_reduce(const std::vector<uintptr_t>& segments, int rank, int64_t header_bytes,
                    int64_t stride, int64_t slot_bytes, int64_t depth, double spin_seconds,
                    double stall_seconds, int64_t seq, const py::buffer& send,
                    const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
-                   int64_t nchunks, int dtype_code, int op_code, bool allreduce, bool stream) {
+                   int64_t nchunks, int dtype_code, int op_code, bool allreduce) {
   const DType dtype = to_dtype(dtype_code);
   const ReduceOp op = to_op(op_code);
   const int size = static_cast<int>(segments.size());
@@ -394,7 +386,7 @@ void py_shm_reduce(const std::vector<uintptr_t>& segments, int rank, int64_t hea
   w.spin_seconds = spin_seconds;
   w.stall_seconds = stall_seconds;
   py::gil_scoped_release release;
-  shm_reduce(w, seq, in, out, bounds, e, nchunks, dtype, op, allreduce, stream);
+  shm_reduce(w, seq, in, out, bounds, e, nchunks, dtype, op, allreduce);
 }
 
 }  // namespace
@@ -407,13 +399,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("divide", &py_divide, py::arg("buf"), py::arg("count"), py::arg("dtype"),
         py::arg("divisor"), "buf /= divisor in place (floor division for integers)");
 
-  m.def("copy_stream", &py_copy_stream, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
-        "dst[:nbytes] = src[:nbytes] with non-temporal stores (no read of dst's lines)");
   m.def("shm_reduce", &py_shm_reduce, py::arg("segments"), py::arg("rank"),
         py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),
         py::arg("spin_seconds"), py::arg("stall_seconds"), py::arg("seq"), py::arg("send"),
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("dtype"),
-        py::arg("op"), py::arg("allreduce"), py::arg("stream"),
+        py::arg("op"), py::arg("allreduce"),
         "shm.py's pipelined allreduce / reducescatter stages over a shared window "
         "(GIL released)");
   bind_agreement(m);

@@ -145,13 +145,4 @@ void unpack(const void* src, void* const* dsts, const int64_t* counts, int n, DT
   if (stream) end_streaming();
 }
 
-void copy_streaming(void* dst, const void* src, int64_t bytes) {
-#if defined(__SSE2__)
-  stream_copy(static_cast<char*>(dst), static_cast<const char*>(src), bytes);
-  end_streaming();
-#else
-  std::memcpy(dst, src, static_cast<size_t>(bytes));
-#endif
-}
-
 }  // namespace collectives

@@ -19,9 +19,4 @@ void pack(void* dst, const void* const* srcs, const int64_t* counts, int n, DTyp
 void unpack(const void* src, void* const* dsts, const int64_t* counts, int n, DType dtype,
             double scale);
 
-// dst[:bytes] = src[:bytes] with non-temporal stores (fenced before returning): for copying
-// out a result that will not be read again soon, without first reading dst's lines into
-// the cache. Falls back to memcpy where SSE2 is missing. No overlap.
-void copy_streaming(void* dst, const void* src, int64_t bytes);
-
 }  // namespace collectives

@@ -12,7 +12,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "pack.h"
 
 namespace collectives {
 namespace {
@@ -23,9 +22,9 @@ class Stages {
  public:
   Stages(const ShmWindow& w, int64_t seq, const unsigned char* send, unsigned char* recv,
          const std::vector<int64_t>& bounds, int64_t e, DType dtype, ReduceOp op,
-         bool allreduce, bool stream)
+         bool allreduce)
       : w_(w), seq_(seq), send_(send), recv_(recv), bounds_(bounds), e_(e), dtype_(dtype),
-        op_(op), allreduce_(allreduce), stream_(stream), item_(dtype_size(dtype)),
+        op_(op), allreduce_(allreduce), item_(dtype_size(dtype)),
         size_(static_cast<int>(w.segments.size())) {}
 
   // Copy this rank's pieces of the other ranks' blocks into its buffer.
@@ -50,7 +49,7 @@ class Stages {
     for (int j = 0; j < size_; ++j) srcs_[j] = j == r ? send_ + lo * item_ : slot(j, g, r);
     unsigned char* dst = allreduce_ ? slot(r, g, r) : recv_ + (lo - bounds_[r]) * item_;
     reduce_many(dst, srcs_.data(), size_, hi - lo, dtype_, op_);
-    if (allreduce_) copy(recv_ + lo * item_, dst, (hi - lo) * item_);  // hot in cache now
+    if (allreduce_) std::memcpy(recv_ + lo * item_, dst, (hi - lo) * item_);  // hot in cache now
     post(allreduce_ ? kReduced : kDone, g);
   }
 
@@ -61,7 +60,7 @@ class Stages {
     for (int j = 0; j < size_; ++j) {
       if (j == w_.rank) continue;
       const auto [lo, hi] = piece(j, k);
-      copy(recv_ + lo * item_, slot(j, g, j), (hi - lo) * item_);
+      std::memcpy(recv_ + lo * item_, slot(j, g, j), (hi - lo) * item_);
     }
     post(kDone, g);
   }
@@ -80,13 +79,6 @@ class Stages {
 
   int64_t* counter(int owner, int64_t c) const {
     return reinterpret_cast<int64_t*>(w_.segments[owner]) + c * w_.stride;
-  }
-
-  void copy(unsigned char* dst, const unsigned char* src, int64_t bytes) const {
-    if (stream_)
-      copy_streaming(dst, src, bytes);
-    else
-      std::memcpy(dst, src, bytes);
   }
 
   void post(int64_t c, int64_t g) {
@@ -124,7 +116,7 @@ class Stages {
   int64_t e_;
   DType dtype_;
   ReduceOp op_;
-  bool allreduce_, stream_;
+  bool allreduce_;
   int64_t item_;
   int size_;
   std::vector<const void*> srcs_;
@@ -134,9 +126,9 @@ class Stages {
 
 void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
                 const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks, DType dtype,
-                ReduceOp op, bool allreduce, bool stream) {
+                ReduceOp op, bool allreduce) {
   Stages st(w, seq, static_cast<const unsigned char*>(send), static_cast<unsigned char*>(recv),
-            bounds, e, dtype, op, allreduce, stream);
+            bounds, e, dtype, op, allreduce);
   // stage s of chunk k runs at step k + s, earlier stages first within a step
   const int stages = allreduce ? 3 : 2;
   for (int64_t step = 0; step < nchunks + stages - 1; ++step) {

@@ -29,10 +29,10 @@ enum ShmCounter : int64_t { kReady = 0, kReduced = 1, kDone = 2 };
 // Chunks seq .. seq + nchunks - 1 of a reduction of every rank's send, cut into one block
 // per rank (bounds, size + 1 element offsets) and each block into pieces of e elements.
 // allreduce: recv (all of bounds) gets the whole result; otherwise (reducescatter) recv is
-// this rank's block only. stream: copy results out with non-temporal stores.
+// this rank's block only.
 // Throws std::runtime_error if a peer stalls past stall_seconds.
 void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
                 const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks, DType dtype,
-                ReduceOp op, bool allreduce, bool stream);
+                ReduceOp op, bool allreduce);
 
 }  // namespace collectives
