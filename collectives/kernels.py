@@ -40,14 +40,30 @@ def reduce(dst: np.ndarray, srcs: Sequence[np.ndarray], dtype: str, op: ReduceOp
     _C.reduce(dst, list(srcs), dst.size, DTYPE_CODES[dtype], int(op))
 
 
-def shm_reduce(addresses: list[int], rank: int, header_bytes: int, stride: int,
+def shm_window(addresses: list[int], rank: int, header_bytes: int, stride: int,
                slot_bytes: int, depth: int, spin_seconds: float, stall_seconds: float,
-               seq: int, send: np.ndarray, recv: np.ndarray, bounds: list[int], e: int,
-               nchunks: int, dtype: str, op: ReduceOp, allreduce: bool) -> None:
-    """The shared-memory reduction stages of collectives/algorithms/shm.py (csrc/cpu/shm.h)."""
-    _C.shm_reduce(addresses, rank, header_bytes, stride, slot_bytes, depth, spin_seconds,
-                  stall_seconds, seq, send, recv, bounds, e, nchunks, DTYPE_CODES[dtype],
-                  int(op), allreduce)
+               jitter_seconds: float) -> Any:
+    """A shared window's layout for the C++ stages below (csrc/cpu/shm.h)."""
+    return _C.ShmWindow(addresses, rank, header_bytes, stride, slot_bytes, depth, spin_seconds,
+                        stall_seconds, jitter_seconds)
+
+
+def shm_reduce(window: Any, seq: int, send: np.ndarray, recv: np.ndarray, bounds: list[int],
+               e: int, nchunks: int, dtype: str, op: ReduceOp, allreduce: bool) -> None:
+    """The shared-memory reduction stages of collectives/algorithms/shm.py."""
+    _C.shm_reduce(window, seq, send, recv, bounds, e, nchunks, DTYPE_CODES[dtype], int(op),
+                  allreduce)
+
+
+def shm_allgather(window: Any, seq: int, send: np.ndarray, recv: np.ndarray,
+                  bounds: list[int], e: int, nchunks: int) -> None:
+    """The shared-memory allgather stages of collectives/algorithms/shm.py."""
+    _C.shm_allgather(window, seq, send, recv, bounds, e, nchunks, send.itemsize)
+
+
+def shm_broadcast(window: Any, seq: int, buf: np.ndarray, e: int, root: int) -> None:
+    """The shared-memory broadcast stages of collectives/algorithms/shm.py (buf as bytes)."""
+    _C.shm_broadcast(window, seq, buf, buf.nbytes, e, root)
 
 
 def divide(buf: np.ndarray, dtype: str, divisor: int) -> None:

@@ -13,8 +13,8 @@ rank, and each chunk takes one piece of every block:
   allreduce      the same over even blocks, but step 2 leaves piece r in r's own buffer (and
                  copies it to r's output while it is hot) and bumps REDUCED; 3. copy-out:
                  every rank copies every other rank's piece into its output.
-The stages of allreduce and reducescatter run in C++ with the GIL released
-(csrc/cpu/shm.cpp), the others in Python.
+The pipelined stages run in C++ with the GIL released (csrc/cpu/shm.cpp); small calls
+(one chunk, below) in Python.
   allgather      1. copy a piece of the input into the buffer (and into the own output
                  block); 2. copy every other rank's piece out.
   broadcast      1. the root copies a piece in; 2. the others copy it out.
@@ -68,6 +68,9 @@ STALL_SECONDS = 300.0
 #: Seconds a waiting rank polls before it yields its core between polls (at once when the
 #: machine runs more ranks than it has cores: then the rank waited for may need this core).
 SPIN_SECONDS = 1e-3
+#: Tests only: the C++ stages of windows made while this is > 0 sleep up to this long
+#: before a fifth of their counter posts, so ranks drift apart mid-call.
+JITTER_SECONDS = 0.0
 
 _HEADER = 4096  # counters page at the start of each segment
 _STRIDE = 16  # int64s between counters: each on its own 128-byte line pair
@@ -93,7 +96,7 @@ def _ranks_on_machine(comm_size: int) -> int:
 class _Window:
     """One communicator's shared window: each rank's counters and staging buffers."""
 
-    __slots__ = ("win", "rank", "size", "slot_bytes", "flags", "segments", "addresses", "typed",
+    __slots__ = ("win", "rank", "size", "slot_bytes", "flags", "segments", "native", "typed",
                  "seq", "spin_seconds")
 
     def __init__(self, comm: MPI.Comm, slot_bytes: int):
@@ -107,10 +110,12 @@ class _Window:
         raw = [self.win.Shared_query(j)[0] for j in range(self.size)]
         self.flags = [memoryview(b)[:_HEADER].cast("q") for b in raw]
         self.segments = [np.frombuffer(b, np.uint8, DEPTH * slot_bytes, _HEADER) for b in raw]
-        self.addresses = [np.frombuffer(b, np.uint8).ctypes.data for b in raw]  # for C++
         self.typed: dict[np.dtype, list[np.ndarray]] = {}
         self.seq = 0  # chunks done so far on this window, the same on every rank
         self.spin_seconds = SPIN_SECONDS if _ranks_on_machine(self.size) <= _cores() else 0.0
+        self.native = kernels.shm_window(  # the same layout for the C++ stages
+            [np.frombuffer(b, np.uint8).ctypes.data for b in raw], self.rank, _HEADER, _STRIDE,
+            slot_bytes, DEPTH, self.spin_seconds, STALL_SECONDS, JITTER_SECONDS)
 
     def data(self, dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's DEPTH buffers as one flat array of dtype (cached per dtype)."""
@@ -135,12 +140,6 @@ class _Window:
             if flag[index] <= g:
                 self._spin(j, counter, g)
         self.win.Sync()  # acquire: no read of the data before the counter was seen
-
-    def wait_for(self, j: int, counter: int, g: int) -> None:
-        """Return once rank j has counted chunk g."""
-        if self.flags[j][counter * _STRIDE] <= g:
-            self._spin(j, counter, g)
-        self.win.Sync()
 
     def _spin(self, j: int, counter: int, g: int) -> None:
         """Poll rank j's counter, yielding the core between polls after spin_seconds."""
@@ -236,15 +235,6 @@ def _piece_elems(longest: int, pieces: int, itemsize: int) -> int:
     return min(longest, per)
 
 
-def _pipeline(nchunks: int, stages: list[Callable[[int], None]]) -> None:
-    """Run stage s of chunk k at step k + s, earlier stages first within a step: each wait
-    is on work the other ranks did a step ago."""
-    for step in range(nchunks + len(stages) - 1):
-        for s, stage in enumerate(stages):
-            if 0 <= step - s < nchunks:
-                stage(step - s)
-
-
 def _single(comm: MPI.Comm, send: np.ndarray, counts: list[int],
             finish: Callable[[list[np.ndarray]], None]) -> None:
     """A small call in one chunk: every rank copies its whole send in, waits once, and
@@ -263,7 +253,8 @@ def _single(comm: MPI.Comm, send: np.ndarray, counts: list[int],
 
 
 class _Blocks:
-    """A buffer cut into one block per rank (bounds) and each block into pieces of e."""
+    """A buffer cut into one block per rank (bounds) and each block into pieces of e
+    (piece k of block j: csrc/cpu/shm.cpp)."""
 
     __slots__ = ("bounds", "e", "nchunks")
 
@@ -271,12 +262,6 @@ class _Blocks:
         self.bounds, self.e = bounds, e
         longest = max(bounds[j + 1] - bounds[j] for j in range(len(bounds) - 1))
         self.nchunks = -(-longest // e)
-
-    def piece(self, j: int, k: int) -> tuple[int, int]:
-        """[lo, hi) of block j's piece in chunk k (empty past the block's end)."""
-        end = self.bounds[j + 1]
-        lo = min(self.bounds[j] + k * self.e, end)
-        return lo, min(lo + self.e, end)
 
 
 def _bounds(counts: list[int]) -> list[int]:
@@ -289,9 +274,8 @@ def _reduce_blocks(w: _Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarr
                    op: ReduceOp, dtype: str, allreduce: bool) -> None:
     """The pipelined stages (copy-in, reduce, and for allreduce copy-out) of every chunk,
     in C++ with the GIL released (csrc/cpu/shm.cpp; same counters and order as above)."""
-    kernels.shm_reduce(w.addresses, w.rank, _HEADER, _STRIDE, w.slot_bytes, DEPTH,
-                       w.spin_seconds, STALL_SECONDS, w.seq, send, recv, blocks.bounds, blocks.e,
-                       blocks.nchunks, dtype, op, allreduce)
+    kernels.shm_reduce(w.native, w.seq, send, recv, blocks.bounds, blocks.e, blocks.nchunks,
+                       dtype, op, allreduce)
     w.seq += blocks.nchunks
 
 
@@ -350,31 +334,7 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
         return _single(comm, send, counts, finish)
     blocks = _Blocks(bounds, _piece_elems(max(counts), 1, send.itemsize))
     w = _window(comm, blocks.e * send.itemsize)
-    r = w.rank
-    start = bounds[r]
-    data = w.data(send.dtype)
-
-    def copy_in(k: int) -> None:
-        g = w.seq + k
-        w.wait(DONE, g - DEPTH)
-        o = w.offset(g, send.dtype)
-        lo, hi = blocks.piece(r, k)
-        piece = send[lo - start:hi - start]
-        np.copyto(data[r][o:o + hi - lo], piece)
-        np.copyto(recv[lo:hi], piece)
-        w.post(READY, g)
-
-    def copy_out(k: int) -> None:
-        g = w.seq + k
-        w.wait(READY, g)
-        o = w.offset(g, send.dtype)
-        for j in range(size):
-            if j != r:
-                lo, hi = blocks.piece(j, k)
-                np.copyto(recv[lo:hi], data[j][o:o + hi - lo])
-        w.post(DONE, g)
-
-    _pipeline(blocks.nchunks, [copy_in, copy_out])
+    kernels.shm_allgather(w.native, w.seq, send, recv, bounds, blocks.e, blocks.nchunks)
     w.seq += blocks.nchunks
 
 
@@ -384,28 +344,6 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
         return
     raw = buf.view(np.uint8)
     e = min(raw.size, SLOT_BYTES)
-    nchunks = -(-raw.size // e)
     w = _window(comm, e)
-    src = w.segments[root]
-    is_root = w.rank == root
-
-    def copy_in(k: int) -> None:
-        g = w.seq + k
-        if is_root:
-            w.wait(DONE, g - DEPTH)
-            lo, hi = k * e, min((k + 1) * e, raw.size)
-            o = w.offset(g, raw.dtype)
-            np.copyto(src[o:o + hi - lo], raw[lo:hi])
-            w.post(READY, g)
-
-    def copy_out(k: int) -> None:
-        g = w.seq + k
-        if not is_root:
-            w.wait_for(root, READY, g)
-            lo, hi = k * e, min((k + 1) * e, raw.size)
-            o = w.offset(g, raw.dtype)
-            np.copyto(raw[lo:hi], src[o:o + hi - lo])
-        w.post(DONE, g)
-
-    _pipeline(nchunks, [copy_in, copy_out])
-    w.seq += nchunks
+    kernels.shm_broadcast(w.native, w.seq, raw, e, root)
+    w.seq += -(-raw.size // e)

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -360,22 +361,14 @@ void py_onebit_serve(const py::sequence& bits, const py::sequence& scales,
 
 // ---- Shared-memory reduction pipeline (shm.h) ---------------------------------------------
 
-void py_shm_reduce(const std::vector<uintptr_t>& segments, int rank, int64_t header_bytes,
-                   int64_t stride, int64_t slot_bytes, int64_t depth, double spin_seconds,
-                   double stall_seconds, int64_t seq, const py::buffer& send,
-                   const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
-                   int64_t nchunks, int dtype_code, int op_code, bool allreduce) {
-  const DType dtype = to_dtype(dtype_code);
-  const ReduceOp op = to_op(op_code);
-  const int size = static_cast<int>(segments.size());
-  if (rank < 0 || rank >= size) throw py::value_error("rank: out of range");
-  if (static_cast<int>(bounds.size()) != size + 1) throw py::value_error("bounds: need size + 1");
-  if (e <= 0 || depth <= 0 || nchunks < 0) throw py::value_error("e, depth, nchunks: bad");
-  if (size * e * dtype_size(dtype) > slot_bytes)
-    throw py::value_error("e: pieces of every rank do not fit a slot");
-  const void* in = buffer_ptr(send, "send", bounds.back(), dtype, false);
-  void* out = buffer_ptr(recv, "recv", allreduce ? bounds.back() : bounds[rank + 1] - bounds[rank],
-                         dtype, true);
+ShmWindow make_shm_window(const std::vector<uintptr_t>& segments, int rank,
+                          int64_t header_bytes, int64_t stride, int64_t slot_bytes,
+                          int64_t depth, double spin_seconds, double stall_seconds,
+                          double jitter_seconds) {
+  if (rank < 0 || rank >= static_cast<int>(segments.size()))
+    throw py::value_error("rank: out of range");
+  if (depth <= 0 || slot_bytes <= 0 || header_bytes < 3 * stride * 8 || stride <= 0)
+    throw py::value_error("depth, slot_bytes, header_bytes, stride: bad window layout");
   ShmWindow w;
   for (uintptr_t a : segments) w.segments.push_back(reinterpret_cast<unsigned char*>(a));
   w.rank = rank;
@@ -385,8 +378,55 @@ void py_shm_reduce(const std::vector<uintptr_t>& segments, int rank, int64_t hea
   w.depth = depth;
   w.spin_seconds = spin_seconds;
   w.stall_seconds = stall_seconds;
+  w.jitter_seconds = jitter_seconds;
+  return w;
+}
+
+void check_pieces(const ShmWindow& w, const std::vector<int64_t>& bounds, int64_t e,
+                  int64_t nchunks, int64_t piece_bytes) {
+  if (bounds.size() != w.segments.size() + 1) throw py::value_error("bounds: need size + 1");
+  if (e <= 0 || nchunks < 0) throw py::value_error("e, nchunks: bad");
+  if (piece_bytes > w.slot_bytes) throw py::value_error("e: pieces do not fit a slot");
+  int64_t longest = 0;
+  for (size_t j = 0; j + 1 < bounds.size(); ++j) longest = std::max(longest, bounds[j + 1] - bounds[j]);
+  if (nchunks * e < longest) throw py::value_error("nchunks: too few for the longest block");
+}
+
+void py_shm_reduce(const ShmWindow& w, int64_t seq, const py::buffer& send,
+                   const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
+                   int64_t nchunks, int dtype_code, int op_code, bool allreduce) {
+  const DType dtype = to_dtype(dtype_code);
+  const ReduceOp op = to_op(op_code);
+  const int64_t size = static_cast<int64_t>(w.segments.size());
+  check_pieces(w, bounds, e, nchunks, size * e * dtype_size(dtype));
+  const void* in = buffer_ptr(send, "send", bounds.back(), dtype, false);
+  void* out = buffer_ptr(recv, "recv",
+                         allreduce ? bounds.back() : bounds[w.rank + 1] - bounds[w.rank], dtype,
+                         true);
   py::gil_scoped_release release;
   shm_reduce(w, seq, in, out, bounds, e, nchunks, dtype, op, allreduce);
+}
+
+void py_shm_allgather(const ShmWindow& w, int64_t seq, const py::buffer& send,
+                      const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
+                      int64_t nchunks, int64_t item) {
+  if (item <= 0) throw py::value_error("item: must be > 0");
+  check_pieces(w, bounds, e, nchunks, e * item);
+  const void* in = buffer_ptr(send, "send", (bounds[w.rank + 1] - bounds[w.rank]) * item,
+                              DType::u8, false);
+  void* out = buffer_ptr(recv, "recv", bounds.back() * item, DType::u8, true);
+  py::gil_scoped_release release;
+  shm_allgather(w, seq, in, out, bounds, e, nchunks, item);
+}
+
+void py_shm_broadcast(const ShmWindow& w, int64_t seq, const py::buffer& buf, int64_t nbytes,
+                      int64_t e, int root) {
+  if (root < 0 || root >= static_cast<int>(w.segments.size()))
+    throw py::value_error("root: out of range");
+  if (e <= 0 || e > w.slot_bytes || nbytes < 0) throw py::value_error("e, nbytes: bad");
+  void* data = buffer_ptr(buf, "buf", nbytes, DType::u8, w.rank != root);
+  py::gil_scoped_release release;
+  shm_broadcast(w, seq, data, nbytes, e, root);
 }
 
 }  // namespace
@@ -399,13 +439,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("divide", &py_divide, py::arg("buf"), py::arg("count"), py::arg("dtype"),
         py::arg("divisor"), "buf /= divisor in place (floor division for integers)");
 
-  m.def("shm_reduce", &py_shm_reduce, py::arg("segments"), py::arg("rank"),
-        py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),
-        py::arg("spin_seconds"), py::arg("stall_seconds"), py::arg("seq"), py::arg("send"),
+  py::class_<ShmWindow>(m, "ShmWindow", "A shared window's layout, seen from one rank (shm.h)")
+      .def(py::init(&make_shm_window), py::arg("segments"), py::arg("rank"),
+           py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),
+           py::arg("spin_seconds"), py::arg("stall_seconds"), py::arg("jitter_seconds"));
+  m.def("shm_reduce", &py_shm_reduce, py::arg("window"), py::arg("seq"), py::arg("send"),
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("dtype"),
         py::arg("op"), py::arg("allreduce"),
-        "shm.py's pipelined allreduce / reducescatter stages over a shared window "
-        "(GIL released)");
+        "shm.py's pipelined allreduce / reducescatter stages (GIL released)");
+  m.def("shm_allgather", &py_shm_allgather, py::arg("window"), py::arg("seq"), py::arg("send"),
+        py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("item"),
+        "shm.py's pipelined allgather stages (GIL released)");
+  m.def("shm_broadcast", &py_shm_broadcast, py::arg("window"), py::arg("seq"), py::arg("buf"),
+        py::arg("nbytes"), py::arg("e"), py::arg("root"),
+        "shm.py's pipelined broadcast stages (GIL released)");
   bind_agreement(m);
 
   // fusion packing, quantization, 1-bit compression

@@ -1,4 +1,4 @@
-// Stages of the shared-memory reduction (see shm.h and collectives/algorithms/shm.py).
+// Stages of the shared-memory collectives (see shm.h and collectives/algorithms/shm.py).
 // A counter is published with a full fence then a release store, and read with an acquire
 // load then a full fence: the same ordering MPI_Win_sync gives the Python stages, so both
 // may run on one window in any mix.
@@ -9,79 +9,33 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
+#include <random>
 #include <stdexcept>
 #include <string>
-
+#include <thread>
 
 namespace collectives {
 namespace {
 
 const char* const kCounterNames[] = {"READY", "REDUCED", "DONE"};
 
-class Stages {
+// Slots and counters of a window, seen from this rank.
+class Sync {
  public:
-  Stages(const ShmWindow& w, int64_t seq, const unsigned char* send, unsigned char* recv,
-         const std::vector<int64_t>& bounds, int64_t e, DType dtype, ReduceOp op,
-         bool allreduce)
-      : w_(w), seq_(seq), send_(send), recv_(recv), bounds_(bounds), e_(e), dtype_(dtype),
-        op_(op), allreduce_(allreduce), item_(dtype_size(dtype)),
-        size_(static_cast<int>(w.segments.size())) {}
+  explicit Sync(const ShmWindow& w) : w_(w), size_(static_cast<int>(w.segments.size())) {}
 
-  // Copy this rank's pieces of the other ranks' blocks into its buffer.
-  void copy_in(int64_t k) {
-    const int64_t g = seq_ + k;
-    wait(kDone, g - w_.depth);
-    for (int j = 0; j < size_; ++j) {
-      if (j == w_.rank) continue;
-      const auto [lo, hi] = piece(j, k);
-      std::memcpy(slot(w_.rank, g, j), send_ + lo * item_, (hi - lo) * item_);
-    }
-    post(kReady, g);
-  }
+  int rank() const { return w_.rank; }
+  int size() const { return size_; }
+  int64_t depth() const { return w_.depth; }
 
-  // Fold piece `rank` of every rank's buffer (own straight from send), in rank order.
-  void reduce(int64_t k) {
-    const int64_t g = seq_ + k;
-    wait(kReady, g);
-    const int r = w_.rank;
-    const auto [lo, hi] = piece(r, k);
-    srcs_.resize(size_);
-    for (int j = 0; j < size_; ++j) srcs_[j] = j == r ? send_ + lo * item_ : slot(j, g, r);
-    unsigned char* dst = allreduce_ ? slot(r, g, r) : recv_ + (lo - bounds_[r]) * item_;
-    reduce_many(dst, srcs_.data(), size_, hi - lo, dtype_, op_);
-    if (allreduce_) std::memcpy(recv_ + lo * item_, dst, (hi - lo) * item_);  // hot in cache now
-    post(allreduce_ ? kReduced : kDone, g);
-  }
-
-  // Copy every other rank's reduced piece (left in its own buffer) into recv.
-  void copy_out(int64_t k) {
-    const int64_t g = seq_ + k;
-    wait(kReduced, g);
-    for (int j = 0; j < size_; ++j) {
-      if (j == w_.rank) continue;
-      const auto [lo, hi] = piece(j, k);
-      std::memcpy(recv_ + lo * item_, slot(j, g, j), (hi - lo) * item_);
-    }
-    post(kDone, g);
-  }
-
- private:
-  std::pair<int64_t, int64_t> piece(int j, int64_t k) const {
-    const int64_t end = bounds_[j + 1];
-    const int64_t lo = std::min(bounds_[j] + k * e_, end);
-    return {lo, std::min(lo + e_, end)};
-  }
-
-  // Piece j's place in rank owner's buffer for chunk g.
-  unsigned char* slot(int owner, int64_t g, int j) const {
-    return w_.segments[owner] + w_.header_bytes + (g % w_.depth) * w_.slot_bytes + j * e_ * item_;
-  }
-
-  int64_t* counter(int owner, int64_t c) const {
-    return reinterpret_cast<int64_t*>(w_.segments[owner]) + c * w_.stride;
+  // Start of rank owner's buffer for chunk g.
+  unsigned char* slot(int owner, int64_t g) const {
+    return w_.segments[owner] + w_.header_bytes + (g % w_.depth) * w_.slot_bytes;
   }
 
   void post(int64_t c, int64_t g) {
+    if (w_.jitter_seconds > 0) jitter();
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     __atomic_store_n(counter(w_.rank, c), g + 1, __ATOMIC_RELEASE);
   }
@@ -89,36 +43,137 @@ class Stages {
   // Return once every rank has counted chunk g on counter c (at once for g < 0).
   void wait(int64_t c, int64_t g) {
     if (g < 0) return;
-    for (int j = 0; j < size_; ++j) {
-      const int64_t* flag = counter(j, c);
-      if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) > g) continue;
-      const auto start = std::chrono::steady_clock::now();
-      for (unsigned polls = 1; __atomic_load_n(flag, __ATOMIC_ACQUIRE) <= g; ++polls) {
-        if (polls % 32) continue;
-        const double waited =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        if (waited > w_.spin_seconds) sched_yield();
-        if (waited > w_.stall_seconds)
-          throw std::runtime_error(
-              "shm: rank " + std::to_string(j) + " has not counted chunk " + std::to_string(g) +
-              " as " + kCounterNames[c] + " after " + std::to_string(w_.stall_seconds) +
-              " s; did it leave the collective?");
-      }
-    }
+    for (int j = 0; j < size_; ++j) spin(j, c, g);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
   }
 
+  // Return once rank j has counted chunk g on counter c.
+  void wait_for(int j, int64_t c, int64_t g) {
+    spin(j, c, g);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  }
+
+ private:
+  int64_t* counter(int owner, int64_t c) const {
+    return reinterpret_cast<int64_t*>(w_.segments[owner]) + c * w_.stride;
+  }
+
+  void spin(int j, int64_t c, int64_t g) const {
+    const int64_t* flag = counter(j, c);
+    if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) > g) return;
+    const auto start = std::chrono::steady_clock::now();
+    for (unsigned polls = 1; __atomic_load_n(flag, __ATOMIC_ACQUIRE) <= g; ++polls) {
+      if (polls % 32) continue;
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited > w_.spin_seconds) sched_yield();
+      if (waited > w_.stall_seconds)
+        throw std::runtime_error(
+            "shm: rank " + std::to_string(j) + " has not counted chunk " + std::to_string(g) +
+            " as " + kCounterNames[c] + " after " + std::to_string(w_.stall_seconds) +
+            " s; did it leave the collective?");
+    }
+  }
+
+  // Ranks drift apart mid-call (tests of the counters' ordering).
+  void jitter() const {
+    thread_local std::minstd_rand rng(static_cast<unsigned>(w_.rank) + 1);
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    if (u(rng) < 0.2)
+      std::this_thread::sleep_for(std::chrono::duration<double>(u(rng) * w_.jitter_seconds));
+  }
+
   const ShmWindow& w_;
+  int size_;
+};
+
+// Stage s of chunk k runs at step k + s, earlier stages first within a step: each wait is
+// on work the other ranks did a step earlier.
+void pipeline(int64_t nchunks, std::initializer_list<std::function<void(int64_t)>> stages) {
+  const int64_t n = static_cast<int64_t>(stages.size());
+  for (int64_t step = 0; step < nchunks + n - 1; ++step) {
+    int64_t s = 0;
+    for (const auto& stage : stages) {
+      if (step - s >= 0 && step - s < nchunks) stage(step - s);
+      ++s;
+    }
+  }
+}
+
+// Blocks of elements (bounds) cut into pieces of e; piece k of block j, clipped to it.
+struct Pieces {
+  const std::vector<int64_t>& bounds;
+  int64_t e;
+
+  std::pair<int64_t, int64_t> operator()(int j, int64_t k) const {
+    const int64_t end = bounds[j + 1];
+    const int64_t lo = std::min(bounds[j] + k * e, end);
+    return {lo, std::min(lo + e, end)};
+  }
+};
+
+class ReduceStages {
+ public:
+  ReduceStages(const ShmWindow& w, int64_t seq, const unsigned char* send, unsigned char* recv,
+               const std::vector<int64_t>& bounds, int64_t e, DType dtype, ReduceOp op,
+               bool allreduce)
+      : sync_(w), seq_(seq), send_(send), recv_(recv), piece_{bounds, e}, e_(e),
+        dtype_(dtype), op_(op), allreduce_(allreduce), item_(dtype_size(dtype)) {}
+
+  // Copy this rank's pieces of the other ranks' blocks into its buffer.
+  void copy_in(int64_t k) {
+    const int64_t g = seq_ + k;
+    sync_.wait(kDone, g - sync_.depth());
+    for (int j = 0; j < sync_.size(); ++j) {
+      if (j == sync_.rank()) continue;
+      const auto [lo, hi] = piece_(j, k);
+      std::memcpy(at(sync_.rank(), g, j), send_ + lo * item_, (hi - lo) * item_);
+    }
+    sync_.post(kReady, g);
+  }
+
+  // Fold piece `rank` of every rank's buffer (own straight from send), in rank order.
+  void reduce(int64_t k) {
+    const int64_t g = seq_ + k;
+    sync_.wait(kReady, g);
+    const int r = sync_.rank();
+    const auto [lo, hi] = piece_(r, k);
+    srcs_.resize(sync_.size());
+    for (int j = 0; j < sync_.size(); ++j) srcs_[j] = j == r ? send_ + lo * item_ : at(j, g, r);
+    unsigned char* dst = allreduce_ ? at(r, g, r) : recv_ + (lo - piece_.bounds[r]) * item_;
+    reduce_many(dst, srcs_.data(), sync_.size(), hi - lo, dtype_, op_);
+    if (allreduce_) std::memcpy(recv_ + lo * item_, dst, (hi - lo) * item_);  // hot in cache
+    sync_.post(allreduce_ ? kReduced : kDone, g);
+  }
+
+  // Copy every other rank's reduced piece (left in its own buffer) into recv.
+  void copy_out(int64_t k) {
+    const int64_t g = seq_ + k;
+    sync_.wait(kReduced, g);
+    for (int j = 0; j < sync_.size(); ++j) {
+      if (j == sync_.rank()) continue;
+      const auto [lo, hi] = piece_(j, k);
+      std::memcpy(recv_ + lo * item_, at(j, g, j), (hi - lo) * item_);
+    }
+    sync_.post(kDone, g);
+  }
+
+ private:
+  // Piece j's place in rank owner's buffer for chunk g.
+  unsigned char* at(int owner, int64_t g, int j) const {
+    return sync_.slot(owner, g) + j * e_ * item_;
+  }
+
+  Sync sync_;
   int64_t seq_;
   const unsigned char* send_;
   unsigned char* recv_;
-  const std::vector<int64_t>& bounds_;
+  Pieces piece_;
   int64_t e_;
   DType dtype_;
   ReduceOp op_;
   bool allreduce_;
   int64_t item_;
-  int size_;
   std::vector<const void*> srcs_;
 };
 
@@ -127,15 +182,70 @@ class Stages {
 void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
                 const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks, DType dtype,
                 ReduceOp op, bool allreduce) {
-  Stages st(w, seq, static_cast<const unsigned char*>(send), static_cast<unsigned char*>(recv),
-            bounds, e, dtype, op, allreduce);
-  // stage s of chunk k runs at step k + s, earlier stages first within a step
-  const int stages = allreduce ? 3 : 2;
-  for (int64_t step = 0; step < nchunks + stages - 1; ++step) {
-    if (step < nchunks) st.copy_in(step);
-    if (step >= 1 && step - 1 < nchunks) st.reduce(step - 1);
-    if (allreduce && step >= 2 && step - 2 < nchunks) st.copy_out(step - 2);
-  }
+  ReduceStages st(w, seq, static_cast<const unsigned char*>(send),
+                  static_cast<unsigned char*>(recv), bounds, e, dtype, op, allreduce);
+  if (allreduce)
+    pipeline(nchunks, {[&](int64_t k) { st.copy_in(k); }, [&](int64_t k) { st.reduce(k); },
+                       [&](int64_t k) { st.copy_out(k); }});
+  else
+    pipeline(nchunks, {[&](int64_t k) { st.copy_in(k); }, [&](int64_t k) { st.reduce(k); }});
+}
+
+void shm_allgather(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+                   const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks,
+                   int64_t item) {
+  Sync sync(w);
+  const Pieces piece{bounds, e};
+  const int r = sync.rank();
+  const auto* in = static_cast<const unsigned char*>(send);  // block r: elements from bounds[r]
+  auto* out = static_cast<unsigned char*>(recv);
+  // 1. own piece into the own buffer and the own output block
+  auto copy_in = [&](int64_t k) {
+    const int64_t g = seq + k;
+    sync.wait(kDone, g - sync.depth());
+    const auto [lo, hi] = piece(r, k);
+    const unsigned char* mine = in + (lo - bounds[r]) * item;
+    std::memcpy(sync.slot(r, g), mine, (hi - lo) * item);
+    std::memcpy(out + lo * item, mine, (hi - lo) * item);
+    sync.post(kReady, g);
+  };
+  // 2. every other rank's piece out of its buffer
+  auto copy_out = [&](int64_t k) {
+    const int64_t g = seq + k;
+    sync.wait(kReady, g);
+    for (int j = 0; j < sync.size(); ++j) {
+      if (j == r) continue;
+      const auto [lo, hi] = piece(j, k);
+      std::memcpy(out + lo * item, sync.slot(j, g), (hi - lo) * item);
+    }
+    sync.post(kDone, g);
+  };
+  pipeline(nchunks, {copy_in, copy_out});
+}
+
+void shm_broadcast(const ShmWindow& w, int64_t seq, void* buf, int64_t nbytes, int64_t e,
+                   int root) {
+  Sync sync(w);
+  auto* data = static_cast<unsigned char*>(buf);
+  const bool is_root = sync.rank() == root;
+  const int64_t nchunks = (nbytes + e - 1) / e;
+  auto bytes = [&](int64_t k) { return std::min(e, nbytes - k * e); };
+  auto copy_in = [&](int64_t k) {  // the root fills its buffer
+    if (!is_root) return;
+    const int64_t g = seq + k;
+    sync.wait(kDone, g - sync.depth());
+    std::memcpy(sync.slot(root, g), data + k * e, bytes(k));
+    sync.post(kReady, g);
+  };
+  auto copy_out = [&](int64_t k) {  // the others read it
+    const int64_t g = seq + k;
+    if (!is_root) {
+      sync.wait_for(root, kReady, g);
+      std::memcpy(data + k * e, sync.slot(root, g), bytes(k));
+    }
+    sync.post(kDone, g);
+  };
+  pipeline(nchunks, {copy_in, copy_out});
 }
 
 }  // namespace collectives

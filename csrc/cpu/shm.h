@@ -1,4 +1,4 @@
-// The pipelined shared-memory reduction of collectives/algorithms/shm.py, run in C++ so
+// The pipelined shared-memory collectives of collectives/algorithms/shm.py, run in C++ so
 // that no stage waits or copies under the Python interpreter (GIL released throughout).
 // The window layout, the counters' meaning and the stage order are shm.py's; read its
 // module docstring first.
@@ -21,6 +21,7 @@ struct ShmWindow {
   int64_t depth = 0;          // staging buffers per rank
   double spin_seconds = 0;    // poll this long before yielding the core between polls
   double stall_seconds = 0;   // then give up: a rank has left the collective
+  double jitter_seconds = 0;  // tests: sleep up to this long before a fifth of the posts
 };
 
 // Counter indices (shm.py: READY, REDUCED, DONE).
@@ -34,5 +35,16 @@ enum ShmCounter : int64_t { kReady = 0, kReduced = 1, kDone = 2 };
 void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
                 const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks, DType dtype,
                 ReduceOp op, bool allreduce);
+
+// Chunks seq .. seq + nchunks - 1 of an allgather: recv (all of bounds, elements of item
+// bytes) gets every rank's block; send is this rank's block.
+void shm_allgather(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+                   const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks,
+                   int64_t item);
+
+// Chunks seq .. seq + ceil(nbytes / e) - 1 of a broadcast of root's buf (nbytes) into
+// every other rank's buf, e bytes per chunk.
+void shm_broadcast(const ShmWindow& w, int64_t seq, void* buf, int64_t nbytes, int64_t e,
+                   int root);
 
 }  // namespace collectives

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +14,20 @@ import collectives as C
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
 OPS = [C.Sum, C.Average, C.Min, C.Max, C.Product]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that fails on one rank ends the whole job at once (MPI_Abort, after printing
+    the failure): otherwise the other ranks would wait in their next collective, or in a
+    collective teardown, until the outer timeout."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        sys.stderr.write(f"\nrank {MPI.COMM_WORLD.Get_rank()}: {item.nodeid} failed "
+                         f"({report.when}):\n{report.longreprtext}\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -208,8 +208,9 @@ def test_freed_communicator_frees_its_window(comm):
 
 
 def test_delays_between_stages(comm, monkeypatch):
-    """Random per-rank sleeps before counters are bumped and before reductions, on many-chunk
-    pipelines, so ranks drift apart mid-call and wrap the DEPTH buffers while others lag."""
+    """Random per-rank sleeps before counters are bumped (Python and C++ stages) and before
+    reductions, on many-chunk pipelines, so ranks drift apart mid-call and wrap the DEPTH
+    buffers while others lag."""
     n, r = comm.Get_size(), comm.Get_rank()
     rng = np.random.default_rng(100 + r)
     post, reduce = shm._Window.post, shm.kernels.reduce
@@ -225,6 +226,8 @@ def test_delays_between_stages(comm, monkeypatch):
     monkeypatch.setattr(shm.kernels, "reduce", slow(reduce))
     monkeypatch.setattr(shm, "SMALL_BYTES", 0)
     monkeypatch.setattr(shm, "SLOT_BYTES", 2048)
+    monkeypatch.setattr(shm, "JITTER_SECONDS", 3e-4)
+    shm.shutdown(comm)  # new windows, made with the jitter
     for i in range(40):
         count = 5000 + 37 * i
         x = make_input("int64", (count,), seed=i * 7 + r)
@@ -233,3 +236,4 @@ def test_delays_between_stages(comm, monkeypatch):
                             f"reducescatter call {i}")
         check_allgather(comm, x[:count - i * r], f"allgather call {i}")
         check_broadcast(comm, x, i % n, f"broadcast call {i}")
+    shm.shutdown(comm)  # no jitter in later tests' windows
