@@ -90,6 +90,13 @@ def _log2(n: int) -> int:
     return max(1, math.ceil(math.log2(n))) if n > 1 else 0
 
 
+def _doubling_steps(n: int) -> int:
+    """Steps of recursive doubling over n ranks: log2 of the largest power of two, plus
+    the fold in and out of the extra ranks (MPICH's scheme) when n is not a power of two."""
+    pow2 = 1 << (n.bit_length() - 1)
+    return _log2(pow2) + (0 if pow2 == n else 2)
+
+
 def flat_cost(algo: str, collective: str, n: int, m: int, alpha: float, beta: float) -> float:
     """Predicted seconds for a flat algorithm over n ranks on links (alpha, beta)."""
     if n <= 1:
@@ -101,13 +108,11 @@ def flat_cost(algo: str, collective: str, n: int, m: int, alpha: float, beta: fl
                   "broadcast": n - 1}[collective]
     ring_bytes = {"allreduce": 2 * (n - 1) / n * m, "broadcast": m}.get(collective, (n - 1) / n * m)
     ring = ring_steps * (alpha + o) + ring_bytes * beta + (m * (n - 1) / n * p.gamma if reduces else 0)
-    pow2 = 1 << (n.bit_length() - 1)
-    fold = 0 if pow2 == n else 2
+    fold = 0 if n & (n - 1) == 0 else 2
     if collective == "allreduce":
-        steps = _log2(pow2) + fold
-        tree = steps * (alpha + o + m * beta + m * p.gamma)
+        tree = _doubling_steps(n) * (alpha + o + m * beta + m * p.gamma)
     elif collective == "reducescatter":
-        tree = (_log2(pow2) + fold) * (alpha + o) + (m + fold * m) * beta + m * p.gamma
+        tree = _doubling_steps(n) * (alpha + o) + (m + fold * m) * beta + m * p.gamma
     elif collective == "allgather":
         tree = _log2(n) * (alpha + o) + (n - 1) / n * m * beta
     else:
@@ -172,22 +177,15 @@ def _choose(collective: str, nbytes: int, topo: Topology) -> str:
     costs = {a: predict(a, collective, nbytes, topo) + agreement_cost(topo)
              for a in candidates(topo)}
     if collective == "allreduce" and nbytes <= PIGGYBACK_BYTES:
-        costs["tree"] = piggyback_cost(nbytes, topo)
+        costs["tree"] = agreement_cost(topo, nbytes)
     return min(costs, key=costs.get)
 
 
-def agreement_cost(topo: Topology) -> float:
-    """The header exchange every call starts with: recursive doubling, steps in C."""
-    alpha, _ = _link(topo, "inter")
-    pow2 = 1 << (topo.size.bit_length() - 1)
-    return (_log2(pow2) + (0 if pow2 == topo.size else 2)) * alpha + params().mpi_call
-
-
-def piggyback_cost(nbytes: int, topo: Topology) -> float:
-    """A small tree allreduce carried by the header exchange itself (steps in C)."""
+def agreement_cost(topo: Topology, nbytes: int = 0) -> float:
+    """The header exchange every call starts with (recursive doubling, steps in C),
+    carrying and folding nbytes of a small tree allreduce (0: the header alone)."""
     alpha, beta = _link(topo, "inter")
-    pow2 = 1 << (topo.size.bit_length() - 1)
-    steps = _log2(pow2) + (0 if pow2 == topo.size else 2)
+    steps = _doubling_steps(topo.size)
     return steps * (alpha + nbytes * (beta + params().gamma)) + params().mpi_call
 
 
