@@ -61,9 +61,10 @@ def shm_allgather(window: Any, seq: int, send: np.ndarray, recv: np.ndarray,
     _C.shm_allgather(window, seq, send, recv, bounds, e, nchunks, send.itemsize)
 
 
-def shm_broadcast(window: Any, seq: int, buf: np.ndarray, e: int, root: int) -> None:
+def shm_broadcast(window: Any, seq: int, buf: np.ndarray, e: int, nchunks: int,
+                  root: int) -> None:
     """The shared-memory broadcast stages of collectives/algorithms/shm.py (buf as bytes)."""
-    _C.shm_broadcast(window, seq, buf, buf.nbytes, e, root)
+    _C.shm_broadcast(window, seq, buf, buf.nbytes, e, nchunks, root)
 
 
 def divide(buf: np.ndarray, dtype: str, divisor: int) -> None:

@@ -13,13 +13,12 @@ rank, and each chunk takes one piece of every block:
   allreduce      the same over even blocks, but step 2 leaves piece r in r's own buffer (and
                  copies it to r's output while it is hot) and bumps REDUCED; 3. copy-out:
                  every rank copies every other rank's piece into its output.
-The pipelined stages run in C++ with the GIL released (csrc/cpu/shm.cpp); small calls
-(one chunk, below) in Python.
   allgather      1. copy a piece of the input into the buffer (and into the own output
                  block); 2. copy every other rank's piece out.
   broadcast      1. the root copies a piece in; 2. the others copy it out.
-Calls staging at most SMALL_BYTES in all take one chunk: every rank copies its whole input
-in, waits once, and reads what it needs (allreduce: every rank folds the whole vector).
+These pipelined stages run in C++ with the GIL released (csrc/cpu/shm.cpp).
+Calls staging at most SMALL_BYTES in all take one chunk, in Python: every rank copies its
+whole input in, waits once, and reads what it needs (allreduce: every rank folds the whole vector).
 A counter is a number of chunks done, written only by its owner after MPI.Win.Sync (a full
 memory fence) and read by the others before a Sync, so a reader that sees chunk g counted
 also sees its data. Before writing buffer g % DEPTH a rank waits until every rank has
@@ -344,6 +343,7 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
         return
     raw = buf.view(np.uint8)
     e = min(raw.size, SLOT_BYTES)
+    nchunks = -(-raw.size // e)
     w = _window(comm, e)
-    kernels.shm_broadcast(w.native, w.seq, raw, e, root)
-    w.seq += -(-raw.size // e)
+    kernels.shm_broadcast(w.native, w.seq, raw, e, nchunks, root)
+    w.seq += nchunks

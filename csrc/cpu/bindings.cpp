@@ -420,13 +420,14 @@ void py_shm_allgather(const ShmWindow& w, int64_t seq, const py::buffer& send,
 }
 
 void py_shm_broadcast(const ShmWindow& w, int64_t seq, const py::buffer& buf, int64_t nbytes,
-                      int64_t e, int root) {
+                      int64_t e, int64_t nchunks, int root) {
   if (root < 0 || root >= static_cast<int>(w.segments.size()))
     throw py::value_error("root: out of range");
   if (e <= 0 || e > w.slot_bytes || nbytes < 0) throw py::value_error("e, nbytes: bad");
+  if (nchunks < 0 || nchunks * e < nbytes) throw py::value_error("nchunks: too few for nbytes");
   void* data = buffer_ptr(buf, "buf", nbytes, DType::u8, w.rank != root);
   py::gil_scoped_release release;
-  shm_broadcast(w, seq, data, nbytes, e, root);
+  shm_broadcast(w, seq, data, nbytes, e, nchunks, root);
 }
 
 }  // namespace
@@ -451,7 +452,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("item"),
         "shm.py's pipelined allgather stages (GIL released)");
   m.def("shm_broadcast", &py_shm_broadcast, py::arg("window"), py::arg("seq"), py::arg("buf"),
-        py::arg("nbytes"), py::arg("e"), py::arg("root"),
+        py::arg("nbytes"), py::arg("e"), py::arg("nchunks"), py::arg("root"),
         "shm.py's pipelined broadcast stages (GIL released)");
   bind_agreement(m);
 

@@ -224,11 +224,10 @@ void shm_allgather(const ShmWindow& w, int64_t seq, const void* send, void* recv
 }
 
 void shm_broadcast(const ShmWindow& w, int64_t seq, void* buf, int64_t nbytes, int64_t e,
-                   int root) {
+                   int64_t nchunks, int root) {
   Sync sync(w);
   auto* data = static_cast<unsigned char*>(buf);
   const bool is_root = sync.rank() == root;
-  const int64_t nchunks = (nbytes + e - 1) / e;
   auto bytes = [&](int64_t k) { return std::min(e, nbytes - k * e); };
   auto copy_in = [&](int64_t k) {  // the root fills its buffer
     if (!is_root) return;

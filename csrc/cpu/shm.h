@@ -42,9 +42,9 @@ void shm_allgather(const ShmWindow& w, int64_t seq, const void* send, void* recv
                    const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks,
                    int64_t item);
 
-// Chunks seq .. seq + ceil(nbytes / e) - 1 of a broadcast of root's buf (nbytes) into
-// every other rank's buf, e bytes per chunk.
+// Chunks seq .. seq + nchunks - 1 of a broadcast of root's buf (nbytes) into every other
+// rank's buf, e bytes per chunk (nchunks = ceil(nbytes / e)).
 void shm_broadcast(const ShmWindow& w, int64_t seq, void* buf, int64_t nbytes, int64_t e,
-                   int root);
+                   int64_t nchunks, int root);
 
 }  // namespace collectives
