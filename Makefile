@@ -21,7 +21,7 @@ $(VENV)/.deps:
 	$(VENV)/bin/pip install -q $(DEPS)
 	touch $@
 
-$(VENV)/.built: $(VENV)/.deps setup.py $(wildcard csrc/cpu/*.cpp csrc/cpu/*.h)
+$(VENV)/.built: $(VENV)/.deps setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h)
 	$(VENV)/bin/pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

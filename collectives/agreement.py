@@ -1,7 +1,8 @@
 """Ranks agree on what they are about to do before any data moves.
 
 Every collective starts with a recursive-doubling exchange of a 32-byte header holding a
-digest of (collective, op, dtype, shape, algorithm, ...) (csrc/cpu/agree.cpp): equal digests
+digest of (collective, op, dtype, shape, algorithm, ...) (csrc/runtime/agree.cpp, run by the
+engine for every call): equal digests
 everywhere mean every rank made the same call. Small payloads ride in the same messages: an
 allreduce of up to PIGGYBACK_BYTES is reduced during its own check (no extra round trip), and
 allgather's per-rank row counts travel the same way. On a mismatch every rank learns it in
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from typing import TYPE_CHECKING
 
-import numpy as np
+from mpi4py import MPI
 
-from . import kernels
-from .ops import ReduceOp
-from .topology import Topology
-from .watchdog import StallError
+from .kernels import _C
+
+if TYPE_CHECKING:
+    from .watchdog import Watchdog
 
 
 class MismatchError(ValueError):
@@ -70,64 +72,16 @@ def _groups(verb: str, values: list[str]) -> str:
 #: Largest allreduce payload carried inside the agreement messages (bytes).
 PIGGYBACK_BYTES = 64 << 10
 _TAG = 20
-_NO_DATA = np.empty(0, np.uint8)
 
 
-def agree(topo: Topology, collective: str, fields: tuple) -> None:
-    """Check that every rank passes the same (collective, fields), a tuple of (name, value)
-    pairs. Raises MismatchError on every rank if not; a long wait is reported and, past the
-    stall timeout, fails (see watchdog.py)."""
-    exchange(topo, collective, fields, _NO_DATA, _NO_DATA, "uint8", ReduceOp.Sum)
+def channel(comm: MPI.Comm, watchdog: Watchdog) -> _C.AgreeChannel:
+    """comm's agreement exchange in C++ (csrc/runtime/agree.h): messages of a 32-byte header
+    and up to PIGGYBACK_BYTES of payload; a long wait calls the watchdog."""
+    return _C.AgreeChannel(comm, _TAG, PIGGYBACK_BYTES, watchdog.first_deadline,
+                           watchdog.on_wait)
 
 
-def agree_rows(topo: Topology, collective: str, fields: tuple, rows: int) -> np.ndarray:
-    """agree(), also returning every rank's `rows` (allgather's per-rank sizes)."""
-    n = topo.size
-    if 8 * n > PIGGYBACK_BYTES:  # very large jobs: a second, plain allgather
-        agree(topo, collective, fields)
-        return np.array(topo.comm.allgather(rows), dtype=np.int64)
-    mine = np.zeros(n, np.int64)
-    mine[topo.rank] = rows
-    everyone = np.empty(n, np.int64)
-    exchange(topo, collective, fields, mine, everyone, "int64", ReduceOp.Sum)
-    return everyone
-
-
-def exchange(topo: Topology, collective: str, fields: tuple, send: np.ndarray,
-             out: np.ndarray, dtype: str, op: int) -> int:
-    """The agreement exchange reducing send into out (kernel op code); returns the payload
-    bytes this rank sent (= received), not yet in stats."""
-    return exchange_digest(topo, collective, fields, digest((collective, fields)), send, out,
-                           send.size, kernels.DTYPE_CODES[dtype], op, 1)
-
-
-def exchange_digest(topo: Topology, collective: str, fields: tuple, signature_digest: int,
-                    send: np.ndarray, out: np.ndarray, count: int, dtype_code: int, op: int,
-                    divisor: int) -> int:
-    """exchange() with the digest of (collective, fields) and the codes computed by the
-    caller (allreduce plans keep them per distinct call), dividing the result by divisor."""
-    dog = topo.watchdog
-    if dog.failed:
-        raise StallError(f"collectives is unusable after a stall timeout ({dog.failed}); "
-                         "an MPI collective cannot be cancelled: restart the job")
-    dog.record.enter(collective, fields)
-    moved = channel(topo).exchange(signature_digest, send, out, count, dtype_code, op, divisor)
-    dog.record.state = "running"
-    if moved < 0:
-        raise_mismatch(topo, collective, fields)
-    return moved
-
-
-def channel(topo: Topology) -> kernels._C.AgreeChannel:
-    """topo's agreement exchange in C++ (made on first use)."""
-    if topo.agree_channel is None:
-        dog = topo.watchdog
-        topo.agree_channel = kernels._C.AgreeChannel(
-            topo.comm_handle, _TAG, PIGGYBACK_BYTES, dog.first_deadline, dog.on_wait)
-    return topo.agree_channel
-
-
-def raise_mismatch(topo: Topology, collective: str, fields: tuple) -> None:
+def raise_mismatch(comm: MPI.Comm, collective: str, fields: tuple) -> None:
     """After an exchange found ranks that differ: every rank raises the same MismatchError
     naming the field, the values and the ranks."""
-    raise MismatchError(describe_mismatch(topo.comm.allgather((collective, fields))))
+    raise MismatchError(describe_mismatch(comm.allgather((collective, fields))))

@@ -1,63 +1,39 @@
-"""The public collectives: argument checks, agreement, algorithm dispatch, Average and
-stats, on any supported array type. Sync calls and *_async calls share one ordered engine."""
+"""The public collectives. Each one checks its arguments and wraps the caller's buffers
+(in the caller's thread), describes the call (calls.py) and hands the engine a Job: the
+agreement's payload and the data movement to run once every rank is known to make the
+same call. The engine (engine.py) runs it in submission order, sync or async. Every call
+takes `comm`: an mpi4py communicator to run over (default: the job's, from init)."""
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from . import dispatch, fastpath, kernels, quantized, select, stats, topology
-from .agreement import agree, agree_rows
+from . import calls, dispatch, kernels, quantized, topology
+from .agreement import PIGGYBACK_BYTES
 from .buffers import Buffer, store_float32, wrap
+from .calls import Call
 from .compression import Compression, check_compression
-from .engine import ENGINE, Handle
+from .engine import ENGINE, Handle, Job
 from .ops import ReduceOp, check_op, kernel_op
 
+try:
+    import torch
+    _Tensor = torch.Tensor
+except ImportError:
+    torch = _Tensor = None
+
 ALGORITHMS = dispatch.ALGORITHMS
+_FLOATS = ("float32", "float64", "float16", "bfloat16")
+_INT64 = kernels.DTYPE_CODES["int64"]
 
 
 def _check_algorithm(algorithm: object) -> str:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: expected one of {list(ALGORITHMS)}, got {algorithm!r}")
     return algorithm
-
-
-def _resolve(algorithm: str, collective: str, nbytes: int) -> str:
-    """The concrete algorithm for `auto` (a function of agreed values: the same everywhere)."""
-    topo = topology.get()
-    if algorithm != "auto":
-        dispatch.check_shm(algorithm, topo)
-        return algorithm
-    return select.choose(collective, nbytes, topo)
-
-
-def _run(name: str, work: Callable[[], Any]) -> Any:
-    return ENGINE.run(name, _tracked(work))
-
-
-def _submit(name: str, work: Callable[[], Any]) -> Handle:
-    return ENGINE.submit(name, _tracked(work))
-
-
-def _tracked(work: Callable[[], Any]) -> Callable[[], Any]:
-    """work, marking this rank idle for the stall inspector when it ends."""
-    def run() -> Any:
-        try:
-            return work()
-        finally:
-            topology.get().watchdog.record.leave()
-    return run
-
-
-def _timed(collective: str, algorithm: str, work: Callable[[], Any]) -> Any:
-    sent0, recv0 = stats.snapshot()
-    result = work()
-    sent1, recv1 = stats.snapshot()
-    stats.record_call(collective, algorithm, sent1 - sent0, recv1 - recv0)
-    return result
 
 
 def _rows_split(rows: int, n: int) -> list[int]:
@@ -75,247 +51,278 @@ def _need_dim0(buf: Buffer, name: str) -> None:
         raise ValueError(f"{name}: needs at least one dimension (rows on dim 0), got a scalar")
 
 
-def _check_root(root_rank: object) -> int:
-    n = topology.size()
+def _check_root(root_rank: object, topo: topology.Topology) -> int:
+    n = topo.size
     if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < n:
         raise ValueError(f"root_rank: expected an int in [0, {n}), got {root_rank!r}")
     return int(root_rank)
 
 
+def _average(out: np.ndarray, dtype: str, op: ReduceOp, n: int) -> None:
+    """Average moves as a Sum; one division at the end (floor division for integers)."""
+    if op is ReduceOp.Average and n > 1:
+        kernels.divide(out, dtype, n)
+
+
+def _finish(buf: Buffer, out: Buffer) -> Any:
+    """The caller's result: x itself for in-place calls (out is buf), else out."""
+    if out is buf:
+        buf.write_back()
+        return buf.orig
+    return out.result()
+
+
 # ----------------------------------------------------------------------------- allreduce
 
-def _allreduce_work(buf: Buffer, out: Buffer, op: ReduceOp, algorithm: str,
-                    compression: str) -> Callable[[], Any]:
-    def work() -> Any:
-        topo = topology.get()
-        p = fastpath.plan(buf.dtype, buf.shape, buf.nbytes, op, algorithm, compression, topo)
-        fastpath.run(p, topo, buf.flat, out.flat)
-        if out is buf:
-            buf.write_back()
-            return buf.orig
-        return out.result()
-
-    return work
-
-
-def _int8_work(buf: Buffer, x: Any, op: ReduceOp, algorithm: str,
-               inplace: bool) -> Callable[[], Any]:
-    """Compression.int8: quantized allgather + local sum (collectives/quantized.py)."""
-    as_f32 = wrap(x.astype(np.float32) if isinstance(x, np.ndarray) else x.detach().float(), "x")
-
-    def work() -> Any:
-        topo = topology.get()
-        agree(topo, "allreduce", (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
-                                  ("algorithm", algorithm), ("compression", "int8")))
-        result = _timed("allreduce", "int8",
-                        lambda: quantized.allreduce(topo, as_f32.flat, op, algorithm))
-        out = buf if inplace else buf.empty(buf.shape)
-        store_float32(out, result)
-        if inplace:
-            buf.write_back()
-            return buf.orig
-        return out.result()
-
-    return work
+def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: bool) -> Any:
+    """The small-allreduce fast entry: a host NumPy array or CPU torch tensor whose call was
+    described before and rides in the agreement goes straight to C++. None: not taken."""
+    if type(op) is not ReduceOp:
+        return None
+    tensor = None
+    if type(x) is not np.ndarray:
+        if type(x) is not _Tensor or x.device.type != "cpu" or x.requires_grad and inplace:
+            return None
+        tensor = x
+    call = topo.fast.get((op, x.dtype, x.shape, algorithm))
+    if call is None:
+        return None
+    out = call.small(x if tensor is None else x.detach().numpy(), inplace)
+    if out is None or tensor is None:
+        return out
+    return tensor if inplace else torch.from_numpy(out)
 
 
-def _allreduce_prepare(x: Any, op: ReduceOp, algorithm: str, compression: Any,
-                       inplace: bool) -> Callable[[], Any]:
+def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compression: Any,
+               inplace: bool) -> tuple[Call, Job]:
     op = check_op(op)
     _check_algorithm(algorithm)
     compressor = check_compression(compression)
     buf = wrap(x, "x")  # type check now, in the caller's thread
-    if compressor is not Compression.none and buf.dtype in ("float32", "float64", "float16",
-                                                             "bfloat16"):
-        if compressor is Compression.int8:
-            return _int8_work(buf, x, op, algorithm, inplace)
-    else:
-        compressor = Compression.none  # like Horovod: only floating tensors are compressed
+    if compressor is not Compression.none and buf.dtype in _FLOATS:
+        return _compressed(topo, x, buf, op, algorithm, compressor, inplace)
+    call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
+    out = buf if inplace else buf.empty(buf.shape)
+    if call.small is not None:  # the data rides in the agreement
+        if not buf.staged and buf.dtype != "bfloat16":
+            topo.fast[(op, x.dtype, x.shape, algorithm)] = call
+        return call, Job(lambda: _finish(buf, out), buf.flat, out.flat, buf.flat.size,
+                         call.dtype_code, call.op_code, call.divisor)
+
+    def move() -> Any:
+        dispatch.allreduce(call.algorithm, topo, buf.flat, out.flat, kernel_op(op), buf.dtype)
+        _average(out.flat, buf.dtype, op, topo.size)
+        return _finish(buf, out)
+
+    return call, Job(move)
+
+
+def _compressed(topo: topology.Topology, x: Any, buf: Buffer, op: ReduceOp, algorithm: str,
+                compressor: Any, inplace: bool) -> tuple[Call, Job]:
+    """A floating allreduce under Compression.fp16 or int8."""
+    fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
+              ("algorithm", algorithm), ("compression", compressor.name))
+    out = buf if inplace else buf.empty(buf.shape)
+    if compressor is Compression.int8:  # quantized allgather, summed locally
+        as_f32 = wrap(x.astype(np.float32) if isinstance(x, np.ndarray) else x.detach().float())
+        call = calls.describe(topo, "allreduce", fields, "int8")
+
+        def move() -> Any:
+            store_float32(out, quantized.allreduce(topo, as_f32.flat, op, algorithm))
+            return _finish(buf, out)
+
+        return call, Job(move)
     sent, ctx = compressor.compress(x)
-    if sent is not x:
-        buf = wrap(sent, "x")
-    direct = inplace and sent is x
-    work = _allreduce_work(buf, buf if direct else buf.empty(buf.shape), op, algorithm,
-                           compressor.name)
-    if direct or compressor is Compression.none and not inplace:
-        return work
+    packed = wrap(sent, "x")
+    algo = calls.concrete(topo, "allreduce", algorithm, packed.nbytes)
+    call = calls.describe(topo, "allreduce", fields, algo)
 
-    def finish() -> Any:
-        result = compressor.decompress(work(), ctx)
-        if not inplace:
-            return result
-        target = wrap(x, "x")
-        target.flat[...] = wrap(result, "result").flat
-        target.write_back()
-        return x
+    def move_packed() -> Any:
+        result = packed.empty(packed.shape)
+        dispatch.allreduce(algo, topo, packed.flat, result.flat, kernel_op(op), packed.dtype)
+        _average(result.flat, packed.dtype, op, topo.size)
+        out.flat[...] = wrap(compressor.decompress(result.result(), ctx), "result").flat
+        return _finish(buf, out)
 
-    return finish
+    return call, Job(move_packed)
 
 
 def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-              compression: Any = None) -> Any:
+              compression: Any = None, *, comm: Any = None) -> Any:
     """Reduce x over all ranks; a new array of x's type, dtype, shape and device."""
-    result = fastpath.allreduce(x, op, algorithm, compression, False)
-    if result is not None:
-        return result
-    return _run("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
+    topo = topology.of(comm)
+    if compression is None:
+        out = _fast(topo, x, op, algorithm, False)
+        if out is not None:
+            return out
+    return ENGINE.run(topo, *_allreduce(topo, x, op, algorithm, compression, False))
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-               compression: Any = None) -> Any:
+               compression: Any = None, *, comm: Any = None) -> Any:
     """Reduce x over all ranks in place; returns x."""
-    if fastpath.allreduce(x, op, algorithm, compression, True) is not None:
+    topo = topology.of(comm)
+    if compression is None and _fast(topo, x, op, algorithm, True) is not None:
         return x
-    return _run("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
+    return ENGINE.run(topo, *_allreduce(topo, x, op, algorithm, compression, True))
 
 
 def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                    compression: Any = None) -> Handle:
-    return _submit("allreduce", _allreduce_prepare(x, op, algorithm, compression, False))
+                    compression: Any = None, *, comm: Any = None) -> Handle:
+    topo = topology.of(comm)
+    return ENGINE.submit(topo, *_allreduce(topo, x, op, algorithm, compression, False))
 
 
 def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                     compression: Any = None) -> Handle:
-    return _submit("allreduce", _allreduce_prepare(x, op, algorithm, compression, True))
+                     compression: Any = None, *, comm: Any = None) -> Handle:
+    topo = topology.of(comm)
+    return ENGINE.submit(topo, *_allreduce(topo, x, op, algorithm, compression, True))
 
 
 # ----------------------------------------------------------------------------- allgather
 
-def _allgather_prepare(x: Any, algorithm: str) -> Callable[[], Any]:
+def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, Job]:
     _check_algorithm(algorithm)
     buf = wrap(x, "x")
     _need_dim0(buf, "x")
+    n = topo.size
+    fields = (("dtype", buf.dtype), ("row_shape", buf.shape[1:]), ("algorithm", algorithm))
+    call = calls.describe(topo, "allgather", fields, algorithm)
+    rows = np.zeros(n, np.int64)  # every rank's dim 0, gathered by the agreement's Sum
+    rows[topo.rank] = buf.shape[0]
+    carried = 8 * n <= PIGGYBACK_BYTES
 
-    def work() -> Any:
-        topo = topology.get()
-        rows = agree_rows(topo, "allgather", (("dtype", buf.dtype), ("row_shape", buf.shape[1:]),
-                                              ("algorithm", algorithm)), buf.shape[0])
+    def move() -> Any:
+        everyone = rows if carried else np.array(topo.comm.allgather(buf.shape[0]), np.int64)
         elems = _row_elems(buf.shape)
-        counts = [int(r) * elems for r in rows]
-        out = buf.empty((int(rows.sum()),) + buf.shape[1:])
-        algo = _resolve(algorithm, "allgather", out.nbytes)
-        _timed("allgather", algo,
-               lambda: dispatch.allgather(algo, topo, buf.flat, out.flat, counts))
+        counts = [int(r) * elems for r in everyone]
+        out = buf.empty((int(everyone.sum()),) + buf.shape[1:])
+        algo = calls.concrete(topo, "allgather", algorithm, out.nbytes)
+        ENGINE.native.credit(topo.stats, "allgather", algo)  # `auto` chose by the total size
+        dispatch.allgather(algo, topo, buf.flat, out.flat, counts)
         return out.result()
 
-    return work
+    if not carried:  # very large jobs: the rows travel in a plain allgather
+        return call, Job(move)
+    return call, Job(move, rows, rows, n, _INT64, int(ReduceOp.Sum), 1)
 
 
-def allgather(x: Any, algorithm: str = "auto") -> Any:
+def allgather(x: Any, algorithm: str = "auto", *, comm: Any = None) -> Any:
     """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
-    return _run("allgather", _allgather_prepare(x, algorithm))
+    topo = topology.of(comm)
+    return ENGINE.run(topo, *_allgather(topo, x, algorithm))
 
 
-def allgather_async(x: Any, algorithm: str = "auto") -> Handle:
-    return _submit("allgather", _allgather_prepare(x, algorithm))
+def allgather_async(x: Any, algorithm: str = "auto", *, comm: Any = None) -> Handle:
+    topo = topology.of(comm)
+    return ENGINE.submit(topo, *_allgather(topo, x, algorithm))
 
 
 # ------------------------------------------------------------------------- reducescatter
 
-def _reducescatter_prepare(x: Any, op: ReduceOp, algorithm: str) -> Callable[[], Any]:
+def _reducescatter(topo: topology.Topology, x: Any, op: Any,
+                   algorithm: Any) -> tuple[Call, Job]:
     op = check_op(op)
     _check_algorithm(algorithm)
     buf = wrap(x, "x")
     _need_dim0(buf, "x")
+    fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
+              ("algorithm", algorithm))
+    call = calls.describe(topo, "reducescatter", fields,
+                          calls.concrete(topo, "reducescatter", algorithm, buf.nbytes))
 
-    def work() -> Any:
-        topo = topology.get()
-        agree(topo, "reducescatter", (("op", op.name), ("dtype", buf.dtype),
-                                      ("shape", buf.shape), ("algorithm", algorithm)))
+    def move() -> Any:
         rows = _rows_split(buf.shape[0], topo.size)
         elems = _row_elems(buf.shape)
-        counts = [r * elems for r in rows]
         out = buf.empty((rows[topo.rank],) + buf.shape[1:])
-        algo = _resolve(algorithm, "reducescatter", buf.nbytes)
-
-        def move() -> None:
-            dispatch.reducescatter(algo, topo, buf.flat, out.flat, counts, kernel_op(op),
-                                   buf.dtype)
-            if op is ReduceOp.Average and topo.size > 1:
-                kernels.divide(out.flat, buf.dtype, topo.size)
-
-        _timed("reducescatter", algo, move)
+        dispatch.reducescatter(call.algorithm, topo, buf.flat, out.flat,
+                               [r * elems for r in rows], kernel_op(op), buf.dtype)
+        _average(out.flat, buf.dtype, op, topo.size)
         return out.result()
 
-    return work
+    return call, Job(move)
 
 
-def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto") -> Any:
+def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
+                  comm: Any = None) -> Any:
     """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
-    return _run("reducescatter", _reducescatter_prepare(x, op, algorithm))
+    topo = topology.of(comm)
+    return ENGINE.run(topo, *_reducescatter(topo, x, op, algorithm))
 
 
-def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average,
-                        algorithm: str = "auto") -> Handle:
-    return _submit("reducescatter", _reducescatter_prepare(x, op, algorithm))
+def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
+                        comm: Any = None) -> Handle:
+    topo = topology.of(comm)
+    return ENGINE.submit(topo, *_reducescatter(topo, x, op, algorithm))
 
 
 # ----------------------------------------------------------------------------- broadcast
 
-def _broadcast_prepare(x: Any, root_rank: int, algorithm: str, inplace: bool) -> Callable[[], Any]:
+def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
+               inplace: bool) -> tuple[Call, Job]:
     _check_algorithm(algorithm)
-    root = _check_root(root_rank)
+    root = _check_root(root_rank, topo)
     buf = wrap(x, "x")
+    fields = (("dtype", buf.dtype), ("shape", buf.shape), ("root_rank", root),
+              ("algorithm", algorithm))
+    call = calls.describe(topo, "broadcast", fields,
+                          calls.concrete(topo, "broadcast", algorithm, buf.nbytes))
 
-    def work() -> Any:
-        topo = topology.get()
-        agree(topo, "broadcast", (("dtype", buf.dtype), ("shape", buf.shape),
-                                  ("root_rank", root), ("algorithm", algorithm)))
-        if inplace:
-            out = buf
-        else:
-            out = buf.empty(buf.shape)
+    def move() -> Any:
+        out = buf if inplace else buf.empty(buf.shape)
+        if not inplace:
             out.flat[...] = buf.flat
-        algo = _resolve(algorithm, "broadcast", buf.nbytes)
-        _timed("broadcast", algo, lambda: dispatch.broadcast(algo, topo, out.flat, root))
-        if inplace:
-            buf.write_back()
-            return buf.orig
-        return out.result()
+        dispatch.broadcast(call.algorithm, topo, out.flat, root)
+        return _finish(buf, out)
 
-    return work
+    return call, Job(move)
 
 
-def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Any:
+def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None) -> Any:
     """root_rank's x on every rank, as a new array."""
-    return _run("broadcast", _broadcast_prepare(x, root_rank, algorithm, False))
+    topo = topology.of(comm)
+    return ENGINE.run(topo, *_broadcast(topo, x, root_rank, algorithm, False))
 
 
-def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Any:
+def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None) -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
-    return _run("broadcast", _broadcast_prepare(x, root_rank, algorithm, True))
+    topo = topology.of(comm)
+    return ENGINE.run(topo, *_broadcast(topo, x, root_rank, algorithm, True))
 
 
-def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Handle:
-    return _submit("broadcast", _broadcast_prepare(x, root_rank, algorithm, False))
+def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
+                    comm: Any = None) -> Handle:
+    topo = topology.of(comm)
+    return ENGINE.submit(topo, *_broadcast(topo, x, root_rank, algorithm, False))
 
 
-def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto") -> Handle:
-    return _submit("broadcast", _broadcast_prepare(x, root_rank, algorithm, True))
+def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
+                     comm: Any = None) -> Handle:
+    topo = topology.of(comm)
+    return ENGINE.submit(topo, *_broadcast(topo, x, root_rank, algorithm, True))
 
 
-def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, *, comm: Any = None) -> Any:
     """root_rank's picklable obj on every rank."""
-    root = _check_root(root_rank)
+    topo = topology.of(comm)
+    root = _check_root(root_rank, topo)
+    call = calls.describe(topo, "broadcast_object", (("root_rank", root),), "mpi")
 
-    def work() -> Any:
-        topo = topology.get()
-        comm = topo.comm
-        agree(topo, "broadcast_object", (("root_rank", root),))
+    def move() -> Any:
         payload, error = b"", None
-        if comm.Get_rank() == root:
+        if topo.rank == root:
             try:
                 payload = pickle.dumps(obj)
             except Exception as exc:  # every rank must learn of it, not only the root
                 error = exc
-        size = comm.bcast(-1 if error else len(payload), root=root)
+        size = topo.comm.bcast(-1 if error else len(payload), root=root)
         if size < 0:
             raise ValueError(f"obj: root_rank {root}'s object cannot be pickled") from error
-        data = np.frombuffer(payload, dtype=np.uint8).copy() if payload else np.empty(size, np.uint8)
-        _timed("broadcast_object", "mpi", lambda: dispatch.broadcast("mpi", topo, data, root))
-        return obj if comm.Get_rank() == root else pickle.loads(data.tobytes())
+        data = np.frombuffer(payload, np.uint8).copy() if payload else np.empty(size, np.uint8)
+        dispatch.broadcast("mpi", topo, data, root)
+        return obj if topo.rank == root else pickle.loads(data.tobytes())
 
-    return _run("broadcast_object", work)
+    return ENGINE.run(topo, call, Job(move))
 
 
 # ------------------------------------------------------------------------------- handles

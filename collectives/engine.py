@@ -1,18 +1,49 @@
-"""Executes collectives in submission order, on a background progress thread for async
-calls and inline on the caller's thread for sync calls when nothing is queued.
+"""Executes collectives in submission order: on a background thread for async calls, inline
+on the caller's thread for sync calls when nothing is queued or running.
 
 Every rank submits collectives in the same program order, and this engine runs them in
 that order, so async work never reorders MPI calls across ranks. At most one collective runs
 at a time (MPI_THREAD_SERIALIZED is enough for our own calls; mpi4py asks for MULTIPLE so
-user threads may use MPI too). Data moves and reduces with the GIL released (mpi4py's
-blocking calls and our kernels release it), so Python work overlaps communication."""
+user threads may use MPI too). Data moves and reduces with the GIL released, so Python work
+overlaps communication.
+
+The engine's state lives in C++ (`_C.Engine`, csrc/runtime/engine.h) and nowhere else: the
+queue, the claim, the stall record, the failed flag and the byte counts. One call runs as
+`_C.Engine.execute`: stall record, agreement exchange over the call's communicator (with a
+payload riding in it), then the job's `move` (the algorithm), then the call's stats. The
+small-allreduce fast entry (`_C.SmallAllreduce`) is that same execute behind a claim."""
 
 from __future__ import annotations
 
-import collections
+import functools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from .kernels import _C, DTYPE_CODES
+
+if TYPE_CHECKING:
+    from .calls import Call
+    from .topology import Topology
+
+_NO_DATA = np.empty(0, np.uint8)
+_UINT8 = DTYPE_CODES["uint8"]
+
+
+class Job(NamedTuple):
+    """What one call does once described: the agreement's payload (count elements of
+    dtype_code reduced with op_code from send into out, then divided by divisor) and move,
+    run after the agreement (None: the payload is the whole call)."""
+
+    move: Callable[[], Any] | None
+    send: np.ndarray = _NO_DATA
+    out: np.ndarray = _NO_DATA
+    count: int = 0
+    dtype_code: int = _UINT8
+    op_code: int = 0
+    divisor: int = 1
 
 
 class Handle:
@@ -46,59 +77,45 @@ class Handle:
 
 class Engine:
     def __init__(self) -> None:
-        self._cv = threading.Condition(threading.Lock())  # guards the queue
-        self._queue: collections.deque[tuple[Handle, Callable[[], Any]]] = collections.deque()
-        self._running = threading.Lock()  # held while a collective executes
+        self.native = _C.Engine()
+        self._start = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def submit(self, name: str, work: Callable[[], Any]) -> Handle:
-        """Queue work behind everything submitted before; returns at once."""
-        handle = Handle(name)
-        with self._cv:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="collectives-engine",
-                                                daemon=True)
-                self._thread.start()
-            self._queue.append((handle, work))
-            self._cv.notify()
+    def run(self, topo: Topology, call: Call, job: Job) -> Any:
+        """Run the call after everything submitted before and return its result."""
+        native = self.native
+        if not native.try_claim():
+            return self.submit(topo, call, job).wait()
+        try:
+            return _execute(native, topo, call, job)
+        finally:
+            native.release()
+
+    def submit(self, topo: Topology, call: Call, job: Job) -> Handle:
+        """Queue the call behind everything submitted before; returns at once."""
+        handle = Handle(call.collective)
+        if self._thread is None:
+            with self._start:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="collectives-engine",
+                                                    daemon=True)
+                    self._thread.start()
+        self.native.push((handle, topo, call, job))
         return handle
 
-    def run(self, name: str, work: Callable[[], Any]) -> Any:
-        """Run work after everything submitted before and return its result."""
-        if not self.enter_inline():
-            return self.submit(name, work).wait()
-        try:
-            return work()
-        finally:
-            self.leave_inline()
-
-    def enter_inline(self) -> bool:
-        """Claim the engine for a sync call on the caller's thread; False if work is queued
-        or running (then the call must be submitted). Pair with leave_inline()."""
-        if self._queue or not self._running.acquire(False):
-            return False
-        if self._queue:  # queued meanwhile: it goes first
-            self._running.release()
-            return False
-        return True
-
-    def leave_inline(self) -> None:
-        self._running.release()
-
-    def inline_claim(self) -> tuple[collections.deque, Any]:
-        """(queue, running lock): what a C++ fast entry needs to claim the engine exactly as
-        enter_inline() and leave_inline() do (csrc/cpu/bind_agreement.cpp)."""
-        return self._queue, self._running
-
     def _loop(self) -> None:
+        native = self.native
         while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-            with self._running:  # popped only while held: a sync call never overtakes it
-                with self._cv:
-                    handle, work = self._queue.popleft()
-                handle._run(work)
+            handle, topo, call, job = native.next()  # claimed for this item
+            try:
+                handle._run(functools.partial(_execute, native, topo, call, job))
+            finally:
+                native.release()
+
+
+def _execute(native: Any, topo: Topology, call: Call, job: Job) -> Any:
+    return native.execute(topo.channel, call.native, job.send, job.out, job.count,
+                          job.dtype_code, job.op_code, job.divisor, job.move)
 
 
 ENGINE = Engine()

@@ -33,10 +33,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import kernels, topology
-from .agreement import agree
-from .api import _run, _timed
+from . import calls, kernels, topology
 from .buffers import Buffer, store_float32, wrap
+from .engine import ENGINE, Job
 from .p2p import irecv, isend
 
 TAG_SCATTER, TAG_GATHER = 51, 52
@@ -158,8 +157,8 @@ def _padded_float32(buf: Buffer, padded: int) -> np.ndarray:
     return out
 
 
-def _move(comm: MPI.Comm, x: np.ndarray, worker: np.ndarray, server: np.ndarray,
-          block: int | None, out: np.ndarray) -> None:
+def _average_signs(comm: MPI.Comm, x: np.ndarray, worker: np.ndarray, server: np.ndarray,
+                   block: int | None, out: np.ndarray) -> None:
     """out = the averaged vector (the algorithm in the module docstring); x is padded, out
     holds the first out.size elements."""
     n, chunk = comm.Get_size(), server.size
@@ -174,30 +173,26 @@ def _move(comm: MPI.Comm, x: np.ndarray, worker: np.ndarray, server: np.ndarray,
     _decompress(gathered, chunk, block, out)
 
 
-def _work(buf: Buffer, worker: Buffer, server: Buffer,
+def _move(topo: topology.Topology, buf: Buffer, worker: Buffer, server: Buffer,
           block: int | None) -> Callable[[], Any]:
-    def work() -> Any:
-        topo = topology.get()
-        agree(topo, "compressed_allreduce", (("dtype", buf.dtype), ("shape", buf.shape),
-                                             ("block_size", block)))
+    def move() -> Any:
         out = buf.empty(buf.shape)
         if worker.flat.size:
             x = _padded_float32(buf, worker.flat.size)
             # float32 results are decompressed straight into the output
             avg = out.flat if out.dtype == "float32" else np.empty(buf.flat.size, np.float32)
-            _timed("compressed_allreduce", "onebit",
-                   lambda: _move(topo.comm, x, worker.flat, server.flat, block, avg))
+            _average_signs(topo.comm, x, worker.flat, server.flat, block, avg)
             if avg is not out.flat:
                 store_float32(out, avg)
             worker.write_back()
             server.write_back()
         return out.result()
 
-    return work
+    return move
 
 
 def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
-                         block_size: int | None = None) -> Any:
+                         block_size: int | None = None, *, comm: Any = None) -> Any:
     """The average of x over all ranks, each value sent as one bit (see the module doc).
 
     x: a floating NumPy array, torch tensor or CuPy array (device memory is staged through
@@ -207,10 +202,13 @@ def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
     for the next call on the same vector). block_size: None for DeepSpeed's scales (one for
     the whole vector on the worker side, one per chunk on the server side), or one scale per
     block of this many elements within each chunk (finer, for 4/block_size more bytes per
-    element)."""
+    element). comm: the mpi4py communicator to run over (default: the job's)."""
+    topo = topology.of(comm)
     buf = _check_x(x)
     block = _check_block(block_size)
-    padded, chunk = error_sizes(buf.flat.size, topology.size())
+    padded, chunk = error_sizes(buf.flat.size, topo.size)
     worker = _check_error(worker_error, "worker_error", padded)
     server = _check_error(server_error, "server_error", chunk)
-    return _run("compressed_allreduce", _work(buf, worker, server, block))
+    fields = (("dtype", buf.dtype), ("shape", buf.shape), ("block_size", block))
+    call = calls.describe(topo, "compressed_allreduce", fields, "onebit")
+    return ENGINE.run(topo, call, Job(_move(topo, buf, worker, server, block)))

@@ -1,4 +1,4 @@
-"""Non-blocking point-to-point messages on flat host arrays, counted in stats.
+"""Non-blocking point-to-point messages on flat host arrays, counted by the engine.
 
 Every algorithm of ours moves data through these two calls, so C.stats() sees every byte.
 Messages go as MPI.BYTE: the element type only matters to the reduction kernels."""
@@ -10,7 +10,7 @@ import functools
 import numpy as np
 from mpi4py import MPI
 
-from . import stats
+from .engine import ENGINE
 
 #: Counts are C ints in MPI 3.1 (what Open MPI 5.0 implements): larger messages travel as
 #: one element of a derived type made of 1 GiB pieces plus the remainder.
@@ -34,12 +34,12 @@ def message(buf: np.ndarray) -> list:
 
 
 def isend(comm: MPI.Comm, buf: np.ndarray, dest: int, tag: int) -> MPI.Request:
-    stats.add_bytes(buf.nbytes, 0)
+    ENGINE.native.add_bytes(buf.nbytes, 0)
     return comm.Isend(message(buf), dest, tag)
 
 
 def irecv(comm: MPI.Comm, buf: np.ndarray, source: int, tag: int) -> MPI.Request:
-    stats.add_bytes(0, buf.nbytes)
+    ENGINE.native.add_bytes(0, buf.nbytes)
     return comm.Irecv(message(buf), source, tag)
 
 

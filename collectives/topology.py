@@ -1,9 +1,13 @@
-"""The world communicator, its nodes (ranks sharing memory) and the cross-node groups.
+"""Communicators: the job's (from `init`) and any other a call names, each with its nodes
+(ranks sharing memory), cross-node groups and per-communicator state.
 
 A node is a set of ranks that share memory: MPI_COMM_TYPE_SHARED, or, to simulate several
-nodes on one machine, consecutive blocks of `ranks_per_node` world ranks. Ranks with the
-same local rank on different nodes form a cross communicator (the hierarchical
-algorithms' inter-node level)."""
+nodes on one machine, consecutive blocks of `ranks_per_node` ranks. Ranks with the same
+local rank on different nodes form a cross communicator (the hierarchical algorithms'
+inter-node level). What a communicator keeps across calls lives on its Topology: the
+agreement channel, the described calls, the fast-entry table and the stats (shm windows are
+tied to the MPI communicator itself, see algorithms/shm.py). The watchdog and the Config
+are the process's, shared by every communicator."""
 
 from __future__ import annotations
 
@@ -11,20 +15,21 @@ import sys
 
 from mpi4py import MPI
 
+from . import agreement
 from . import config as _config
+from .kernels import _C
 from .watchdog import Watchdog
 
 
 class Topology:
-    """Communicators of one initialized job. `comm` is a private duplicate of the user's
-    communicator so our messages never match theirs."""
+    """One communicator as collectives uses it. `comm` is a private duplicate of the user's
+    communicator so our messages never match theirs. Creating one is collective over comm."""
 
-    def __init__(self, comm: MPI.Comm, config: _config.Config):
-        self.config = config
+    def __init__(self, comm: MPI.Comm, config: _config.Config, watchdog: Watchdog):
+        self.config, self.watchdog = config, watchdog
         ranks_per_node = config.ranks_per_node
         self.comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.comm_handle = MPI._handleof(self.comm)  # for C++ that calls MPI (agree.cpp)
         if ranks_per_node is None:
             self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         else:
@@ -44,8 +49,10 @@ class Topology:
         self.max_local_size = max(len(node) for node in self.nodes)
         self.node_index = next(i for i, node in enumerate(self.nodes) if self.rank in node)
         self._shard_comms: list[MPI.Comm] | None = None
-        self.watchdog = Watchdog(self.comm, config.stall_warning_s, config.stall_timeout_s)
-        self.agree_channel = None  # the C++ agreement exchange, made by agreement.py
+        self.channel = agreement.channel(self.comm, watchdog)
+        self.stats = _C.Stats()
+        self.calls: dict[tuple, object] = {}  # described calls (collectives/calls.py)
+        self.fast: dict[tuple, object] = {}   # the small-allreduce fast entry's table
 
     def shard_owner(self, shard: int) -> int:
         """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to
@@ -64,13 +71,13 @@ class Topology:
         return self._shard_comms[shard]
 
     def free(self) -> None:
-        self.watchdog.stop()
         for c in (self._shard_comms or []) + [self.cross_comm, self.node_comm, self.comm]:
             if c != MPI.COMM_NULL:
                 c.Free()
 
 
 _topology: Topology | None = None
+_keyval: int | None = None  # ties a Topology to the user's communicator it was made for
 
 
 def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Topology:
@@ -88,9 +95,32 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
         config = _config.from_env()
         if ranks_per_node is not None:
             config.ranks_per_node = ranks_per_node
-        _topology = Topology(MPI.COMM_WORLD if comm is None else comm, config)
+        comm = MPI.COMM_WORLD if comm is None else comm
+        watchdog = Watchdog(comm, config.stall_warning_s, config.stall_timeout_s)
+        _topology = Topology(comm, config, watchdog)
         _abort_on_uncaught_exceptions()
     return _topology
+
+
+def of(comm: MPI.Comm | None) -> Topology:
+    """The Topology a call runs over: the job's for None, else the one made for the mpi4py
+    communicator comm on its first use (collective over comm, like any call on it) and
+    freed with it."""
+    if comm is None:
+        return _topology if _topology is not None else init()
+    if isinstance(comm, Topology):
+        return comm
+    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        raise TypeError(f"comm: expected an mpi4py MPI.Comm, got {comm!r}")
+    global _keyval
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=lambda _c, _k, topo: topo.free())
+    topo = comm.Get_attr(_keyval)
+    if topo is None:
+        job = get()
+        topo = Topology(comm, job.config, job.watchdog)
+        comm.Set_attr(_keyval, topo)
+    return topo
 
 
 def _abort_on_uncaught_exceptions() -> None:
@@ -117,6 +147,7 @@ def shutdown() -> None:
     """Free our communicators; a later call initializes again."""
     global _topology
     if _topology is not None:
+        _topology.watchdog.stop()
         _topology.free()
         _topology = None
 

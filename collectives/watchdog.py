@@ -1,7 +1,7 @@
 """Stall inspection: a collective that waits too long says who is missing, then fails.
 
 Every rank keeps a small record of what it is doing (call number, collective, arguments,
-since when), and a responder thread answers status requests about it on a private
+since when; kept by the engine in C++), and a responder thread answers status requests about it on a private
 communicator, polling every 50 ms, so even a rank busy in user code answers. A rank whose
 agreement step has waited longer than COLLECTIVES_STALL_WARNING_S asks every other rank
 for its record and logs which ranks have not joined and what they are doing; after
@@ -17,20 +17,22 @@ import time
 
 from mpi4py import MPI
 
+from .engine import ENGINE
 from .kernels import _C
 
 log = logging.getLogger("collectives")
 
 TAG_ASK, TAG_ANSWER = 41, 42
 
-
-class StallError(RuntimeError):
-    """A collective waited longer than COLLECTIVES_STALL_TIMEOUT_S for other ranks."""
+#: A collective waited longer than COLLECTIVES_STALL_TIMEOUT_S for other ranks (and every
+#: later call, since MPI cannot cancel the stalled one). Raised from C++ too.
+StallError = _C.StallError
 
 
 def describe(snapshot: tuple) -> str:
-    state, calls, collective, fields, age = snapshot
-    what = f"{collective} #{calls} {dict(fields)}"
+    """One rank's record (engine snapshot: state, calls, collective, detail, age) as text."""
+    state, calls, collective, detail, age = snapshot
+    what = f"{collective} #{calls} {detail}"
     if state == "idle":
         return (f"outside collectives for {age:.1f} s (last: {what})" if calls
                 else f"has made no collective call yet ({age:.1f} s)")
@@ -43,8 +45,6 @@ class Watchdog:
         self.warn_s, self.timeout_s = warn_s, timeout_s
         #: seconds of waiting after which on_wait is first due
         self.first_deadline = warn_s if timeout_s is None else min(warn_s, timeout_s)
-        self.record = _C.Record()  # C++: the small-allreduce fast entry keeps it too
-        self.failed: str | None = None
         self._stop = threading.Event()
         self._asked = 0
         self._thread = threading.Thread(target=self._respond, name="collectives-watchdog",
@@ -64,7 +64,7 @@ class Watchdog:
         while not self._stop.wait(0.05):
             while req.Test(status):
                 asker, ask_id = status.Get_source(), bytes(buf[:8])
-                self.comm.send((ask_id, self.record.snapshot()), asker, TAG_ANSWER)
+                self.comm.send((ask_id, ENGINE.native.snapshot()), asker, TAG_ANSWER)
                 req = self.comm.Irecv(buf, MPI.ANY_SOURCE, TAG_ASK)
         req.Cancel()
         req.Wait()
@@ -90,25 +90,27 @@ class Watchdog:
         return {r: answers.get(r) for r in range(n) if r != me}
 
     def on_wait(self, waited: float) -> float:
-        """Called by a waiting agreement step (csrc/cpu/agree.cpp) at each deadline: logs
-        who is missing, or past timeout_s raises StallError; returns the next deadline."""
+        """Called by a waiting agreement step (csrc/runtime/agree.cpp) at each deadline: logs
+        who is missing, or past timeout_s marks the engine failed and raises StallError;
+        returns the next deadline."""
         warn_s, timeout_s = self.warn_s, self.timeout_s
         if timeout_s is not None and waited >= timeout_s:
-            self.failed = (f"{self.record.collective} #{self.record.calls} timed out after "
-                           f"{waited:.1f} s waiting for other ranks")
-            raise StallError(self.failed + "\n" + self._report(waited))
+            _, calls, collective, _, _ = ENGINE.native.snapshot()
+            why = f"{collective} #{calls} timed out after {waited:.1f} s waiting for other ranks"
+            ENGINE.native.fail(why)
+            raise StallError(why + "\n" + self._report(waited))
         log.warning(self._report(waited))
         next_warning = (int(waited / warn_s) + 1) * warn_s
         return next_warning if timeout_s is None else min(next_warning, timeout_s)
 
     def _report(self, waited: float) -> str:
-        me, mine = self.comm.Get_rank(), self.record
+        me = self.comm.Get_rank()
+        _, calls, collective, detail, _ = ENGINE.native.snapshot()
         others = self.survey()
         missing = [r for r, s in others.items()
-                   if s is None or s[0] == "idle" or s[1] != mine.calls]
+                   if s is None or s[0] == "idle" or s[1] != calls]
         lines = [f"collectives stall: rank {me} has waited {waited:.1f} s in "
-                 f"{mine.collective} #{mine.calls} {dict(mine.fields)}; "
-                 f"not joined: ranks {missing}"]
+                 f"{collective} #{calls} {detail}; not joined: ranks {missing}"]
         for r, snap in sorted(others.items()):
             text = describe(snap) if snap else "did not answer (dead or not progressing)"
             lines.append(f"  rank {r}: {text}")

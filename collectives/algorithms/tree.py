@@ -26,10 +26,14 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import kernels
+from ..engine import ENGINE
+from ..kernels import _C
 from ..ops import ReduceOp
 from ..p2p import irecv, isend
 
 TAG_FOLD, TAG_RD, TAG_RH, TAG_BRUCK, TAG_BCAST = 21, 22, 23, 24, 25
+#: Largest allreduce message: MPI counts are C ints.
+MAX_MESSAGE_BYTES = 1 << 30
 
 
 def _exchange(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, peer: int, tag: int) -> None:
@@ -69,29 +73,15 @@ def _fold(comm: MPI.Comm, buf: np.ndarray, tmp: np.ndarray, e: int, op: ReduceOp
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
               dtype: str) -> None:
-    """recv = reduction of every rank's send (send may be recv), by recursive doubling."""
-    n, r = comm.Get_size(), comm.Get_rank()
-    if recv is not send:
-        recv[...] = send
-    if n == 1 or recv.size == 0:
-        return
-    p, e = _fold_shape(n)
-    tmp = np.empty_like(recv)
-    _fold(comm, recv, tmp, e, op, dtype)
-    v = _virtual(r, e)
-    if v >= 0:
-        d = 1
-        while d < p:
-            peer_v = v ^ d
-            _exchange(comm, recv, tmp, _real(peer_v, e), TAG_RD)
-            srcs = [recv, tmp] if v < peer_v else [tmp, recv]
-            kernels.reduce(recv, srcs, dtype, op)
-            d <<= 1
-    if r < 2 * e:  # unfold: the result goes back to the even rank
-        if r % 2:
-            isend(comm, recv, r - 1, TAG_FOLD).Wait()
-        else:
-            irecv(comm, recv, r + 1, TAG_FOLD).Wait()
+    """recv = reduction of every rank's send (send may be recv), by recursive doubling:
+    the agreement's exchange in C++ (csrc/runtime/agree.cpp) without the check, so both
+    run one implementation and fold in the same order. Elements are independent, so
+    buffers past MAX_MESSAGE_BYTES (MPI counts are C ints) go in pieces."""
+    code, step = kernels.DTYPE_CODES[dtype], max(1, MAX_MESSAGE_BYTES // recv.itemsize)
+    for lo in range(0, max(recv.size, 1), step):
+        piece = slice(lo, min(lo + step, recv.size))
+        _C.tree_allreduce(ENGINE.native, comm, TAG_RD, send[piece], recv[piece],
+                          recv[piece].size, code, int(op))
 
 
 def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],

@@ -2,7 +2,7 @@
 // with this rank's own; a difference, or a partner's report of one, sets `bad`, which then
 // travels in every later header. The comparisons form a hypercube over the ranks, so after
 // the last step every rank knows whether any two ranks differed.
-#include "agree.h"
+#include "runtime/agree.h"
 
 #include <chrono>
 #include <cstring>
@@ -163,7 +163,7 @@ class Exchange {
 }  // namespace
 
 AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* send, void* out,
-                           int64_t count, DType dtype, ReduceOp op, int64_t divisor, int64_t capacity,
+                           int64_t count, DType dtype, ReduceOp op, int64_t capacity,
                            double first_wait, const OnWait& on_wait) {
   const int64_t nbytes = count * dtype_size(dtype);
   if (nbytes > capacity)
@@ -172,8 +172,14 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
   int rank = 0, n = 1;
   check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   check(MPI_Comm_size(comm, &n), "MPI_Comm_size");
-  thread_local Bytes a, b;
+  // Buffers up to kKeep bytes are kept per thread across calls (every small call needs
+  // them); larger ones (tree allreduces of big buffers) live for one call only.
+  constexpr size_t kKeep = size_t{1} << 20;
+  thread_local Bytes kept_a, kept_b;
+  Bytes once_a, once_b;
   const size_t need = static_cast<size_t>(kHeader + capacity);
+  Bytes& a = need <= kKeep ? kept_a : once_a;
+  Bytes& b = need <= kKeep ? kept_b : once_b;
   if (a.size() < need) a.resize(need);
   if (b.size() < need) b.resize(need);
 
@@ -193,10 +199,7 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
     }
     if (rank < 2 * e) ex.send_result(rank - 1);
   }
-  if (!ex.bad() && nbytes) {
-    if (divisor != 1) divide(ex.payload(), count, dtype, divisor);
-    std::memcpy(out, ex.payload(), nbytes);
-  }
+  if (!ex.bad() && nbytes) std::memcpy(out, ex.payload(), nbytes);
   return {!ex.bad(), ex.sent()};
 }
 

@@ -2,7 +2,7 @@
 // A counter is published with a full fence then a release store, and read with an acquire
 // load then a full fence: the same ordering MPI_Win_sync gives the Python stages, so both
 // may run on one window in any mix.
-#include "shm.h"
+#include "runtime/shm.h"
 
 #include <sched.h>
 

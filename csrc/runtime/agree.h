@@ -1,4 +1,4 @@
-// Agreement carried inside the data: the one place in csrc that talks to MPI.
+// Agreement carried inside the data (with shm.h, the runtime pieces that talk to MPI).
 //
 // Before any collective moves data, ranks check that they called the same collective with
 // the same arguments (a 64-bit digest of them). The check is a recursive-doubling exchange
@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <functional>
 
-#include "dtypes.h"
-#include "reduce.h"
+#include "kernels/dtypes.h"
+#include "kernels/reduce.h"
 
 namespace collectives {
 
@@ -29,11 +29,11 @@ struct AgreeResult {
 
 // Recursive doubling over `comm` of {digest, payload}. When ok, out holds the reduction of
 // every rank's payload (count elements of dtype; lower ranks' data folded first, so every
-// rank gets the same bits) divided by `divisor` (1: no division); otherwise out is untouched. Every rank returns the same ok.
+// rank gets the same bits); otherwise out is untouched. Every rank returns the same ok.
 // Payloads of any rank are at most `capacity` bytes (the receive size). Not thread-safe per
 // communicator: callers serialize, as with any MPI collective.
 AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* send, void* out,
-                           int64_t count, DType dtype, ReduceOp op, int64_t divisor, int64_t capacity,
+                           int64_t count, DType dtype, ReduceOp op, int64_t capacity,
                            double first_wait, const OnWait& on_wait);
 
 }  // namespace collectives

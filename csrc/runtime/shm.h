@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "dtypes.h"
-#include "reduce.h"
+#include "kernels/dtypes.h"
+#include "kernels/reduce.h"
 
 namespace collectives {
 

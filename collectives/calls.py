@@ -1,0 +1,87 @@
+"""Call descriptions: everything derived from a call's agreed arguments, made once per
+distinct call and kept on its communicator (Topology.calls).
+
+A description holds the fields every rank must agree on, their digest (the agreement
+checks it), the concrete algorithm (`auto` resolved: a function of agreed values, so the
+same on every rank), the stats counter it counts on and, for an allreduce whose data rides
+in the agreement exchange (`tree` up to agreement.PIGGYBACK_BYTES), the C++ fast entry that
+runs the whole call (`_C.SmallAllreduce`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+from . import agreement, dispatch, kernels, select
+from .agreement import PIGGYBACK_BYTES
+from .engine import ENGINE
+from .kernels import _C
+from .ops import ReduceOp, kernel_op
+from .topology import Topology
+
+#: Descriptions kept per communicator; past this the table starts over.
+MAX_CALLS = 4096
+
+
+class Call(NamedTuple):
+    collective: str
+    fields: tuple          # ((name, value), ...): what every rank must pass alike
+    algorithm: str         # concrete algorithm, or the stats label of a compressed call
+    native: Any            # _C.Call: digest, stall-record text, counter, mismatch report
+    small: Any = None      # _C.SmallAllreduce when the data rides in the agreement
+    dtype_code: int = 0    # allreduce: the kernels' codes of its payload
+    op_code: int = 0
+    divisor: int = 1       # world size for Average, else 1
+
+
+def concrete(topo: Topology, collective: str, algorithm: str, nbytes: int) -> str:
+    """The algorithm a call runs: `auto`'s choice, or the named one if it can run here."""
+    if algorithm == "auto":
+        return select.choose(collective, nbytes, topo)
+    dispatch.check_shm(algorithm, topo)
+    return algorithm
+
+
+def describe(topo: Topology, collective: str, fields: tuple, algorithm: str) -> Call:
+    """The description of a call of collective with these agreed fields running algorithm
+    (concrete, or a stats label) on topo."""
+    key = (collective, fields, algorithm)
+    call = topo.calls.get(key)
+    if call is None:
+        call = _remember(topo, key, Call(collective, fields, algorithm,
+                                         _native(topo, collective, fields, algorithm)))
+    return call
+
+
+def allreduce(topo: Topology, dtype: str, shape: tuple, nbytes: int, op: ReduceOp,
+              algorithm: str) -> Call:
+    """An uncompressed allreduce's description (raises the argument errors of concrete())."""
+    key = ("allreduce", dtype, shape, op, algorithm)
+    call = topo.calls.get(key)
+    if call is not None:
+        return call
+    fields = (("op", op.name), ("dtype", dtype), ("shape", shape), ("algorithm", algorithm),
+              ("compression", "none"))
+    algo = concrete(topo, "allreduce", algorithm, nbytes)
+    native = _native(topo, "allreduce", fields, algo)
+    code, kop = kernels.DTYPE_CODES[dtype], int(kernel_op(op))
+    divisor = topo.size if op is ReduceOp.Average else 1
+    small = None
+    if algo == "tree" and nbytes <= PIGGYBACK_BYTES:
+        count = nbytes // kernels.STORAGE[dtype].itemsize
+        small = _C.SmallAllreduce(ENGINE.native, topo.channel, native, count, code, kop, divisor)
+    return _remember(topo, key, Call("allreduce", fields, algo, native, small, code, kop, divisor))
+
+
+def _native(topo: Topology, collective: str, fields: tuple, algorithm: str) -> Any:
+    return _C.Call(agreement.digest((collective, fields)), collective, repr(dict(fields)),
+                   topo.stats, algorithm,
+                   functools.partial(agreement.raise_mismatch, topo.comm, collective, fields))
+
+
+def _remember(topo: Topology, key: tuple, call: Call) -> Call:
+    if len(topo.calls) >= MAX_CALLS:
+        topo.calls.clear()
+        topo.fast.clear()
+    topo.calls[key] = call
+    return call

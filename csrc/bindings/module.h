@@ -1,0 +1,8 @@
+// The binding module collectives._C is assembled from one binding file per area.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+void bind_kernels(pybind11::module_& m);  // kernels.cpp: the pure kernels
+void bind_runtime(pybind11::module_& m);  // runtime.cpp: engine, agreement, stats, tree
+void bind_shm(pybind11::module_& m);      // shm.cpp: the shared-memory stages

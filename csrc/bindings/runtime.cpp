@@ -1,0 +1,312 @@
+// Bindings of the call path's runtime (runtime/engine.h, runtime/agree.h): the engine with
+// its stall record, one communicator's stats, the agreement channel, a call's native
+// description, execute() (one collective after the claim: record, agreement, the Python
+// move, stats) and SmallAllreduce, a small allreduce's whole fast entry (claim + execute)
+// in one C++ call. collectives/engine.py is the Python face.
+#include <mpi4py/mpi4py.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings/check.h"
+#include "bindings/module.h"
+#include "runtime/agree.h"
+#include "runtime/engine.h"
+
+namespace py = pybind11;
+using namespace collectives;
+
+namespace {
+
+// collectives.StallError: a stall timeout, and every call after one.
+struct Unusable : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The MPI_Comm of an mpi4py communicator, through mpi4py's C API.
+MPI_Comm comm_of(py::handle comm) {
+  static bool imported = false;
+  if (!imported) {
+    if (import_mpi4py() < 0) throw py::error_already_set();
+    imported = true;
+  }
+  MPI_Comm* c = PyMPIComm_Get(comm.ptr());
+  if (c == nullptr) throw py::error_already_set();
+  return *c;
+}
+
+// One communicator's counters (engine.h's Stats), shared by the calls that count on it.
+struct PyStats {
+  Stats stats;
+};
+
+// What execute() needs of one described call (collectives/calls.py builds it once per
+// distinct call): the digest of its agreed fields, the stall record's text, its counter,
+// and the Python function that raises MismatchError on every rank.
+struct Call {
+  int64_t digest;
+  std::string collective, detail;
+  Counter* counter;
+  py::object stats;  // keeps *counter alive
+  py::function mismatch;
+};
+
+// One communicator's agreement exchange (agree.h), with what stays fixed bound once.
+class AgreeChannel {
+ public:
+  AgreeChannel(py::object comm, int tag, int64_t capacity, double first_wait,
+               py::function on_wait)
+      : comm_obj_(std::move(comm)), comm_(comm_of(comm_obj_)), tag_(tag), capacity_(capacity),
+        first_wait_(first_wait), on_wait_(std::move(on_wait)) {
+    if (capacity < 0) throw py::value_error("capacity: must be >= 0");
+  }
+
+  // The payload bytes sent (= received), or -1 if the ranks disagree. GIL held on entry;
+  // released while MPI waits.
+  int64_t run(int64_t digest, const void* src, void* dst, int64_t count, DType dtype,
+              ReduceOp op) {
+    if (count * dtype_size(dtype) > capacity_)
+      throw py::value_error("count: the payload exceeds the channel's capacity");
+    const OnWait on_wait = [this](double waited) {
+      py::gil_scoped_acquire gil;
+      return on_wait_(waited).cast<double>();
+    };
+    AgreeResult r;
+    {
+      py::gil_scoped_release release;
+      r = agree_exchange(comm_, tag_, digest, src, dst, count, dtype, op, capacity_,
+                         first_wait_, on_wait);
+    }
+    return r.ok ? r.payload_sent : -1;
+  }
+
+  int64_t capacity() const { return capacity_; }
+
+ private:
+  py::object comm_obj_;  // owns comm_
+  MPI_Comm comm_;
+  int tag_;
+  int64_t capacity_;
+  double first_wait_;
+  py::function on_wait_;
+};
+
+// The engine (engine.h) holding Python objects in its queue: a pushed item is referenced
+// until next() hands it back.
+class PyEngine {
+ public:
+  void push(py::object item) { engine_.push(item.release().ptr()); }
+
+  py::object next() {
+    void* item;
+    {
+      py::gil_scoped_release release;
+      item = engine_.next();
+    }
+    return py::reinterpret_steal<py::object>(static_cast<PyObject*>(item));
+  }
+
+  bool try_claim() { return engine_.try_claim(); }
+  void release() { engine_.release(); }
+
+  // One collective, after the claim: the stall record, the agreement exchange (reducing a
+  // payload of count elements from send into out, divided by divisor), move() (None: no
+  // data phase), and the call's stats. Returns move()'s result.
+  py::object execute(AgreeChannel& channel, Call& call, const void* send, void* out,
+                     int64_t count, DType dtype, ReduceOp op, int64_t divisor,
+                     py::handle move) {
+    if (engine_.has_failed())
+      throw Unusable("collectives is unusable after a stall timeout (" + engine_.failed() +
+                     "); an MPI collective cannot be cancelled: restart the job");
+    Record& record = engine_.record();
+    record.enter(call.collective, call.detail);
+    credit_ = call.counter;
+    try {
+      const auto before = engine_.bytes();
+      const int64_t moved = channel.run(call.digest, send, out, count, dtype, op);
+      if (moved < 0) {
+        call.mismatch();  // raises MismatchError
+        throw std::logic_error("the mismatch callback returned");
+      }
+      engine_.add_bytes(moved, moved);
+      if (divisor != 1 && count) {
+        py::gil_scoped_release release;
+        divide(out, count, dtype, divisor);
+      }
+      record.run();
+      py::object result = move.is_none() ? py::none() : move();
+      const auto after = engine_.bytes();
+      credit_->calls += 1;
+      credit_->sent += after.first - before.first;
+      credit_->received += after.second - before.second;
+      record.leave();
+      return result;
+    } catch (...) {
+      record.leave();
+      throw;
+    }
+  }
+
+  py::object py_execute(AgreeChannel& channel, Call& call, py::handle send, py::handle out,
+                        int64_t count, int dtype_code, int op_code, int64_t divisor,
+                        py::handle move) {
+    const DType dtype = check::dtype(dtype_code);
+    const ReduceOp op = check::op(op_code);
+    check::count(count);
+    if (divisor < 1) throw py::value_error("divisor: must be >= 1");
+    const void* src = check::ptr(send, "send", dtype, false, count);
+    void* dst = check::ptr(out, "out", dtype, true, count);
+    return execute(channel, call, src, dst, count, dtype, op, divisor, move);
+  }
+
+  // The running call's bytes count for (collective, algorithm) on stats instead of the
+  // described call's counter: for calls whose algorithm depends on agreed values.
+  void credit(PyStats& stats, const std::string& collective, const std::string& algorithm) {
+    credit_ = stats.stats.counter(collective, algorithm);
+  }
+
+  void add_bytes(int64_t sent, int64_t received) { engine_.add_bytes(sent, received); }
+  void fail(const std::string& why) { engine_.fail(why); }
+  py::object failed() const {
+    return engine_.has_failed() ? py::object(py::str(engine_.failed())) : py::none();
+  }
+
+  py::tuple snapshot() const {
+    const Record::Snapshot s = engine_.record().snapshot();
+    return py::make_tuple(Record::name(s.state), s.calls, s.collective, s.detail, s.age);
+  }
+
+ private:
+  Engine engine_;
+  Counter* credit_ = nullptr;  // the running call's counter
+};
+
+// A small allreduce that rides in its own agreement exchange, with everything derived from
+// its arguments bound (collectives/calls.py): claim, execute, release in one call.
+class SmallAllreduce {
+ public:
+  SmallAllreduce(py::object engine, py::object channel, py::object call, int64_t count,
+                 int dtype_code, int op_code, int64_t divisor)
+      : engine_obj_(std::move(engine)), channel_obj_(std::move(channel)),
+        call_obj_(std::move(call)), engine_(engine_obj_.cast<PyEngine*>()),
+        channel_(channel_obj_.cast<AgreeChannel*>()), call_(call_obj_.cast<Call*>()),
+        count_(count), dtype_(check::dtype(dtype_code)), op_(check::op(op_code)),
+        divisor_(divisor), nbytes_(count * dtype_size(dtype_)) {
+    check::count(count);
+    if (divisor < 1) throw py::value_error("divisor: must be >= 1");
+    if (nbytes_ > channel_->capacity())
+      throw py::value_error("count: the payload exceeds the channel's capacity");
+  }
+
+  // The reduced array (x itself when inplace), or None when the engine is busy or x's
+  // layout does not fit (the caller then takes the general path). x must have the dtype
+  // and element count this object was made for.
+  py::object run(const py::array& x, bool inplace) {
+    if (!(x.flags() & py::array::c_style) || (inplace && !x.writeable())) return py::none();
+    if (x.nbytes() != nbytes_) throw py::value_error("x: size differs from the planned call");
+    if (!engine_->try_claim()) return py::none();
+    struct Release {
+      PyEngine* engine;
+      ~Release() { engine->release(); }
+    } release{engine_};
+    py::array out = inplace ? x : py::array(x.dtype(), std::vector<py::ssize_t>(
+                                                           x.shape(), x.shape() + x.ndim()));
+    engine_->execute(*channel_, *call_, x.data(), out.mutable_data(), count_, dtype_, op_,
+                     divisor_, py::none());
+    return std::move(out);
+  }
+
+ private:
+  py::object engine_obj_, channel_obj_, call_obj_;  // keep the pointers below alive
+  PyEngine* engine_;
+  AgreeChannel* channel_;
+  Call* call_;
+  int64_t count_;
+  DType dtype_;
+  ReduceOp op_;
+  int64_t divisor_, nbytes_;
+};
+
+// tree.py's allreduce: the agreement's recursive doubling without the check (the call was
+// agreed already), GIL released; bytes counted on the engine.
+void tree_allreduce(PyEngine& engine, py::handle comm, int tag, py::handle send,
+                    py::handle recv, int64_t count, int dtype_code, int op_code) {
+  const DType dtype = check::dtype(dtype_code);
+  const ReduceOp op = check::op(op_code);
+  check::count(count);
+  const void* src = check::ptr(send, "send", dtype, false, count);
+  void* dst = check::ptr(recv, "recv", dtype, true, count);
+  const MPI_Comm c = comm_of(comm);
+  AgreeResult r;
+  {
+    py::gil_scoped_release release;
+    r = agree_exchange(c, tag, 0, src, dst, count, dtype, op, count * dtype_size(dtype),
+                       std::numeric_limits<double>::infinity(), [](double) { return 0.0; });
+  }
+  engine.add_bytes(r.payload_sent, r.payload_sent);
+}
+
+}  // namespace
+
+void bind_runtime(py::module_& m) {
+  py::register_exception<Unusable>(m, "StallError", PyExc_RuntimeError);
+  py::class_<PyStats>(m, "Stats", "One communicator's calls and bytes per (collective, algorithm)")
+      .def(py::init<>())
+      .def("snapshot", [](const PyStats& s) {
+            py::list out;
+            for (const auto& [collective, algorithm, c] : s.stats.snapshot())
+              out.append(py::make_tuple(collective, algorithm, c.calls, c.sent, c.received));
+            return out;
+          }, "[(collective, algorithm, calls, bytes_sent, bytes_received)] of counters in use")
+      .def("reset", [](PyStats& s) { s.stats.reset(); }, "Zero every counter");
+  py::class_<Call>(m, "Call", "A described call's native part (collectives/calls.py)")
+      .def(py::init([](int64_t digest, std::string collective, std::string detail,
+                       py::object stats, const std::string& algorithm, py::function mismatch) {
+             Counter* c = stats.cast<PyStats&>().stats.counter(collective, algorithm);
+             return Call{digest, std::move(collective), std::move(detail), c, std::move(stats),
+                         std::move(mismatch)};
+           }),
+           py::arg("digest"), py::arg("collective"), py::arg("detail"), py::arg("stats"),
+           py::arg("algorithm"), py::arg("mismatch"))
+      .def_readonly("digest", &Call::digest);
+  py::class_<AgreeChannel>(m, "AgreeChannel",
+                           "The agreement exchange of one communicator (agree.h)")
+      .def(py::init<py::object, int, int64_t, double, py::function>(), py::arg("comm"),
+           py::arg("tag"), py::arg("capacity"), py::arg("first_wait"), py::arg("on_wait"))
+      .def_property_readonly("capacity", &AgreeChannel::capacity);
+  py::class_<PyEngine>(m, "Engine", "Ordering, claim, stall record and byte counts (engine.h)")
+      .def(py::init<>())
+      .def("push", &PyEngine::push, py::arg("item"), "Queue item behind everything before")
+      .def("next", &PyEngine::next,
+           "Block (GIL released) until the head item may run; claim, pop and return it")
+      .def("try_claim", &PyEngine::try_claim, "Claim for a sync call: False if busy")
+      .def("release", &PyEngine::release, "End the claim")
+      .def("execute", &PyEngine::py_execute, py::arg("channel"), py::arg("call"),
+           py::arg("send"), py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("divisor"), py::arg("move"),
+           "One claimed call: record, agreement (with payload), move(), stats")
+      .def("credit", &PyEngine::credit, py::arg("stats"), py::arg("collective"),
+           py::arg("algorithm"), "Count the running call as (collective, algorithm)")
+      .def("add_bytes", &PyEngine::add_bytes, py::arg("sent"), py::arg("received"))
+      .def("fail", &PyEngine::fail, py::arg("why"), "Refuse every later call")
+      .def_property_readonly("failed", &PyEngine::failed)
+      .def("snapshot", &PyEngine::snapshot,
+           "The stall record: (state, calls, collective, detail, age in s)");
+  py::class_<SmallAllreduce>(m, "SmallAllreduce",
+                             "A small allreduce's fast entry with its arguments bound")
+      .def(py::init<py::object, py::object, py::object, int64_t, int, int, int64_t>(),
+           py::arg("engine"), py::arg("channel"), py::arg("call"), py::arg("count"),
+           py::arg("dtype"), py::arg("op"), py::arg("divisor"))
+      .def("__call__", &SmallAllreduce::run, py::arg("x"), py::arg("inplace"),
+           "The reduced array (x when inplace), or None if the fast entry does not apply");
+  m.def("tree_allreduce", &tree_allreduce, py::arg("engine"), py::arg("comm"), py::arg("tag"),
+        py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+        "Recursive-doubling allreduce of send into recv (GIL released)");
+}

@@ -1,0 +1,103 @@
+// Bindings of the shared-memory stages (runtime/shm.h) of collectives/algorithms/shm.py.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "bindings/check.h"
+#include "bindings/module.h"
+#include "runtime/shm.h"
+
+namespace py = pybind11;
+using namespace collectives;
+
+namespace {
+
+
+ShmWindow make_shm_window(const std::vector<uintptr_t>& segments, int rank,
+                          int64_t header_bytes, int64_t stride, int64_t slot_bytes,
+                          int64_t depth, double spin_seconds, double stall_seconds,
+                          double jitter_seconds) {
+  if (rank < 0 || rank >= static_cast<int>(segments.size()))
+    throw py::value_error("rank: out of range");
+  if (depth <= 0 || slot_bytes <= 0 || header_bytes < 3 * stride * 8 || stride <= 0)
+    throw py::value_error("depth, slot_bytes, header_bytes, stride: bad window layout");
+  ShmWindow w;
+  for (uintptr_t a : segments) w.segments.push_back(reinterpret_cast<unsigned char*>(a));
+  w.rank = rank;
+  w.header_bytes = header_bytes;
+  w.stride = stride;
+  w.slot_bytes = slot_bytes;
+  w.depth = depth;
+  w.spin_seconds = spin_seconds;
+  w.stall_seconds = stall_seconds;
+  w.jitter_seconds = jitter_seconds;
+  return w;
+}
+
+void check_pieces(const ShmWindow& w, const std::vector<int64_t>& bounds, int64_t e,
+                  int64_t nchunks, int64_t piece_bytes) {
+  if (bounds.size() != w.segments.size() + 1) throw py::value_error("bounds: need size + 1");
+  if (e <= 0 || nchunks < 0) throw py::value_error("e, nchunks: bad");
+  if (piece_bytes > w.slot_bytes) throw py::value_error("e: pieces do not fit a slot");
+  int64_t longest = 0;
+  for (size_t j = 0; j + 1 < bounds.size(); ++j) longest = std::max(longest, bounds[j + 1] - bounds[j]);
+  if (nchunks * e < longest) throw py::value_error("nchunks: too few for the longest block");
+}
+
+void py_shm_reduce(const ShmWindow& w, int64_t seq, const py::buffer& send,
+                   const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
+                   int64_t nchunks, int dtype_code, int op_code, bool allreduce) {
+  const DType dtype = check::dtype(dtype_code);
+  const ReduceOp op = check::op(op_code);
+  const int64_t size = static_cast<int64_t>(w.segments.size());
+  check_pieces(w, bounds, e, nchunks, size * e * dtype_size(dtype));
+  const void* in = check::ptr(send, "send", dtype, false, bounds.back());
+  void* out = check::ptr(recv, "recv", dtype, true,
+                         allreduce ? bounds.back() : bounds[w.rank + 1] - bounds[w.rank]);
+  py::gil_scoped_release release;
+  shm_reduce(w, seq, in, out, bounds, e, nchunks, dtype, op, allreduce);
+}
+
+void py_shm_allgather(const ShmWindow& w, int64_t seq, const py::buffer& send,
+                      const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
+                      int64_t nchunks, int64_t item) {
+  if (item <= 0) throw py::value_error("item: must be > 0");
+  check_pieces(w, bounds, e, nchunks, e * item);
+  const void* in =
+      check::ptr(send, "send", std::nullopt, false, (bounds[w.rank + 1] - bounds[w.rank]) * item);
+  void* out = check::ptr(recv, "recv", std::nullopt, true, bounds.back() * item);
+  py::gil_scoped_release release;
+  shm_allgather(w, seq, in, out, bounds, e, nchunks, item);
+}
+
+void py_shm_broadcast(const ShmWindow& w, int64_t seq, const py::buffer& buf, int64_t nbytes,
+                      int64_t e, int64_t nchunks, int root) {
+  if (root < 0 || root >= static_cast<int>(w.segments.size()))
+    throw py::value_error("root: out of range");
+  if (e <= 0 || e > w.slot_bytes || nbytes < 0) throw py::value_error("e, nbytes: bad");
+  if (nchunks < 0 || nchunks * e < nbytes) throw py::value_error("nchunks: too few for nbytes");
+  void* data = check::ptr(buf, "buf", std::nullopt, w.rank != root, nbytes);
+  py::gil_scoped_release release;
+  shm_broadcast(w, seq, data, nbytes, e, nchunks, root);
+}
+
+}  // namespace
+
+void bind_shm(py::module_& m) {
+  py::class_<ShmWindow>(m, "ShmWindow", "A shared window's layout, seen from one rank (shm.h)")
+      .def(py::init(&make_shm_window), py::arg("segments"), py::arg("rank"),
+           py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),
+           py::arg("spin_seconds"), py::arg("stall_seconds"), py::arg("jitter_seconds"));
+  m.def("shm_reduce", &py_shm_reduce, py::arg("window"), py::arg("seq"), py::arg("send"),
+        py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("dtype"),
+        py::arg("op"), py::arg("allreduce"),
+        "shm.py's pipelined allreduce / reducescatter stages (GIL released)");
+  m.def("shm_allgather", &py_shm_allgather, py::arg("window"), py::arg("seq"), py::arg("send"),
+        py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("item"),
+        "shm.py's pipelined allgather stages (GIL released)");
+  m.def("shm_broadcast", &py_shm_broadcast, py::arg("window"), py::arg("seq"), py::arg("buf"),
+        py::arg("nbytes"), py::arg("e"), py::arg("nchunks"), py::arg("root"),
+        "shm.py's pipelined broadcast stages (GIL released)");
+}

@@ -1,0 +1,105 @@
+// The engine's state, owned here and nowhere else (collectives/engine.py is its Python
+// face): the queue of submitted collectives and the claim that lets one collective run at a
+// time in submission order, what this rank is doing (the stall record), whether a stall
+// made the library unusable, the bytes our own messages moved, and one communicator's call
+// counters. Pure C++: queue items are opaque pointers whose lifetime the binding manages.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace collectives {
+
+// What this rank is doing, for the stall watchdog: read by its responder thread while the
+// engine's thread writes it, so every access takes the lock.
+class Record {
+ public:
+  enum State { idle, waiting, running };
+  struct Snapshot {
+    State state;
+    int64_t calls;           // collective calls entered so far
+    std::string collective;  // the current or last one
+    std::string detail;      // its agreed arguments, readable
+    double age;              // seconds in this state
+  };
+
+  void enter(const std::string& collective, const std::string& detail);  // waits for peers
+  void run();    // the peers arrived: data moves
+  void leave();  // the call is over
+  Snapshot snapshot() const;
+  static const char* name(State s);
+
+ private:
+  mutable std::mutex mu_;
+  State state_ = idle;
+  int64_t calls_ = 0;
+  std::string collective_, detail_;
+  double since_ = now();
+  static double now();
+};
+
+// Calls and bytes of one (collective, algorithm) on one communicator.
+struct Counter {
+  int64_t calls = 0, sent = 0, received = 0;
+};
+
+// One communicator's counters. Entries are never erased (reset zeroes them), so a Counter*
+// stays valid as long as its Stats. Callers serialize (the binding holds the GIL).
+class Stats {
+ public:
+  Counter* counter(const std::string& collective, const std::string& algorithm);
+  std::vector<std::tuple<std::string, std::string, Counter>> snapshot() const;
+  void reset();
+
+ private:
+  std::map<std::pair<std::string, std::string>, Counter> per_;
+};
+
+// Ordering and the claim. Every rank submits collectives in the same program order and they
+// run in that order: an async call queues (push) and the engine's thread runs the head
+// (next); a sync call runs on the caller's thread when nothing is queued or running
+// (try_claim), else it queues behind the rest.
+class Engine {
+ public:
+  void push(void* item);  // queue behind everything submitted before
+  void* next();           // block until the head may run; claim, pop and return it
+  bool try_claim();       // claim for a sync call: false if anything is queued or running
+  void release();         // end the claim of next() or try_claim()
+
+  Record& record() { return record_; }
+  const Record& record() const { return record_; }
+
+  // After a stall timeout MPI cannot cancel the collective: every later call must fail.
+  void fail(const std::string& why);
+  bool has_failed() const { return has_failed_.load(std::memory_order_acquire); }
+  std::string failed() const;  // why
+
+  // Bytes our point-to-point messages and agreement payloads moved (any thread).
+  void add_bytes(int64_t sent, int64_t received) {
+    sent_.fetch_add(sent, std::memory_order_relaxed);
+    received_.fetch_add(received, std::memory_order_relaxed);
+  }
+  std::pair<int64_t, int64_t> bytes() const {
+    return {sent_.load(std::memory_order_relaxed), received_.load(std::memory_order_relaxed)};
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<void*> queue_;
+  bool running_ = false;
+  std::string failed_;
+  std::atomic<bool> has_failed_{false};
+  Record record_;
+  std::atomic<int64_t> sent_{0}, received_{0};
+};
+
+}  // namespace collectives
