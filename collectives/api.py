@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from . import calls, dispatch, kernels, quantized, topology
+from . import calls, dispatch, kernels, topology
 from .agreement import PIGGYBACK_BYTES
-from .buffers import Buffer, store_float32, wrap
+from .buffers import Buffer, host_float, store_float, wrap
 from .calls import Call
 from .compression import Compression, check_compression
 from .engine import ENGINE, Handle, Job
@@ -58,12 +58,6 @@ def _check_root(root_rank: object, topo: topology.Topology) -> int:
     return int(root_rank)
 
 
-def _average(out: np.ndarray, dtype: str, op: ReduceOp, n: int) -> None:
-    """Average moves as a Sum; one division at the end (floor division for integers)."""
-    if op is ReduceOp.Average and n > 1:
-        kernels.divide(out, dtype, n)
-
-
 def _finish(buf: Buffer, out: Buffer) -> Any:
     """The caller's result: x itself for in-place calls (out is buf), else out."""
     if out is buf:
@@ -100,7 +94,7 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
     compressor = check_compression(compression)
     buf = wrap(x, "x")  # type check now, in the caller's thread
     if compressor is not Compression.none and buf.dtype in _FLOATS:
-        return _compressed(topo, x, buf, op, algorithm, compressor, inplace)
+        return _compressed(topo, buf, op, algorithm, compressor, inplace)
     call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
     out = buf if inplace else buf.empty(buf.shape)
     if call.small is not None:  # the data rides in the agreement
@@ -110,41 +104,26 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
                          call.dtype_code, call.op_code, call.divisor)
 
     def move() -> Any:
-        dispatch.allreduce(call.algorithm, topo, buf.flat, out.flat, kernel_op(op), buf.dtype)
-        _average(out.flat, buf.dtype, op, topo.size)
+        dispatch.reduce(call.algorithm, topo, buf.flat, out.flat, op, buf.dtype)
         return _finish(buf, out)
 
     return call, Job(move)
 
 
-def _compressed(topo: topology.Topology, x: Any, buf: Buffer, op: ReduceOp, algorithm: str,
+def _compressed(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: str,
                 compressor: Any, inplace: bool) -> tuple[Call, Job]:
-    """A floating allreduce under Compression.fp16 or int8."""
+    """A floating allreduce under a compressor (compression.py), counted under its name."""
+    compressor.check_op(op)
     fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
               ("algorithm", algorithm), ("compression", compressor.name))
+    call = calls.describe(topo, "allreduce", fields, compressor.name)
     out = buf if inplace else buf.empty(buf.shape)
-    if compressor is Compression.int8:  # quantized allgather, summed locally
-        as_f32 = wrap(x.astype(np.float32) if isinstance(x, np.ndarray) else x.detach().float())
-        call = calls.describe(topo, "allreduce", fields, "int8")
 
-        def move() -> Any:
-            store_float32(out, quantized.allreduce(topo, as_f32.flat, op, algorithm))
-            return _finish(buf, out)
-
-        return call, Job(move)
-    sent, ctx = compressor.compress(x)
-    packed = wrap(sent, "x")
-    algo = calls.concrete(topo, "allreduce", algorithm, packed.nbytes)
-    call = calls.describe(topo, "allreduce", fields, algo)
-
-    def move_packed() -> Any:
-        result = packed.empty(packed.shape)
-        dispatch.allreduce(algo, topo, packed.flat, result.flat, kernel_op(op), packed.dtype)
-        _average(result.flat, packed.dtype, op, topo.size)
-        out.flat[...] = wrap(compressor.decompress(result.result(), ctx), "result").flat
+    def move() -> Any:
+        store_float(out, compressor.allreduce(topo, host_float(buf), op, algorithm))
         return _finish(buf, out)
 
-    return call, Job(move_packed)
+    return call, Job(move)
 
 
 def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -237,7 +216,7 @@ def _reducescatter(topo: topology.Topology, x: Any, op: Any,
         out = buf.empty((rows[topo.rank],) + buf.shape[1:])
         dispatch.reducescatter(call.algorithm, topo, buf.flat, out.flat,
                                [r * elems for r in rows], kernel_op(op), buf.dtype)
-        _average(out.flat, buf.dtype, op, topo.size)
+        dispatch.average(out.flat, buf.dtype, op, topo.size)
         return out.result()
 
     return call, Job(move)

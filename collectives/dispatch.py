@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import select
+from . import kernels, select
 from .algorithms import hierarchical, mpi, ring, shm, tree
-from .ops import ReduceOp
+from .ops import ReduceOp, kernel_op
 from .topology import Topology
 
 #: The algorithm names a caller may pass.
@@ -60,6 +60,21 @@ def allreduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op:
                            intra_rs=_level("reducescatter", "intra", topo, nbytes),
                            intra_ag=_level("allgather", "intra", topo, nbytes),
                            inter_ar=_level("allreduce", "inter", topo, shard))
+
+
+def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+           dtype: str) -> None:
+    """recv = op over every rank's send (send may be recv), Average included: the data
+    moves as a Sum and is divided once at the end (floor division for integers)."""
+    allreduce(algo, topo, send, recv, kernel_op(op), dtype)
+    average(recv, dtype, op, topo.size)
+
+
+def average(out: np.ndarray, dtype: str, op: ReduceOp, n: int) -> None:
+    """Finish an Average over n ranks that moved as a Sum: one division (floor division
+    for integers); nothing for the other ops."""
+    if op is ReduceOp.Average and n > 1:
+        kernels.divide(out, dtype, n)
 
 
 def reducescatter(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,

@@ -27,15 +27,16 @@ Every message goes through collectives.p2p, so C.stats() counts them, under
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from . import calls, kernels, topology
-from .buffers import Buffer, store_float32, wrap
+from .buffers import Buffer, host_float, store_float, wrap
+from .compression import Compressor
 from .engine import ENGINE, Job
+from .ops import ReduceOp
 from .p2p import irecv, isend
 
 TAG_SCATTER, TAG_GATHER = 51, 52
@@ -145,50 +146,50 @@ def _exchange(comm: MPI.Comm, send: list[np.ndarray], recv: np.ndarray, tag: int
 
 # -------------------------------------------------------------------------------- driver
 
-def _padded_float32(buf: Buffer, padded: int) -> np.ndarray:
-    """x as float32, zero-padded to `padded` elements (x itself when that is already so)."""
-    if buf.dtype == "float32" and buf.flat.size == padded:
-        return buf.flat  # only read
-    out = np.zeros(padded, np.float32)
-    if buf.dtype == "bfloat16":  # bfloat16 is the top half of a float32: exact
-        out[:buf.flat.size] = (buf.flat.astype(np.uint32) << 16).view(np.float32)
-    else:
-        out[:buf.flat.size] = buf.flat
-    return out
+class OnebitState(NamedTuple):
+    """One vector's error-feedback state, held by the caller across calls: float32 host
+    arrays of error_sizes(count, ranks) elements, updated in place."""
+
+    worker_error: np.ndarray
+    server_error: np.ndarray
+    block_size: int | None
 
 
-def _average_signs(comm: MPI.Comm, x: np.ndarray, worker: np.ndarray, server: np.ndarray,
-                   block: int | None, out: np.ndarray) -> None:
-    """out = the averaged vector (the algorithm in the module docstring); x is padded, out
-    holds the first out.size elements."""
-    n, chunk = comm.Get_size(), server.size
-    # worker: compress, then all-to-all so that rank j holds chunk j from everyone
-    rows = _worker_packets(x, worker, n, block)
-    received = np.empty_like(rows)
-    _exchange(comm, list(rows), received, TAG_SCATTER)
-    # server: average and compress this rank's chunk, then allgather every server chunk
-    mine = _serve(received, server, block)
-    gathered = np.empty((n, mine.size), np.uint8)
-    _exchange(comm, [mine] * n, gathered, TAG_GATHER)
-    _decompress(gathered, chunk, block, out)
+class OnebitCompressor(Compressor):
+    """1-bit signs plus scales with error feedback (the algorithm in the module docstring).
+    Average only; its state (OnebitState) is the caller's, since what one call loses the
+    next call on the same vector must send."""
+
+    name = "onebit"
+    ops = (ReduceOp.Average,)
+
+    def allreduce(self, topo: topology.Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
+                  state: OnebitState | None = None) -> np.ndarray:
+        if state is None:
+            raise ValueError("state: 1-bit compression needs the caller's OnebitState "
+                             "(error buffers); use compressed_allreduce")
+        comm, n = topo.comm, topo.size
+        worker, server, block = state
+        out = np.empty(x.size, np.float32)
+        if not worker.size:
+            return out
+        padded = x if x.dtype == np.float32 and x.size == worker.size else np.zeros(
+            worker.size, np.float32)
+        if padded is not x:
+            padded[:x.size] = x
+        # worker: compress, then all-to-all so that rank j holds chunk j from everyone
+        rows = _worker_packets(padded, worker, n, block)
+        received = np.empty_like(rows)
+        _exchange(comm, list(rows), received, TAG_SCATTER)
+        # server: average and compress this rank's chunk, then allgather every server chunk
+        mine = _serve(received, server, block)
+        gathered = np.empty((n, mine.size), np.uint8)
+        _exchange(comm, [mine] * n, gathered, TAG_GATHER)
+        _decompress(gathered, server.size, block, out)
+        return out
 
 
-def _move(topo: topology.Topology, buf: Buffer, worker: Buffer, server: Buffer,
-          block: int | None) -> Callable[[], Any]:
-    def move() -> Any:
-        out = buf.empty(buf.shape)
-        if worker.flat.size:
-            x = _padded_float32(buf, worker.flat.size)
-            # float32 results are decompressed straight into the output
-            avg = out.flat if out.dtype == "float32" else np.empty(buf.flat.size, np.float32)
-            _average_signs(topo.comm, x, worker.flat, server.flat, block, avg)
-            if avg is not out.flat:
-                store_float32(out, avg)
-            worker.write_back()
-            server.write_back()
-        return out.result()
-
-    return move
+ONEBIT = OnebitCompressor()
 
 
 def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
@@ -210,5 +211,15 @@ def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
     worker = _check_error(worker_error, "worker_error", padded)
     server = _check_error(server_error, "server_error", chunk)
     fields = (("dtype", buf.dtype), ("shape", buf.shape), ("block_size", block))
-    call = calls.describe(topo, "compressed_allreduce", fields, "onebit")
-    return ENGINE.run(topo, call, Job(_move(topo, buf, worker, server, block)))
+    call = calls.describe(topo, "compressed_allreduce", fields, ONEBIT.name)
+    state = OnebitState(worker.flat, server.flat, block)
+
+    def move() -> Any:
+        out = buf.empty(buf.shape)
+        store_float(out, ONEBIT.allreduce(topo, host_float(buf), ReduceOp.Average, "auto",
+                                          state))
+        worker.write_back()
+        server.write_back()
+        return out.result()
+
+    return ENGINE.run(topo, call, Job(move))
