@@ -16,6 +16,7 @@ import hashlib
 import numpy as np
 
 from . import kernels
+from .dtypes import CODES
 from .ops import ReduceOp
 from .topology import Topology
 from .watchdog import StallError
@@ -98,7 +99,7 @@ def exchange(topo: Topology, collective: str, fields: tuple, send: np.ndarray,
     """The agreement exchange reducing send into out (kernel op code); returns the payload
     bytes this rank sent (= received), not yet in stats."""
     return exchange_digest(topo, collective, fields, digest((collective, fields)), send, out,
-                           send.size, kernels.DTYPE_CODES[dtype], op, 1)
+                           send.size, CODES[dtype], op, 1)
 
 
 def exchange_digest(topo: Topology, collective: str, fields: tuple, signature_digest: int,

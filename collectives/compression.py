@@ -7,22 +7,30 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import FLOATING, numpy_dtype_name, torch_dtype, torch_dtype_name
+
 try:
     import torch
 except ImportError:
     torch = None
 
 
-def _is_float(x: Any) -> bool:
+def _float_dtype(x: Any) -> str | None:
+    """x's dtype name if x is a NumPy array or torch tensor of a floating dtype, else None:
+    only those are compressed."""
     if isinstance(x, np.ndarray):
-        return x.dtype.kind == "f"
-    return torch is not None and isinstance(x, torch.Tensor) and x.is_floating_point()
+        name = numpy_dtype_name(x.dtype)
+    elif torch is not None and isinstance(x, torch.Tensor):
+        name = torch_dtype_name(x.dtype)
+    else:
+        return None
+    return name if name in FLOATING else None
 
 
 def _cast(x: Any, dtype_name: str) -> Any:
     if isinstance(x, np.ndarray):
         return x.astype(dtype_name)
-    return x.to(getattr(torch, dtype_name))
+    return x.to(torch_dtype(dtype_name))
 
 
 class Compressor:
@@ -49,9 +57,9 @@ class FP16Compressor(Compressor):
 
     @staticmethod
     def compress(x: Any) -> tuple[Any, Any]:
-        if not _is_float(x):
+        dtype = _float_dtype(x)
+        if dtype is None:
             return x, None
-        dtype = x.dtype.name if isinstance(x, np.ndarray) else str(x.dtype).removeprefix("torch.")
         return _cast(x, "float16"), dtype
 
     @staticmethod
@@ -79,7 +87,7 @@ class Int8Compressor(Compressor):
     def compress(x: Any) -> tuple[Any, Any]:
         from . import kernels
 
-        if not _is_float(x):
+        if _float_dtype(x) is None:
             return x, None
         flat = np.asarray(x, dtype=np.float32).reshape(-1) if isinstance(x, np.ndarray) \
             else x.detach().float().reshape(-1)

@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import agreement, dispatch, kernels, select, stats, topology
+from . import agreement, dispatch, dtypes, kernels, select, stats, topology
 from .agreement import PIGGYBACK_BYTES, digest, exchange_digest
-from .buffers import numpy_dtype_name, torch_dtype_name
 from .compression import Compression
+from .dtypes import numpy_dtype_name, torch_dtype_name
 from .engine import ENGINE
 from .ops import ReduceOp, kernel_op
 
@@ -27,7 +27,7 @@ except ImportError:
     torch = None
 
 _NO_DATA = np.empty(0, np.uint8)
-_UINT8 = kernels.DTYPE_CODES["uint8"]
+_UINT8 = dtypes.CODES["uint8"]
 
 
 class _Plan(NamedTuple):
@@ -64,8 +64,8 @@ def plan(dtype: str, shape: tuple, nbytes: int, op: ReduceOp, algorithm: str,
     fields = (("op", op.name), ("dtype", dtype), ("shape", shape), ("algorithm", algorithm),
               ("compression", compression))
     kop = kernel_op(op)
-    sig, code = digest(("allreduce", fields)), kernels.DTYPE_CODES[dtype]
-    count, divisor = nbytes // kernels.STORAGE[dtype].itemsize, topo.size if op is ReduceOp.Average else 1
+    sig, code = digest(("allreduce", fields)), dtypes.CODES[dtype]
+    count, divisor = nbytes // dtypes.STORAGE[dtype].itemsize, topo.size if op is ReduceOp.Average else 1
     counter = stats.counter("allreduce", algo)
     piggyback = algo == "tree" and nbytes <= PIGGYBACK_BYTES
     small = None

@@ -37,10 +37,10 @@ from . import kernels, topology
 from .agreement import agree
 from .api import _run, _timed
 from .buffers import Buffer, store_float32, wrap
+from .dtypes import FLOATING
 from .p2p import irecv, isend
 
 TAG_SCATTER, TAG_GATHER = 51, 52
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def error_sizes(count: int, size: int) -> tuple[int, int]:
@@ -59,8 +59,8 @@ def error_sizes(count: int, size: int) -> tuple[int, int]:
 
 def _check_x(x: Any) -> Buffer:
     buf = wrap(x, "x")
-    if buf.dtype not in _FLOATS:
-        raise TypeError(f"x: expected a floating dtype {list(_FLOATS)}, got {buf.dtype}")
+    if buf.dtype not in FLOATING:
+        raise TypeError(f"x: expected a floating dtype {list(FLOATING)}, got {buf.dtype}")
     return buf
 
 
