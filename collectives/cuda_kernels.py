@@ -19,6 +19,7 @@ import numpy as np
 
 from .dtypes import FLOATING, NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
 from .kernel_args import INT8_BLOCK_SIZE, block_length, check_count
+from .ops import ReduceOp
 
 SOURCES = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
 THREADS = 256  # per CTA; INT8_BLOCK and SUMSQ_THREADS in the .cu files are the same
@@ -113,6 +114,60 @@ def _context(ref: Array) -> Iterator[None]:
 
 def _pointers(arrays: Sequence[cupy.ndarray]) -> cupy.ndarray:
     return cupy.asarray(np.array([a.data.ptr for a in arrays], np.uint64))
+
+
+# ---- reduce / divide --------------------------------------------------------------------
+
+_OP_NAMES = {ReduceOp.Sum: "sum", ReduceOp.Min: "min", ReduceOp.Max: "max",
+             ReduceOp.Product: "product"}
+_FOLD = 4  # sources one reduce launch takes (csrc/cuda/reduce.cu)
+
+
+def _storage(x: Array, name: str, dtype: str) -> cupy.ndarray:
+    """x as a flat CuPy array of dtype's storage: a CuPy array of that storage type (uint16
+    for bfloat16), or a torch CUDA tensor of dtype."""
+    if not isinstance(x, cupy.ndarray):
+        return _typed(x, name, dtype)
+    if x.dtype != STORAGE[dtype]:
+        raise TypeError(f"{name}: expected {STORAGE[dtype]} (the storage of {dtype}), got "
+                        f"{x.dtype}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+    return x.reshape(-1)
+
+
+def reduce(dst: Array, srcs: Sequence[Array], dtype: str, op: ReduceOp) -> None:
+    """kernels.reduce for device buffers. A launch folds up to four sources; a longer list
+    goes on folding into dst, which is the same left fold (each op is rounded to dtype)."""
+    if op not in _OP_NAMES:
+        raise ValueError(f"op: expected one of {[o.name for o in _OP_NAMES]}, got {op!r}")
+    if not srcs:
+        raise ValueError("srcs: need at least one source buffer")
+    with _context(dst):
+        out = _storage(dst, "dst", dtype)
+        ins = [_storage(s, f"srcs[{k}]", dtype) for k, s in enumerate(srcs)]
+        for k, a in enumerate(ins):
+            _need(a, f"srcs[{k}]", out.size)
+        kernel = f"reduce_{dtype}_{_OP_NAMES[op]}"
+        _fold(kernel, out, ins[:_FOLD])
+        for lo in range(_FOLD, len(ins), _FOLD - 1):
+            _fold(kernel, out, [out, *ins[lo:lo + _FOLD - 1]])
+
+
+def _fold(kernel: str, out: cupy.ndarray, ins: list[cupy.ndarray]) -> None:
+    unused = [ins[0]] * (_FOLD - len(ins))  # pointers the kernel never reads
+    _launch("reduce", kernel, out.size,
+            (out, *ins, *unused, np.int32(len(ins)), np.int64(out.size)))
+
+
+def divide(buf: Array, dtype: str, divisor: int) -> None:
+    """kernels.divide for device buffers."""
+    if divisor == 0:
+        raise ValueError("divisor: must be non-zero")
+    with _context(buf):
+        flat = _storage(buf, "buf", dtype)
+        _launch("reduce", f"divide_{dtype}", flat.size,
+                (flat, np.int64(flat.size), np.int64(divisor)))
 
 
 # ---- pack / unpack ----------------------------------------------------------------------

@@ -26,8 +26,13 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
 Array = Any  # numpy.ndarray, torch.Tensor, or (on a GPU) cupy.ndarray
 
 
-def reduce(dst: np.ndarray, srcs: Sequence[np.ndarray], dtype: str, op: ReduceOp) -> None:
-    """dst = srcs[0] op srcs[1] op ... elementwise (dst may be srcs[0]); op is not Average."""
+def reduce(dst: Array, srcs: Sequence[Array], dtype: str, op: ReduceOp) -> None:
+    """dst = srcs[0] op srcs[1] op ... elementwise (dst may be srcs[0]); op is not Average.
+
+    Buffers hold dtype's storage (dtypes.STORAGE): host NumPy arrays, or CuPy arrays / torch
+    CUDA tensors for the CUDA kernels."""
+    if type(dst) is not np.ndarray and _on_device(dst):
+        return _cuda().reduce(dst, srcs, dtype, op)
     _C.reduce(dst, list(srcs), dst.size, CODES[dtype], int(op))
 
 
@@ -58,8 +63,10 @@ def shm_broadcast(window: Any, seq: int, buf: np.ndarray, e: int, nchunks: int,
     _C.shm_broadcast(window, seq, buf, buf.nbytes, e, nchunks, root)
 
 
-def divide(buf: np.ndarray, dtype: str, divisor: int) -> None:
-    """buf /= divisor in place; floor division for integer dtypes."""
+def divide(buf: Array, dtype: str, divisor: int) -> None:
+    """buf /= divisor in place; floor division for integer dtypes (buf as in reduce)."""
+    if type(buf) is not np.ndarray and _on_device(buf):
+        return _cuda().divide(buf, dtype, divisor)
     _C.divide(buf, buf.size, CODES[dtype], divisor)
 
 
