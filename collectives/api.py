@@ -11,11 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from . import calls, dispatch, kernels, topology
+from . import calls, dispatch, topology
 from .agreement import PIGGYBACK_BYTES
 from .buffers import Buffer, host_float, store_float, wrap
 from .calls import Call
 from .compression import Compression, check_compression
+from .dtypes import CODES, FLOATING
 from .engine import ENGINE, Handle, Job
 from .ops import ReduceOp, check_op, kernel_op
 
@@ -26,8 +27,8 @@ except ImportError:
     torch = _Tensor = None
 
 ALGORITHMS = dispatch.ALGORITHMS
-_FLOATS = ("float32", "float64", "float16", "bfloat16")
-_INT64 = kernels.DTYPE_CODES["int64"]
+
+_INT64 = CODES["int64"]
 
 
 def _check_algorithm(algorithm: object) -> str:
@@ -93,7 +94,7 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
     _check_algorithm(algorithm)
     compressor = check_compression(compression)
     buf = wrap(x, "x")  # type check now, in the caller's thread
-    if compressor is not Compression.none and buf.dtype in _FLOATS:
+    if compressor is not Compression.none and buf.dtype in FLOATING:
         return _compressed(topo, buf, op, algorithm, compressor, inplace)
     call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
     out = buf if inplace else buf.empty(buf.shape)

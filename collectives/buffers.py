@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .kernels import STORAGE
+from .dtypes import NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
 
 try:
     import torch
@@ -22,22 +22,6 @@ try:
     import cupy
 except ImportError:
     cupy = None
-
-DTYPES = tuple(STORAGE)
-#: NumPy dtype -> our dtype name (bfloat16 has no NumPy dtype: torch only)
-_NUMPY_NAMES = {np.dtype(name): name for name in STORAGE if name != "bfloat16"}
-_TORCH_NAMES = {getattr(torch, name): name for name in STORAGE} if torch is not None else {}
-
-
-def numpy_dtype_name(dtype: np.dtype) -> str | None:
-    """Our name for a NumPy dtype, None if unsupported."""
-    return _NUMPY_NAMES.get(dtype)
-
-
-def torch_dtype_name(dtype: Any) -> str | None:
-    """Our name for a torch dtype, None if unsupported."""
-    return _TORCH_NAMES.get(dtype)
-
 
 class Buffer:
     """A caller's array seen as one C-contiguous 1-D host array (`flat`).
@@ -107,20 +91,20 @@ def store_float(out: Buffer, values: np.ndarray) -> None:
 
 
 def _unsupported(name: str, what: str) -> TypeError:
-    return TypeError(f"{name}: unsupported {what}; expected one of {list(DTYPES)}")
+    return TypeError(f"{name}: unsupported {what}; expected one of {list(NAMES)}")
 
 
 def wrap(x: Any, name: str = "x") -> Buffer:
     """View x as a Buffer, or TypeError naming `name` if x is not a supported array."""
     if isinstance(x, np.ndarray):
-        dtype = _NUMPY_NAMES.get(x.dtype)
+        dtype = numpy_dtype_name(x.dtype)
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         contiguous = x.flags.c_contiguous
         flat = x.reshape(-1) if contiguous else np.ascontiguousarray(x).reshape(-1)
         return Buffer(x, "numpy", flat, dtype, x.shape, not contiguous)
     if torch is not None and isinstance(x, torch.Tensor):
-        dtype = _TORCH_NAMES.get(x.dtype)
+        dtype = torch_dtype_name(x.dtype)
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         t = x.detach()
@@ -131,7 +115,7 @@ def wrap(x: Any, name: str = "x") -> Buffer:
         flat = t.numpy().view(STORAGE[dtype])
         return Buffer(x, "torch", flat, dtype, tuple(x.shape), staged)
     if cupy is not None and isinstance(x, cupy.ndarray):
-        dtype = _NUMPY_NAMES.get(np.dtype(x.dtype))
+        dtype = numpy_dtype_name(np.dtype(x.dtype))
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         flat = cupy.asnumpy(x).reshape(-1)

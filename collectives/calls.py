@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-from . import agreement, dispatch, kernels, select
+from . import agreement, dispatch, select
 from .agreement import PIGGYBACK_BYTES
+from .dtypes import CODES, STORAGE
 from .engine import ENGINE
 from .kernels import _C
 from .ops import ReduceOp, kernel_op
@@ -64,11 +65,11 @@ def allreduce(topo: Topology, dtype: str, shape: tuple, nbytes: int, op: ReduceO
               ("compression", "none"))
     algo = concrete(topo, "allreduce", algorithm, nbytes)
     native = _native(topo, "allreduce", fields, algo)
-    code, kop = kernels.DTYPE_CODES[dtype], int(kernel_op(op))
+    code, kop = CODES[dtype], int(kernel_op(op))
     divisor = topo.size if op is ReduceOp.Average else 1
     small = None
     if algo == "tree" and nbytes <= PIGGYBACK_BYTES:
-        count = nbytes // kernels.STORAGE[dtype].itemsize
+        count = nbytes // STORAGE[dtype].itemsize
         small = _C.SmallAllreduce(ENGINE.native, topo.channel, native, count, code, kop, divisor)
     return _remember(topo, key, Call("allreduce", fields, algo, native, small, code, kop, divisor))
 

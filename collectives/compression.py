@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import calls, dispatch, kernels
+from .dtypes import FLOATING, numpy_dtype_name, torch_dtype, torch_dtype_name
 from .ops import ReduceOp
 from .topology import Topology
 
@@ -29,20 +30,22 @@ except ImportError:
     torch = None
 
 
-def _is_float(x: Any) -> bool:
+def _float_dtype(x: Any) -> str | None:
+    """x's dtype name if x is a NumPy array or torch tensor of a floating dtype, else None:
+    only those are compressed."""
     if isinstance(x, np.ndarray):
-        return x.dtype.kind == "f"
-    return torch is not None and isinstance(x, torch.Tensor) and x.is_floating_point()
+        name = numpy_dtype_name(x.dtype)
+    elif torch is not None and isinstance(x, torch.Tensor):
+        name = torch_dtype_name(x.dtype)
+    else:
+        return None
+    return name if name in FLOATING else None
 
 
 def _cast(x: Any, dtype_name: str) -> Any:
     if isinstance(x, np.ndarray):
         return x.astype(dtype_name)
-    return x.to(getattr(torch, dtype_name))
-
-
-def _dtype_name(x: Any) -> str:
-    return x.dtype.name if isinstance(x, np.ndarray) else str(x.dtype).removeprefix("torch.")
+    return x.to(torch_dtype(dtype_name))
 
 
 class Compressor:
@@ -98,9 +101,10 @@ class FP16Compressor(TensorCompressor):
     name = "fp16"
 
     def compress(self, x: Any) -> tuple[Any, Any]:
-        if not _is_float(x):
+        dtype = _float_dtype(x)
+        if dtype is None:
             return x, None
-        return _cast(x, "float16"), _dtype_name(x)
+        return _cast(x, "float16"), dtype
 
     def decompress(self, x: Any, ctx: Any) -> Any:
         return x if ctx is None else _cast(x, ctx)
@@ -115,12 +119,13 @@ class Int8Compressor(TensorCompressor):
     ops = (ReduceOp.Sum, ReduceOp.Average)
 
     def compress(self, x: Any) -> tuple[Any, Any]:
-        if not _is_float(x):
+        dtype = _float_dtype(x)
+        if dtype is None:
             return x, None
         flat = np.asarray(x, dtype=np.float32).reshape(-1) if isinstance(x, np.ndarray) \
             else x.detach().float().reshape(-1)
         q, scales = kernels.quantize_int8(flat)
-        return q, (scales, tuple(x.shape), _dtype_name(x))
+        return q, (scales, tuple(x.shape), dtype)
 
     def decompress(self, x: Any, ctx: Any) -> Any:
         if ctx is None:

@@ -17,7 +17,9 @@ from typing import Any
 import cupy
 import numpy as np
 
-from . import kernels
+from .dtypes import FLOATING, NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
+from .kernel_args import INT8_BLOCK_SIZE, block_length, check_count
+from .ops import ReduceOp
 
 SOURCES = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
 THREADS = 256  # per CTA; INT8_BLOCK and SUMSQ_THREADS in the .cu files are the same
@@ -49,23 +51,28 @@ def _device(x: Array, name: str) -> tuple[cupy.ndarray, str]:
     if _is_torch(x):
         if x.device.type != "cuda":
             raise TypeError(f"{name}: expected a CUDA tensor, got one on {x.device}")
-        dtype = str(x.dtype).removeprefix("torch.")
+        dtype = torch_dtype_name(x.dtype)
+        if dtype is None:
+            raise _unsupported(name, str(x.dtype).removeprefix("torch."))
         t = x.detach()
         if dtype == "bfloat16":  # CuPy has no bfloat16: move the bits as uint16
             t = t.view(sys.modules["torch"].int16)
         arr = cupy.from_dlpack(t)
         arr = arr.view(cupy.uint16) if dtype == "bfloat16" else arr
     elif isinstance(x, cupy.ndarray):
-        arr, dtype = x, x.dtype.name
+        arr, dtype = x, numpy_dtype_name(x.dtype)
+        if dtype is None:
+            raise _unsupported(name, x.dtype.name)
     else:
         raise TypeError(f"{name}: expected a cupy.ndarray or torch CUDA tensor, got "
                         f"{type(x).__name__}")
-    if dtype not in kernels.STORAGE:
-        raise TypeError(f"{name}: unsupported dtype {dtype}; expected one of "
-                        f"{list(kernels.STORAGE)}")
     if not arr.flags.c_contiguous:
         raise ValueError(f"{name}: must be C-contiguous")
     return arr, dtype
+
+
+def _unsupported(name: str, dtype: str) -> TypeError:
+    return TypeError(f"{name}: unsupported dtype {dtype}; expected one of {list(NAMES)}")
 
 
 def _typed(x: Array, name: str, dtype: str) -> cupy.ndarray:
@@ -109,6 +116,60 @@ def _pointers(arrays: Sequence[cupy.ndarray]) -> cupy.ndarray:
     return cupy.asarray(np.array([a.data.ptr for a in arrays], np.uint64))
 
 
+# ---- reduce / divide --------------------------------------------------------------------
+
+_OP_NAMES = {ReduceOp.Sum: "sum", ReduceOp.Min: "min", ReduceOp.Max: "max",
+             ReduceOp.Product: "product"}
+_FOLD = 4  # sources one reduce launch takes (csrc/cuda/reduce.cu)
+
+
+def _storage(x: Array, name: str, dtype: str) -> cupy.ndarray:
+    """x as a flat CuPy array of dtype's storage: a CuPy array of that storage type (uint16
+    for bfloat16), or a torch CUDA tensor of dtype."""
+    if not isinstance(x, cupy.ndarray):
+        return _typed(x, name, dtype)
+    if x.dtype != STORAGE[dtype]:
+        raise TypeError(f"{name}: expected {STORAGE[dtype]} (the storage of {dtype}), got "
+                        f"{x.dtype}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+    return x.reshape(-1)
+
+
+def reduce(dst: Array, srcs: Sequence[Array], dtype: str, op: ReduceOp) -> None:
+    """kernels.reduce for device buffers. A launch folds up to four sources; a longer list
+    goes on folding into dst, which is the same left fold (each op is rounded to dtype)."""
+    if op not in _OP_NAMES:
+        raise ValueError(f"op: expected one of {[o.name for o in _OP_NAMES]}, got {op!r}")
+    if not srcs:
+        raise ValueError("srcs: need at least one source buffer")
+    with _context(dst):
+        out = _storage(dst, "dst", dtype)
+        ins = [_storage(s, f"srcs[{k}]", dtype) for k, s in enumerate(srcs)]
+        for k, a in enumerate(ins):
+            _need(a, f"srcs[{k}]", out.size)
+        kernel = f"reduce_{dtype}_{_OP_NAMES[op]}"
+        _fold(kernel, out, ins[:_FOLD])
+        for lo in range(_FOLD, len(ins), _FOLD - 1):
+            _fold(kernel, out, [out, *ins[lo:lo + _FOLD - 1]])
+
+
+def _fold(kernel: str, out: cupy.ndarray, ins: list[cupy.ndarray]) -> None:
+    unused = [ins[0]] * (_FOLD - len(ins))  # pointers the kernel never reads
+    _launch("reduce", kernel, out.size,
+            (out, *ins, *unused, np.int32(len(ins)), np.int64(out.size)))
+
+
+def divide(buf: Array, dtype: str, divisor: int) -> None:
+    """kernels.divide for device buffers."""
+    if divisor == 0:
+        raise ValueError("divisor: must be non-zero")
+    with _context(buf):
+        flat = _storage(buf, "buf", dtype)
+        _launch("reduce", f"divide_{dtype}", flat.size,
+                (flat, np.int64(flat.size), np.int64(divisor)))
+
+
 # ---- pack / unpack ----------------------------------------------------------------------
 
 def _tensor_list(tensors: Sequence[Array], dtype: str | None) -> tuple[list, str]:
@@ -127,8 +188,8 @@ def _tensor_list(tensors: Sequence[Array], dtype: str | None) -> tuple[list, str
 def _pack_kernel(direction: str, dtype: str, scale: float) -> tuple[str, tuple]:
     """Kernel name and trailing scale argument for pack/unpack of dtype by scale."""
     if scale == 1.0:
-        return f"{direction}_copy{kernels.STORAGE[dtype].itemsize}", ()
-    if dtype not in ("float16", "bfloat16", "float32", "float64"):
+        return f"{direction}_copy{STORAGE[dtype].itemsize}", ()
+    if dtype not in FLOATING:
         raise ValueError(f"scale: must be 1 for {dtype} tensors, got {scale}")
     return f"{direction}_{dtype}", ((np.float64 if dtype == "float64" else np.float32)(scale),)
 
@@ -157,7 +218,7 @@ def pack(tensors: Sequence[Array], out: Array | None, scale: float) -> Array:
         arrays, dtype = _tensor_list(tensors, out_dtype)
         offsets, total = _offsets(arrays)
         if out is None:
-            flat = cupy.empty(total, kernels.STORAGE[dtype])
+            flat = cupy.empty(total, STORAGE[dtype])
             out = _like(flat, ref, dtype) if ref is not None else flat
         else:
             flat = _typed(out, "out", dtype)
@@ -202,18 +263,18 @@ def quantize_int8(x: Array) -> tuple[Array, Array]:
     with _context(x):
         src = _typed(x, "x", "float32")
         q = cupy.empty(src.size, cupy.int8)
-        scales = cupy.empty(-(-src.size // kernels.INT8_BLOCK_SIZE), cupy.float32)
+        scales = cupy.empty(-(-src.size // INT8_BLOCK_SIZE), cupy.float32)
         # one CTA of THREADS == INT8_BLOCK_SIZE threads per block
         _launch("quantize", "quantize_int8", src.size, (src, q, scales, np.int64(src.size)))
         return _like(q, x), _like(scales, x)
 
 
 def dequantize_int8(q: Array, scales: Array, count: int) -> Array:
-    count = kernels._check_count(count)
+    count = check_count(count)
     with _context(q):
         qs, sc = _typed(q, "q", "int8"), _typed(scales, "scales", "float32")
         _need(qs, "q", count)
-        _need(sc, "scales", -(-count // kernels.INT8_BLOCK_SIZE))
+        _need(sc, "scales", -(-count // INT8_BLOCK_SIZE))
         out = cupy.empty(count, cupy.float32)
         _launch("quantize", "dequantize_int8", count, (qs, sc, out, np.int64(count)))
         return _like(out, q)
@@ -236,7 +297,7 @@ def onebit_compress(x: Array, error: Array, block_size: int | None) -> tuple[Arr
         if es.size != xs.size:
             raise ValueError(f"error: has {es.size} elements, x has {xs.size}")
         count = xs.size
-        block = min(kernels._block(block_size, count), max(count, 1))
+        block = min(block_length(block_size, count), max(count, 1))
         nblocks = -(-count // block)
         bits = cupy.empty((count + 7) // 8, cupy.uint8)
         scales = cupy.zeros(max(nblocks, 1 if block_size is None else 0), cupy.float32)
@@ -266,8 +327,8 @@ def _compress(x: cupy.ndarray, error: cupy.ndarray, bits: cupy.ndarray, scales: 
 
 def onebit_decompress(bits: Array, scales: Array | float, count: int,
                       block_size: int | None) -> Array:
-    count = kernels._check_count(count)
-    block = kernels._block(block_size, count)
+    count = check_count(count)
+    block = block_length(block_size, count)
     with _context(bits):
         bs = _typed(bits, "bits", "uint8")
         _need(bs, "bits", (count + 7) // 8)
@@ -280,8 +341,8 @@ def onebit_decompress(bits: Array, scales: Array | float, count: int,
 
 def onebit_accumulate(acc: Array, bits: Sequence[Array], scales: Sequence[Array | float],
                       count: int, block_size: int | None) -> None:
-    count = kernels._check_count(count)
-    block = kernels._block(block_size, count)
+    count = check_count(count)
+    block = block_length(block_size, count)
     if len(bits) != len(scales):
         raise ValueError(f"scales: got {len(scales)} for {len(bits)} bits arrays")
     with _context(acc):

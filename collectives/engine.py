@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .kernels import _C, DTYPE_CODES
+from .dtypes import CODES
+from .kernels import _C
 
 if TYPE_CHECKING:
     from .calls import Call
     from .topology import Topology
 
 _NO_DATA = np.empty(0, np.uint8)
-_UINT8 = DTYPE_CODES["uint8"]
+_UINT8 = CODES["uint8"]
 
 
 class Job(NamedTuple):

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import CODES, NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
+from .kernel_args import INT8_BLOCK_SIZE, block_length, check_count, nblocks
 from .ops import ReduceOp
 
 try:
@@ -21,23 +23,17 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "`pip install -e .` (or `make install`) from the repository root."
     ) from exc
 
-#: dtype name -> code in csrc/cpu/dtypes.h
-DTYPE_CODES = {
-    "float16": 0, "bfloat16": 1, "float32": 2, "float64": 3,
-    "int8": 4, "uint8": 5, "int32": 6, "int64": 7,
-}
-#: dtype name -> NumPy dtype of its storage
-STORAGE = {
-    "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16),
-    "float32": np.dtype(np.float32), "float64": np.dtype(np.float64),
-    "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8),
-    "int32": np.dtype(np.int32), "int64": np.dtype(np.int64),
-}
+Array = Any  # numpy.ndarray, torch.Tensor, or (on a GPU) cupy.ndarray
 
 
-def reduce(dst: np.ndarray, srcs: Sequence[np.ndarray], dtype: str, op: ReduceOp) -> None:
-    """dst = srcs[0] op srcs[1] op ... elementwise (dst may be srcs[0]); op is not Average."""
-    _C.reduce(dst, list(srcs), dst.size, DTYPE_CODES[dtype], int(op))
+def reduce(dst: Array, srcs: Sequence[Array], dtype: str, op: ReduceOp) -> None:
+    """dst = srcs[0] op srcs[1] op ... elementwise (dst may be srcs[0]); op is not Average.
+
+    Buffers hold dtype's storage (dtypes.STORAGE): host NumPy arrays, or CuPy arrays / torch
+    CUDA tensors for the CUDA kernels."""
+    if type(dst) is not np.ndarray and _on_device(dst):
+        return _cuda().reduce(dst, srcs, dtype, op)
+    _C.reduce(dst, list(srcs), dst.size, CODES[dtype], int(op))
 
 
 def shm_window(addresses: list[int], rank: int, header_bytes: int, stride: int,
@@ -51,7 +47,7 @@ def shm_window(addresses: list[int], rank: int, header_bytes: int, stride: int,
 def shm_reduce(window: Any, seq: int, send: np.ndarray, recv: np.ndarray, bounds: list[int],
                e: int, nchunks: int, dtype: str, op: ReduceOp, allreduce: bool) -> None:
     """The shared-memory reduction stages of collectives/algorithms/shm.py."""
-    _C.shm_reduce(window, seq, send, recv, bounds, e, nchunks, DTYPE_CODES[dtype], int(op),
+    _C.shm_reduce(window, seq, send, recv, bounds, e, nchunks, CODES[dtype], int(op),
                   allreduce)
 
 
@@ -67,20 +63,17 @@ def shm_broadcast(window: Any, seq: int, buf: np.ndarray, e: int, nchunks: int,
     _C.shm_broadcast(window, seq, buf, buf.nbytes, e, nchunks, root)
 
 
-def divide(buf: np.ndarray, dtype: str, divisor: int) -> None:
-    """buf /= divisor in place; floor division for integer dtypes."""
-    _C.divide(buf, buf.size, DTYPE_CODES[dtype], divisor)
+def divide(buf: Array, dtype: str, divisor: int) -> None:
+    """buf /= divisor in place; floor division for integer dtypes (buf as in reduce)."""
+    if type(buf) is not np.ndarray and _on_device(buf):
+        return _cuda().divide(buf, dtype, divisor)
+    _C.divide(buf, buf.size, CODES[dtype], divisor)
 
 
 # ---- fusion packing, quantization, 1-bit compression ------------------------------------
 # Host buffers (NumPy arrays, torch CPU tensors) go to _C with the GIL released; CuPy arrays
 # and torch CUDA tensors go to the CUDA kernels (cuda_kernels.py). Results have the input's
 # kind: NumPy in, NumPy out; torch in, torch out (same memory, no copies).
-
-#: Elements sharing one float32 scale in quantize_int8 (kInt8Block in csrc/cpu/quantize.h).
-INT8_BLOCK_SIZE = 256
-
-Array = Any  # numpy.ndarray, torch.Tensor, or (on a GPU) cupy.ndarray
 
 
 def _is_torch(x: object) -> bool:
@@ -103,13 +96,11 @@ def _cuda():
 def _host(x: Array, name: str) -> tuple[np.ndarray, str]:
     """x as a NumPy view of its storage (bfloat16 as uint16 bits) and its dtype name."""
     if isinstance(x, np.ndarray):
-        _check_dtype(x.dtype.name, name)
-        return x, x.dtype.name
+        return x, _supported(numpy_dtype_name(x.dtype), x.dtype.name, name)
     if _is_torch(x):
         if x.device.type != "cpu":
             raise TypeError(f"{name}: tensors on {x.device} are not supported")
-        dtype = str(x.dtype).removeprefix("torch.")
-        _check_dtype(dtype, name)
+        dtype = _supported(torch_dtype_name(x.dtype), str(x.dtype).removeprefix("torch."), name)
         t = x.detach()
         if dtype == "bfloat16":
             return t.view(sys.modules["torch"].int16).numpy().view(np.uint16), dtype
@@ -117,9 +108,11 @@ def _host(x: Array, name: str) -> tuple[np.ndarray, str]:
     raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
 
 
-def _check_dtype(dtype: str, name: str) -> None:
-    if dtype not in STORAGE:
-        raise TypeError(f"{name}: unsupported dtype {dtype}; expected one of {list(STORAGE)}")
+def _supported(dtype: str | None, shown: str, name: str) -> str:
+    """dtype (a registry name), or TypeError naming argument `name` and its dtype `shown`."""
+    if dtype is None:
+        raise TypeError(f"{name}: unsupported dtype {shown}; expected one of {list(NAMES)}")
+    return dtype
 
 
 def _host_f32(x: Array, name: str) -> np.ndarray:
@@ -139,33 +132,10 @@ def _like(arr: np.ndarray, ref: Array, dtype: str | None = None) -> Array:
     return torch.from_numpy(arr)
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _check_count(count: int) -> int:
-    if not _is_int(count) or count < 0:
-        raise ValueError(f"count: expected an int >= 0, got {count!r}")
-    return int(count)
-
-
-def _block(block_size: int | None, count: int) -> int:
-    """The kernels' block length: None means one block for the whole vector."""
-    if block_size is None:
-        return max(count, 1)
-    if not _is_int(block_size) or block_size < 1:
-        raise ValueError(f"block_size: expected None or an int >= 1, got {block_size!r}")
-    return int(block_size)
-
-
-def _nblocks(count: int, block: int) -> int:
-    return -(-count // block)
-
-
 def pack(tensors: Sequence[Array], out: Array | None = None, scale: float = 1.0) -> Array:
     """concat(t.ravel() for t in tensors) * scale in ONE kernel call: the fusion buffer.
 
-    tensors are all NumPy arrays or all torch tensors, of one dtype (any in STORAGE; scale
+    tensors are all NumPy arrays or all torch tensors, of one dtype (any in dtypes.NAMES; scale
     != 1 only for floating dtypes). out, if given, must hold at least the total element
     count; the filled prefix of out (flattened) is returned. Otherwise a new 1-D buffer of
     the tensors' kind is."""
@@ -180,7 +150,7 @@ def pack(tensors: Sequence[Array], out: Array | None = None, scale: float = 1.0)
         out = _like(flat, first, dtype) if torch_dtype else flat
     else:
         flat = _host_as(out, "out", dtype)
-    total = _C.pack(flat, tensors, DTYPE_CODES[dtype], torch_dtype, float(scale))
+    total = _C.pack(flat, tensors, CODES[dtype], torch_dtype, float(scale))
     return out.reshape(-1)[:total]
 
 
@@ -191,7 +161,7 @@ def unpack(buffer: Array, tensors: Sequence[Array], scale: float = 1.0) -> None:
         return _cuda().unpack(buffer, tensors, scale)
     dtype, torch_dtype = _list_dtype(tensors, buffer)
     flat = _host_as(buffer, "buffer", dtype)
-    _C.unpack(flat, tensors, DTYPE_CODES[dtype], torch_dtype, float(scale))
+    _C.unpack(flat, tensors, CODES[dtype], torch_dtype, float(scale))
 
 
 def _list_dtype(tensors: Sequence[Array], other: Array | None) -> tuple[str, Any]:
@@ -242,7 +212,7 @@ def quantize_int8(x: Array) -> tuple[Array, Array]:
         return _cuda().quantize_int8(x)
     src = _host_f32(x, "x")
     q = np.empty(src.size, np.int8)
-    scales = np.empty(_nblocks(src.size, INT8_BLOCK_SIZE), np.float32)
+    scales = np.empty(nblocks(src.size, INT8_BLOCK_SIZE), np.float32)
     _C.quantize_int8(src, q, scales, src.size)
     return _like(q, x), _like(scales, x)
 
@@ -251,7 +221,7 @@ def dequantize_int8(q: Array, scales: Array, count: int) -> Array:
     """float32 vector of count elements: q[i] * scales[i // INT8_BLOCK_SIZE]."""
     if _on_device(q):
         return _cuda().dequantize_int8(q, scales, count)
-    count = _check_count(count)
+    count = check_count(count)
     qs, sc = _host(q, "q")[0], _host_f32(scales, "scales")
     out = np.empty(count, np.float32)
     _C.dequantize_int8(qs, sc, out, count)
@@ -278,9 +248,9 @@ def onebit_compress(
     if es.size != xs.size:
         raise ValueError(f"error: has {es.size} elements, x has {xs.size}")
     count = xs.size
-    block = _block(block_size, count)
+    block = block_length(block_size, count)
     bits = np.empty((count + 7) // 8, np.uint8)
-    scales = np.zeros(max(_nblocks(count, block), 1 if block_size is None else 0), np.float32)
+    scales = np.zeros(max(nblocks(count, block), 1 if block_size is None else 0), np.float32)
     _C.onebit_compress(xs, es, bits, scales, count, block)
     scale = _like(scales, x)
     return _like(bits, x), scale[0] if block_size is None else scale
@@ -294,8 +264,8 @@ def onebit_decompress(
     out: a host float32 array of count elements to write into (returned), or None."""
     if _on_device(bits):
         return _cuda().onebit_decompress(bits, scales, count, block_size)
-    count = _check_count(count)
-    block = _block(block_size, count)
+    count = check_count(count)
+    block = block_length(block_size, count)
     if out is None:
         out = np.empty(count, np.float32)
     elif out.dtype != np.float32 or out.size != count:
@@ -318,8 +288,8 @@ def onebit_accumulate(
     server side). acc is float32 with at least count elements."""
     if _on_device(acc):
         return _cuda().onebit_accumulate(acc, bits, scales, count, block_size)
-    count = _check_count(count)
-    block = _block(block_size, count)
+    count = check_count(count)
+    block = block_length(block_size, count)
     if len(bits) != len(scales):
         raise ValueError(f"scales: got {len(scales)} for {len(bits)} bits arrays")
     _C.onebit_accumulate(
@@ -339,9 +309,9 @@ def onebit_serve(bits: Sequence[np.ndarray], scales: Sequence[np.ndarray | float
     arrays only: that step always runs on the host)."""
     es = _host_f32(error, "error")
     count = es.size
-    block = _block(block_size, count)
+    block = block_length(block_size, count)
     out_bits = np.empty((count + 7) // 8, np.uint8)
-    out_scales = np.zeros(max(_nblocks(count, block), 1 if block_size is None else 0),
+    out_scales = np.zeros(max(nblocks(count, block), 1 if block_size is None else 0),
                           np.float32)
     _C.onebit_serve([_host(b, "bits")[0] for b in bits],
                     [_host_scales(s, "scales") for s in scales], es, out_bits, out_scales,

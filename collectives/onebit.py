@@ -35,12 +35,12 @@ from mpi4py import MPI
 from . import calls, kernels, topology
 from .buffers import Buffer, host_float, store_float, wrap
 from .compression import Compressor
+from .dtypes import FLOATING
 from .engine import ENGINE, Job
 from .ops import ReduceOp
 from .p2p import irecv, isend
 
 TAG_SCATTER, TAG_GATHER = 51, 52
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def error_sizes(count: int, size: int) -> tuple[int, int]:
@@ -59,8 +59,8 @@ def error_sizes(count: int, size: int) -> tuple[int, int]:
 
 def _check_x(x: Any) -> Buffer:
     buf = wrap(x, "x")
-    if buf.dtype not in _FLOATS:
-        raise TypeError(f"x: expected a floating dtype {list(_FLOATS)}, got {buf.dtype}")
+    if buf.dtype not in FLOATING:
+        raise TypeError(f"x: expected a floating dtype {list(FLOATING)}, got {buf.dtype}")
     return buf
 
 

@@ -32,13 +32,14 @@ import torch
 
 import collectives as C
 from collectives import kernels as _kernels
+from collectives.dtypes import FLOATING, NAMES, torch_dtype
 
 #: The compressors a user may pass (Compression.none, .fp16, and any added later).
 _COMPRESSORS = {name: c for name, c in vars(C.Compression).items() if not name.startswith("_")}
-#: Parameter dtypes the collectives reduce.
-_GRAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Parameter dtypes the collectives reduce: the floating ones.
+_GRAD_DTYPES = tuple(torch_dtype(name) for name in FLOATING)
 #: Tensor dtypes the collectives broadcast (bool travels as its uint8 view).
-_BROADCAST_DTYPES = _GRAD_DTYPES + (torch.int8, torch.uint8, torch.int32, torch.int64)
+_BROADCAST_DTYPES = tuple(torch_dtype(name) for name in NAMES)
 
 
 # ------------------------------------------------------------------------------ fusion

@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import kernels
+from ..dtypes import FLOATING, STORAGE
 from ..ops import ReduceOp
 from ..p2p import message
 
@@ -34,7 +35,7 @@ _NATIVE_OPS = {ReduceOp.Sum: MPI.SUM, ReduceOp.Min: MPI.MIN, ReduceOp.Max: MPI.M
 
 @functools.cache
 def _user_op(dtype: str, op: ReduceOp) -> MPI.Op:
-    storage = kernels.STORAGE[dtype]
+    storage = STORAGE[dtype]
 
     def fold(inbuf, inoutbuf, datatype) -> None:
         src = np.frombuffer(inbuf, dtype=storage)
@@ -45,12 +46,12 @@ def _user_op(dtype: str, op: ReduceOp) -> MPI.Op:
 
 
 def _type_and_op(dtype: str, op: ReduceOp) -> tuple[MPI.Datatype, MPI.Op]:
-    nan_aware = dtype.startswith("float") and op in (ReduceOp.Min, ReduceOp.Max)
+    nan_aware = dtype in FLOATING and op in (ReduceOp.Min, ReduceOp.Max)
     if dtype in _NATIVE_TYPES and not nan_aware:
         return _NATIVE_TYPES[dtype], _NATIVE_OPS[op]
     if dtype in _NATIVE_TYPES:
         return _NATIVE_TYPES[dtype], _user_op(dtype, op)
-    return _CARRIER_TYPES[kernels.STORAGE[dtype].itemsize], _user_op(dtype, op)
+    return _CARRIER_TYPES[STORAGE[dtype].itemsize], _user_op(dtype, op)
 
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,

@@ -26,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import kernels
+from ..dtypes import CODES
 from ..engine import ENGINE
 from ..kernels import _C
 from ..ops import ReduceOp
@@ -77,7 +78,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     the agreement's exchange in C++ (csrc/runtime/agree.cpp) without the check, so both
     run one implementation and fold in the same order. Elements are independent, so
     buffers past MAX_MESSAGE_BYTES (MPI counts are C ints) go in pieces."""
-    code, step = kernels.DTYPE_CODES[dtype], max(1, MAX_MESSAGE_BYTES // recv.itemsize)
+    code, step = CODES[dtype], max(1, MAX_MESSAGE_BYTES // recv.itemsize)
     for lo in range(0, max(recv.size, 1), step):
         piece = slice(lo, min(lo + step, recv.size))
         _C.tree_allreduce(ENGINE.native, comm, TAG_RD, send[piece], recv[piece],

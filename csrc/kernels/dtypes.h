@@ -12,7 +12,7 @@
 
 namespace collectives {
 
-// Codes are part of the Python interface (collectives/kernels.py keeps the same table).
+// Codes are part of the Python interface (collectives/dtypes.py keeps the same table).
 enum class DType : int { f16 = 0, bf16 = 1, f32 = 2, f64 = 3, i8 = 4, u8 = 5, i32 = 6, i64 = 7 };
 
 inline uint32_t float_bits(float f) {

@@ -7,7 +7,7 @@
 
 namespace collectives {
 
-// Codes are part of the Python interface (collectives/kernels.py keeps the same table).
+// Codes are part of the Python interface (collectives/ops.py keeps the same table).
 // Average is not here: it is a Sum followed by one divide().
 enum class ReduceOp : int { sum = 0, min = 1, max = 2, prod = 3 };
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from collectives import kernels as K
+from collectives.ops import ReduceOp
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install cupy-cuda12x): "
                                           "the CUDA kernels run through it")
@@ -26,7 +27,7 @@ if _gpus() == 0:
     pytest.skip("no CUDA GPU visible to CuPy: the CUDA kernels need one to run",
                 allow_module_level=True)
 
-from kernel_vectors import ref, vectors  # noqa: E402
+from kernel_vectors import reduce_case, ref, same_results, vectors  # noqa: E402
 
 
 def _host(x) -> np.ndarray:
@@ -40,6 +41,51 @@ def _same(a, b) -> bool:
 
 def _block(case: dict) -> int | None:
     return int(case["block"]) or None
+
+
+@pytest.mark.parametrize("op", ref.OPS)
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "reduce")))
+def test_reduce_vectors(name, op):
+    dtype, srcs, case = reduce_case(name)
+    dev = [cupy.asarray(s) for s in srcs]
+    dst = cupy.empty_like(dev[0])
+    K.reduce(dst, dev, dtype, ReduceOp[op])
+    assert same_results(_host(dst), case[op.lower()], dtype)
+    K.reduce(dev[0], dev, dtype, ReduceOp[op])  # dst is srcs[0]
+    assert same_results(_host(dev[0]), case[op.lower()], dtype)
+
+
+@pytest.mark.parametrize("dtype", ref.DTYPES)
+def test_reduce_folds_any_number_of_sources(dtype):
+    """A launch folds up to four sources: one source, and longer lists folded on into dst."""
+    rng = np.random.default_rng(5)
+    for nsrc in (1, 5, 7, 8):
+        srcs = [ref.random_values(rng, dtype, 3001) for _ in range(nsrc)]
+        for op in ref.OPS:
+            dst = cupy.empty(3001, srcs[0].dtype)
+            K.reduce(dst, [cupy.asarray(s) for s in srcs], dtype, ReduceOp[op])
+            assert same_results(_host(dst), ref.reduce(srcs, dtype, op), dtype), (nsrc, op)
+
+
+@pytest.mark.parametrize("dtype", ref.DTYPES)
+def test_divide_vectors(dtype):
+    case = ref.cases(vectors, "divide")[dtype]
+    for divisor, expected in zip(case["divisors"], case["out"], strict=True):
+        buf = cupy.asarray(case["x"])
+        K.divide(buf, dtype, int(divisor))
+        assert same_results(_host(buf), expected, dtype), divisor
+
+
+def test_reduce_rejects_bad_input():
+    a = cupy.ones(4, cupy.float32)
+    with pytest.raises(TypeError, match=r"srcs\[1\]"):
+        K.reduce(a, [a, cupy.ones(4, cupy.float64)], "float32", ReduceOp.Sum)
+    with pytest.raises(ValueError, match=r"srcs\[1\]: holds 3 elements, need 4"):
+        K.reduce(a, [a, a[:3]], "float32", ReduceOp.Sum)
+    with pytest.raises(ValueError, match="op"):
+        K.reduce(a, [a, a], "float32", ReduceOp.Average)
+    with pytest.raises(ValueError, match="divisor"):
+        K.divide(a, "float32", 0)
 
 
 @pytest.mark.parametrize("name", sorted(ref.cases(vectors, "pack")))
@@ -110,3 +156,9 @@ def test_torch_cuda_tensors_zero_copy():
     packed = K.pack(tensors, scale=0.5)
     assert packed.dtype == torch.bfloat16 and packed.device == x.device
     assert torch.equal(packed, (torch.cat(tensors).float() * 0.5).bfloat16())
+    a, b = (torch.randn(1001, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(a)
+    K.reduce(out, [a, b], "bfloat16", ReduceOp.Sum)
+    assert torch.equal(out, a + b)
+    K.divide(out, "bfloat16", 3)
+    assert torch.equal(out, ((a + b).float() / 3).bfloat16())

@@ -1,5 +1,5 @@
-"""The C++ kernels behind collectives.kernels: fused pack/unpack, fp16/int8 quantization and
-1-bit compression, checked against the NumPy reference (tests/vectors/make_kernel_vectors.py)
+"""The C++ kernels behind collectives.kernels: reduce and divide, fused pack/unpack, fp16/int8
+quantization and 1-bit compression, checked against the NumPy reference (tests/vectors/make_kernel_vectors.py)
 and the shared vectors it generated (tests/vectors/kernels.npz, also run on CUDA)."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_vectors import ref, vectors
+from kernel_vectors import reduce_case, ref, same_results, vectors
 
-from collectives import _C
+from collectives import _C, dtypes
 from collectives import kernels as K
+from collectives.ops import ReduceOp
 
 f32 = np.float32
 
@@ -35,6 +36,46 @@ def test_vectors_match_the_reference():
 def test_int8_block_size_is_one_constant():
     assert K.INT8_BLOCK_SIZE == _C.INT8_BLOCK_SIZE == ref.INT8_BLOCK_SIZE
     assert vectors["meta.int8.block_size"] == K.INT8_BLOCK_SIZE
+
+
+# ---- reduce / divide --------------------------------------------------------------------
+
+def test_reference_dtypes_are_the_registry():
+    assert ref.DTYPES == dtypes.NAMES
+    assert all(ref.storage(d) == dtypes.STORAGE[d] for d in ref.DTYPES)
+
+
+@pytest.mark.parametrize("op", ref.OPS)
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "reduce")))
+def test_reduce_vectors(name, op):
+    dtype, srcs, case = reduce_case(name)
+    dst = np.empty_like(srcs[0])
+    K.reduce(dst, srcs, dtype, ReduceOp[op])
+    assert same_results(dst, case[op.lower()], dtype)
+    acc = srcs[0].copy()  # dst is srcs[0]
+    K.reduce(acc, [acc, *srcs[1:]], dtype, ReduceOp[op])
+    assert same_results(acc, case[op.lower()], dtype)
+
+
+@pytest.mark.parametrize("nsrc", [1, 5, 6])
+@pytest.mark.parametrize("dtype", ref.DTYPES)
+def test_reduce_matches_reference_past_the_vectors(dtype, nsrc):
+    """One source, and more than the vectors' four, over more than one 2048-element block."""
+    rng = np.random.default_rng(nsrc)
+    srcs = [ref.random_values(rng, dtype, 5000) for _ in range(nsrc)]
+    for op in ref.OPS:
+        dst = np.empty_like(srcs[0])
+        K.reduce(dst, srcs, dtype, ReduceOp[op])
+        assert same_results(dst, ref.reduce(srcs, dtype, op), dtype), op
+
+
+@pytest.mark.parametrize("dtype", ref.DTYPES)
+def test_divide_vectors(dtype):
+    case = ref.cases(vectors, "divide")[dtype]
+    for divisor, expected in zip(case["divisors"], case["out"], strict=True):
+        buf = case["x"].copy()
+        K.divide(buf, dtype, int(divisor))
+        assert same_results(buf, expected, dtype), divisor
 
 
 # ---- pack / unpack ----------------------------------------------------------------------

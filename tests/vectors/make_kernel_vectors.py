@@ -86,6 +86,75 @@ def onebit_accumulate(acc, bits, scales, count, block_size) -> np.ndarray:
     return acc
 
 
+# dtype names as in collectives/dtypes.py; bfloat16 travels as its uint16 bits
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+OPS = ("Sum", "Min", "Max", "Product")
+
+
+def storage(dtype: str) -> np.dtype:
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def bf16_to_f32(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << np.uint32(16)).view(f32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even (overflow to inf); NaN stays NaN with its quiet bit set."""
+    u = np.asarray(x, f32).view(np.uint32)
+    rounded = (u + np.uint32(0x7fff) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (u >> np.uint32(16)) | np.uint32(0x40)
+    return np.where((u & np.uint32(0x7fffffff)) > np.uint32(0x7f800000), nan, rounded
+                    ).astype(np.uint16)
+
+
+def _load_store(dtype: str):
+    """(load, store): a dtype's storage to the type it computes in (float32 for the half
+    types, itself otherwise) and back, rounding to nearest even."""
+    if dtype == "float16":
+        return (lambda h: h.astype(f32)), (lambda x: x.astype(np.float16))
+    if dtype == "bfloat16":
+        return bf16_to_f32, f32_to_bf16
+    return (lambda x: x), (lambda x: x)
+
+
+def _apply(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if op == "Sum":
+        return a + b  # integers wrap
+    if op == "Product":
+        return a * b
+    if op == "Min":  # a NaN operand wins (numpy.minimum); on a tie, b
+        return np.where((a < b) | (a != a), a, b)
+    return np.where((a > b) | (a != a), a, b)
+
+
+def reduce(srcs: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
+    """srcs[0] op srcs[1] op ..., folded left to right; half types compute in float32 and
+    round after every op, so a k-way fold equals k-1 pairwise reductions."""
+    load, store = _load_store(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        acc = load(srcs[0])
+        for src in srcs[1:]:
+            acc = load(store(_apply(op, acc, load(src))))
+        return store(acc)
+
+
+def divide(x: np.ndarray, dtype: str, divisor: int) -> np.ndarray:
+    """x / divisor, correctly rounded for floats (half types: in float32, rounded once);
+    floor division for integers, the divisor first converted to the element type."""
+    load, store = _load_store(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        wide = load(x)
+        if wide.dtype.kind == "f":
+            return store(wide / wide.dtype.type(divisor))
+        return np.floor_divide(x, np.array(divisor).astype(x.dtype))
+
+
+def as_float(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Values of a dtype's storage as floats (for NaN tests): bfloat16 bits decoded."""
+    return bf16_to_f32(x) if dtype == "bfloat16" else x
+
+
 # ---- vectors ----------------------------------------------------------------------------
 
 COUNTS = (0, 1, 7, 8, 9, 255, 256, 257, 1037)
@@ -196,10 +265,73 @@ def _accumulate_case(rng, name: str, n: int, block: int | None, chunks: int) -> 
     return out
 
 
+def _specials(dtype: str) -> np.ndarray:
+    """Values whose every pairing a reduction must get right: signed zeros, ones, extremes,
+    infinities and NaNs (floats); 0, ±1, ±2 and the range ends (integers: they wrap)."""
+    if dtype in ("int8", "uint8", "int32", "int64"):
+        info = np.iinfo(dtype)
+        return np.array([0, 1, -1, 2, -2, info.min, info.max]).astype(dtype)
+    big = {"float16": 65504.0, "bfloat16": 3.3895e38, "float32": 3.4028235e38,
+           "float64": 1.7976931348623157e308}[dtype]
+    tiny = {"float16": 5.96e-8, "bfloat16": 9.2e-41, "float32": 1e-45,
+            "float64": 5e-324}[dtype]
+    return _to(np.array([0.0, -0.0, 1.0, -1.0, 1.5, big, -big, tiny, -tiny, np.inf,
+                         -np.inf, np.nan, -np.nan]), dtype)
+
+
+def _to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 values in a dtype's storage (rounded to nearest even)."""
+    with np.errstate(over="ignore"):
+        return f32_to_bf16(x.astype(f32)) if dtype == "bfloat16" else x.astype(dtype)
+
+
+def random_values(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
+    """Values spread over a dtype's whole range, a quarter of them small integers."""
+    if dtype in ("int8", "uint8", "int32", "int64"):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    exp = {"float16": (-8, 5), "bfloat16": (-38, 38), "float32": (-38, 38),
+           "float64": (-300, 300)}[dtype]
+    x = rng.standard_normal(n) * 10.0 ** rng.integers(*exp, n)
+    small = rng.random(n) < 0.25  # small integers: exact sums, ties between sources
+    x[small] = rng.integers(-4, 5, small.sum())
+    return _to(x, dtype)
+
+
+def reduce_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per dtype, 2, 3 and 4 sources and every op: the sources start with every pairing of
+    the specials (the first two sources) and go on at random."""
+    out = {}
+    for dtype in DTYPES:
+        special = _specials(dtype)
+        grid = [np.repeat(special, special.size), np.tile(special, special.size)]
+        for nsrc, n in ((2, 333), (3, 211), (4, 187)):  # each >= 13 * 13 specials
+            srcs = [random_values(rng, dtype, n) for _ in range(nsrc)]
+            for k in range(nsrc):
+                srcs[k][:grid[0].size] = grid[k] if k < 2 else rng.choice(special, grid[0].size)
+            p = f"reduce.{dtype}_{nsrc}src."
+            out.update({f"{p}in{k}": src for k, src in enumerate(srcs)})
+            out.update({p + op.lower(): reduce(srcs, dtype, op) for op in OPS})
+    return out
+
+
+def divide_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per dtype, one vector (the specials, then random values) by several divisors."""
+    out = {}
+    for dtype in DTYPES:
+        x = np.concatenate([_specials(dtype), random_values(rng, dtype, 333)])
+        divisors = np.array([1, 2, 3, 7, 100], np.int64)
+        p = f"divide.{dtype}."
+        out[p + "x"], out[p + "divisors"] = x, divisors
+        out[p + "out"] = np.stack([divide(x, dtype, int(d)) for d in divisors])
+    return out
+
+
 def make_vectors() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(SEED)
     vectors = {"meta.int8.block_size": np.int64(INT8_BLOCK_SIZE)}
-    for part in (pack_vectors, quantize_vectors, onebit_vectors):
+    for part in (pack_vectors, quantize_vectors, onebit_vectors, reduce_vectors,
+                 divide_vectors):
         vectors.update(part(rng))
     return vectors
 

@@ -1,0 +1,38 @@
+"""Argument checks and sizes that the host face of the kernels (kernels.py) and the device
+face (cuda_kernels.py) share, kept apart from both so that neither imports the other's
+module: kernels.py imports cuda_kernels.py (and with it CuPy) only when device memory is
+used, and cuda_kernels.py needs nothing else from kernels.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Elements sharing one float32 scale in quantize_int8 (kInt8Block in csrc/cpu/quantize.h,
+#: INT8_BLOCK in csrc/cuda/quantize.cu).
+INT8_BLOCK_SIZE = 256
+
+
+def _is_int(x: object) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_count(count: int) -> int:
+    """count as an int, or ValueError if it is not an int >= 0."""
+    if not _is_int(count) or count < 0:
+        raise ValueError(f"count: expected an int >= 0, got {count!r}")
+    return int(count)
+
+
+def block_length(block_size: int | None, count: int) -> int:
+    """The kernels' block length: None means one block for the whole vector."""
+    if block_size is None:
+        return max(count, 1)
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size: expected None or an int >= 1, got {block_size!r}")
+    return int(block_size)
+
+
+def nblocks(count: int, block: int) -> int:
+    """How many blocks of `block` elements cover `count` (the last may be short)."""
+    return -(-count // block)
