@@ -89,6 +89,7 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
         if ranks_per_node is not None:
             config.ranks_per_node = ranks_per_node
         _topology = Topology(MPI.COMM_WORLD if comm is None else comm, config)
+        _config.set(config)
         _abort_on_uncaught_exceptions()
     return _topology
 
