@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from . import dispatch, fastpath, kernels, quantized, select, stats, topology
+from . import algorithms, fastpath, kernels, quantized, select, stats, topology
 from .agreement import agree, agree_rows
 from .buffers import Buffer, store_float32, wrap
 from .compression import Compression, check_compression
 from .engine import ENGINE, Handle
 from .ops import ReduceOp, check_op, kernel_op
 
-ALGORITHMS = dispatch.ALGORITHMS
+ALGORITHMS = algorithms.ALGORITHMS
 
 
 def _check_algorithm(algorithm: object) -> str:
@@ -29,7 +29,7 @@ def _resolve(algorithm: str, collective: str, nbytes: int) -> str:
     """The concrete algorithm for `auto` (a function of agreed values: the same everywhere)."""
     topo = topology.get()
     if algorithm != "auto":
-        dispatch.check_shm(algorithm, topo)
+        algorithms.check(algorithm, topo)
         return algorithm
     return select.choose(collective, nbytes, topo)
 
@@ -195,7 +195,7 @@ def _allgather_prepare(x: Any, algorithm: str) -> Callable[[], Any]:
         out = buf.empty((int(rows.sum()),) + buf.shape[1:])
         algo = _resolve(algorithm, "allgather", out.nbytes)
         _timed("allgather", algo,
-               lambda: dispatch.allgather(algo, topo, buf.flat, out.flat, counts))
+               lambda: algorithms.allgather(algo, topo, buf.flat, out.flat, counts))
         return out.result()
 
     return work
@@ -229,7 +229,7 @@ def _reducescatter_prepare(x: Any, op: ReduceOp, algorithm: str) -> Callable[[],
         algo = _resolve(algorithm, "reducescatter", buf.nbytes)
 
         def move() -> None:
-            dispatch.reducescatter(algo, topo, buf.flat, out.flat, counts, kernel_op(op),
+            algorithms.reducescatter(algo, topo, buf.flat, out.flat, counts, kernel_op(op),
                                    buf.dtype)
             if op is ReduceOp.Average and topo.size > 1:
                 kernels.divide(out.flat, buf.dtype, topo.size)
@@ -267,7 +267,7 @@ def _broadcast_prepare(x: Any, root_rank: int, algorithm: str, inplace: bool) ->
             out = buf.empty(buf.shape)
             out.flat[...] = buf.flat
         algo = _resolve(algorithm, "broadcast", buf.nbytes)
-        _timed("broadcast", algo, lambda: dispatch.broadcast(algo, topo, out.flat, root))
+        _timed("broadcast", algo, lambda: algorithms.broadcast(algo, topo, out.flat, root))
         if inplace:
             buf.write_back()
             return buf.orig
@@ -312,7 +312,7 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
         if size < 0:
             raise ValueError(f"obj: root_rank {root}'s object cannot be pickled") from error
         data = np.frombuffer(payload, dtype=np.uint8).copy() if payload else np.empty(size, np.uint8)
-        _timed("broadcast_object", "mpi", lambda: dispatch.broadcast("mpi", topo, data, root))
+        _timed("broadcast_object", "mpi", lambda: algorithms.broadcast("mpi", topo, data, root))
         return obj if comm.Get_rank() == root else pickle.loads(data.tobytes())
 
     return _run("broadcast_object", work)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import agreement, dispatch, kernels, select, stats, topology
+from . import agreement, algorithms, kernels, select, stats, topology
 from .agreement import PIGGYBACK_BYTES, digest, exchange_digest
 from .buffers import numpy_dtype_name, torch_dtype_name
 from .compression import Compression
@@ -59,7 +59,7 @@ def plan(dtype: str, shape: tuple, nbytes: int, op: ReduceOp, algorithm: str,
     if algorithm == "auto":
         algo = select.choose("allreduce", nbytes, topo)
     else:
-        dispatch.check_shm(algorithm, topo)
+        algorithms.check(algorithm, topo)
         algo = algorithm
     fields = (("op", op.name), ("dtype", dtype), ("shape", shape), ("algorithm", algorithm),
               ("compression", compression))
@@ -91,7 +91,7 @@ def run(p: _Plan, topo: topology.Topology, send: np.ndarray, recv: np.ndarray) -
     sent0, received0 = stats.snapshot()
     flat = send.reshape(-1)
     recv = flat if recv is send else recv.reshape(-1)  # the algorithms test `is`
-    dispatch.allreduce(p.algo, topo, flat, recv, p.op, p.dtype)
+    algorithms.allreduce(p.algo, topo, flat, recv, p.op, p.dtype)
     if p.divisor > 1:
         kernels.divide(recv, p.dtype, p.divisor)
     sent1, received1 = stats.snapshot()
@@ -117,7 +117,7 @@ def allreduce(x: Any, op: Any, algorithm: str, compression: Any, inplace: bool) 
     key = (arr.dtype, arr.shape, algorithm)
     p = plans.get(key, False)
     if p is False or p is not None and p.topo is not topo:
-        if algorithm not in dispatch.ALGORITHMS:
+        if algorithm not in algorithms.ALGORITHMS:
             return None  # the general path raises the argument error
         dtype = numpy_dtype_name(arr.dtype) if tensor is None else torch_dtype_name(x.dtype)
         p = plans[key] = None if dtype is None else plan(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dispatch, kernels, select
+from . import algorithms, kernels, select
 from .ops import ReduceOp
 from .topology import Topology
 
@@ -25,7 +25,7 @@ def allreduce(topo: Topology, x: np.ndarray, op: ReduceOp, algorithm: str) -> np
     all_s = np.empty(n * nblocks, np.float32)
     for mine, everyone, per_rank in ((q, all_q, count), (scales, all_s, nblocks)):
         algo = algorithm if algorithm != "auto" else select.choose("allgather", everyone.nbytes, topo)
-        dispatch.allgather(algo, topo, mine, everyone, [per_rank] * n)
+        algorithms.allgather(algo, topo, mine, everyone, [per_rank] * n)
     acc = kernels.dequantize_int8(all_q[:count], all_s[:nblocks], count)
     for r in range(1, n):
         part = kernels.dequantize_int8(all_q[r * count:(r + 1) * count],

@@ -36,11 +36,15 @@ folds run at memory speed; waits overlap work across the pipeline):
   reducescatter  copy in (L-1)/L m, fold m/L; 2 w per chunk.
   allgather      copy in 2 m/L (window and own block), copy out (L-1)/L m (m = gathered).
   broadcast      root copies m in, the others m out; 2 w per chunk.
+cost() prices a call as 3 (alpha + o) per chunk of SLOT_BYTES (at least one) plus passes x m
+x gamma, passes = 3 for allreduce and 2 for the others (each pass moves memory about as fast
+as our kernels reduce); math.inf on a group that spans several nodes.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Callable
@@ -49,6 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import kernels
+from ..costmodel import Layout, Params
 from ..ops import ReduceOp
 from ..p2p import even_bounds
 
@@ -224,6 +229,26 @@ def shutdown(comm: MPI.Comm | None = None) -> None:
     for key in list(_windows):
         if comm is None or key == comm.handle:
             _forget(key)
+
+
+def check(layout: Layout) -> None:
+    """shm needs every rank of the group on one node."""
+    if layout.nodes > 1:
+        raise ValueError(f"algorithm: 'shm' needs every rank on one node, but the job spans "
+                         f"{layout.nodes} nodes; use 'hierarchical' (its node level uses "
+                         f"shared memory) or 'auto'")
+
+
+def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
+    """Predicted seconds of one call on layout (see the module docstring)."""
+    if layout.nodes > 1:
+        return math.inf
+    if layout.size <= 1:
+        return 0.0
+    alpha, _ = layout.link(p)
+    passes = 3 if collective == "allreduce" else 2
+    chunks = max(1, nbytes // SLOT_BYTES)
+    return 3 * chunks * (alpha + p.overhead) + passes * nbytes * p.gamma
 
 
 # ------------------------------------------------------------------------------- plumbing
