@@ -26,6 +26,9 @@ counted chunk g - DEPTH as DONE. Stage s of chunk k runs at step k + s, so each 
 work the others did a step earlier, and chunks stay in cache from copy-in to copy-out.
 Every element is folded once, in rank order, so all ranks get bit-identical results.
 
+A wait longer than Config.stall_timeout_s means a rank has left the collective: it raises
+(None: wait forever, as the rest of the library does).
+
 Cost per rank for L ranks and m bytes (w = one counter wait, about a microsecond; copies and
 folds run at memory speed; waits overlap work across the pipeline):
   allreduce      copy in (L-1)/L m, fold m/L (reading m), copy out m; 3 w per chunk. Memory
@@ -52,7 +55,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .. import kernels
+from .. import config, kernels
 from ..costmodel import Layout, Params
 from ..ops import ReduceOp
 from ..p2p import even_bounds
@@ -67,14 +70,9 @@ DEPTH = 4
 #: Calls staging at most this many bytes in all (every rank's whole input) take one chunk:
 #: one wait instead of two or three, at the price of copying whole inputs in.
 SMALL_BYTES = 256 << 10
-#: A wait this long means a rank has left the collective: raise instead of hanging.
-STALL_SECONDS = 300.0
 #: Seconds a waiting rank polls before it yields its core between polls (at once when the
 #: machine runs more ranks than it has cores: then the rank waited for may need this core).
 SPIN_SECONDS = 1e-3
-#: Tests only: the C++ stages of windows made while this is > 0 sleep up to this long
-#: before a fifth of their counter posts, so ranks drift apart mid-call.
-JITTER_SECONDS = 0.0
 
 _HEADER = 4096  # counters page at the start of each segment
 _STRIDE = 16  # int64s between counters: each on its own 128-byte line pair
@@ -101,7 +99,7 @@ class _Window:
     """One communicator's shared window: each rank's counters and staging buffers."""
 
     __slots__ = ("win", "rank", "size", "slot_bytes", "flags", "segments", "native", "typed",
-                 "seq", "spin_seconds")
+                 "seq", "spin_seconds", "stall_seconds")
 
     def __init__(self, comm: MPI.Comm, slot_bytes: int):
         self.slot_bytes = slot_bytes
@@ -117,9 +115,11 @@ class _Window:
         self.typed: dict[np.dtype, list[np.ndarray]] = {}
         self.seq = 0  # chunks done so far on this window, the same on every rank
         self.spin_seconds = SPIN_SECONDS if _ranks_on_machine(self.size) <= _cores() else 0.0
+        timeout = config.get().stall_timeout_s
+        self.stall_seconds = math.inf if timeout is None else timeout
         self.native = kernels.shm_window(  # the same layout for the C++ stages
             [np.frombuffer(b, np.uint8).ctypes.data for b in raw], self.rank, _HEADER, _STRIDE,
-            slot_bytes, DEPTH, self.spin_seconds, STALL_SECONDS, JITTER_SECONDS)
+            slot_bytes, DEPTH, self.spin_seconds, self.stall_seconds)
 
     def data(self, dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's DEPTH buffers as one flat array of dtype (cached per dtype)."""
@@ -156,9 +156,9 @@ class _Window:
                 waited = time.perf_counter() - start
                 if waited > self.spin_seconds:
                     os.sched_yield()
-                if waited > STALL_SECONDS:
+                if waited > self.stall_seconds:
                     raise RuntimeError(f"shm: rank {j} has not counted chunk {g} as "
-                                       f"{_COUNTERS[counter]} after {STALL_SECONDS:g} s; "
+                                       f"{_COUNTERS[counter]} after {self.stall_seconds:g} s; "
                                        "did it leave the collective?")
 
     def free(self) -> None:
