@@ -111,6 +111,11 @@ class _Window:
         self.win.Lock_all(MPI.MODE_NOCHECK)  # Win.Sync needs a passive-target epoch
         raw = [self.win.Shared_query(j)[0] for j in range(self.size)]
         self.flags = [memoryview(b)[:_HEADER].cast("q") for b in raw]
+        # MPI does not promise zeroed memory (a one-rank window comes from malloc): zero our
+        # counters, and let no rank read a peer's before the peer has
+        np.frombuffer(raw[self.rank], np.uint8, _HEADER)[:] = 0
+        self.win.Sync()
+        comm.Barrier()
         self.segments = [np.frombuffer(b, np.uint8, DEPTH * slot_bytes, _HEADER) for b in raw]
         self.typed: dict[np.dtype, list[np.ndarray]] = {}
         self.seq = 0  # chunks done so far on this window, the same on every rank
