@@ -21,7 +21,7 @@ from conftest import (
 
 import collectives as C
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 
 ALGOS = list(C.ALGORITHMS)
 BIG = (1 << 20) + 1

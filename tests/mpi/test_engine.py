@@ -10,7 +10,7 @@ import pytest
 
 import collectives as C
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 
 
 def _count_while(stop: threading.Event, out: list[int]) -> None:

@@ -18,7 +18,7 @@ from optim import DistributedOptimizer
 from optim.convergence import mlp, my_slice, ring_bytes, train
 from optim.onebit_adam import OnebitAdam
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 
 
 def _adam(params: list, lr: float, freeze_step: int) -> DistributedOptimizer:
@@ -61,6 +61,7 @@ def test_before_the_freeze_it_is_adamw():
         assert torch.equal(a, b)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_resume_continues_bitwise():
     """Stopped after the freeze (error buffers in use) and resumed from each rank's own
     state dict, training continues exactly as if it had never stopped."""
@@ -86,6 +87,7 @@ def test_resume_continues_bitwise():
         assert torch.equal(a, b)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_another_ranks_error_buffers_are_reset():
     """Loading rank 0's state (as broadcast_optimizer_state does) keeps the moments and
     the step everywhere, but error buffers only where they belong."""
@@ -101,6 +103,7 @@ def test_another_ranks_error_buffers_are_reset():
     assert "worker_error" in opt.state[model[0].weight]
 
 
+@pytest.mark.mpi(min_size=2)
 def test_bytes_per_step_after_the_freeze():
     """One compressed step of the digits MLP sends under 1/20 of a float32 ring allreduce."""
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ import collectives as C
 from collectives import config
 from collectives.algorithms import shm
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 
 OPS = [C.Sum, C.Min, C.Max, C.Product]
 BIG = (1 << 20) + 1
@@ -195,6 +195,7 @@ def test_back_to_back_growth_and_reuse(comm):
             check_broadcast(comm, to_storage(x, dtype), i % n, f"broadcast {what}")
 
 
+@pytest.mark.mpi(min_size=2)
 def test_freed_communicator_frees_its_window(comm):
     """MPI reuses communicator handles: a window must go with its communicator, so that the
     next one (here with the ranks reversed every other time) gets a window of its own."""
