@@ -17,78 +17,16 @@ allreduce of the gradients (from C.stats()). Replicas are checked to be bit-iden
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
 import math
 from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from sklearn.datasets import load_breast_cancer, load_digits
-from sklearn.model_selection import train_test_split
-from torch import nn
 
 import collectives as C
 from optim import DistributedOptimizer
+from optim.convergence import TASKS, Result, ring_bytes, train
 from optim.onebit_adam import OnebitAdam
-
-Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-# ----------------------------------------------------------------------------------- tasks
-
-def _split(x: np.ndarray, y: np.ndarray, standardize: bool) -> Data:
-    """The same stratified 75/25 split on every rank, as float32 tensors."""
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0,
-                                                        stratify=y)
-    if standardize:
-        mean, std = x_train.mean(0), x_train.std(0)
-        x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
-    as_x = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
-    return as_x(x_train), torch.tensor(y_train), as_x(x_test), torch.tensor(y_test)
-
-
-def _digits() -> Data:
-    """8x8 digit images in [0, 1]: several border pixels are blank in (nearly) every image,
-    so their first-layer weights see (nearly) no gradient: the frozen-variance hazard."""
-    digits = load_digits()
-    return _split(digits.data / 16.0, digits.target, standardize=False)
-
-
-def _cancer() -> Data:
-    """30 standardized tabular features, two classes."""
-    cancer = load_breast_cancer()
-    return _split(cancer.data, cancer.target, standardize=True)
-
-
-def _mlp(inputs: int, outputs: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(inputs, 128), nn.ReLU(), nn.Linear(128, outputs))
-
-
-def _cnn(inputs: int, outputs: int) -> nn.Module:
-    """examples/train.py's model, on the digits as 1x8x8 images."""
-    return nn.Sequential(
-        nn.Unflatten(1, (1, 8, 8)),
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, outputs),
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    data: Callable[[], Data]
-    model: Callable[[int, int], nn.Module]
-    epochs: int
-
-
-TASKS = {
-    "digits": Task(_digits, _mlp, epochs=15),
-    "digits-cnn": Task(_digits, _cnn, epochs=8),
-    "cancer": Task(_cancer, _mlp, epochs=15),
-}
-
 
 # -------------------------------------------------------------------------------- variants
 
@@ -140,75 +78,13 @@ VARIANTS = {
 }
 
 
-# -------------------------------------------------------------------------------- training
-
-@dataclasses.dataclass
-class Result:
-    accuracy: float  # percent, on the test split
-    finite: bool
-    digest: str  # of the final parameters, to compare replicas
-    bytes_per_step: float  # sent by this rank per step in the last epoch
-
-
-def my_slice(count: int) -> slice:
-    r, n = C.rank(), C.size()
-    return slice(r * count // n, (r + 1) * count // n)
-
-
-def _train_epoch(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor, batch: int,
-                 seed: int) -> int:
-    """One pass in global batches of `batch`; returns the number of steps."""
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    batches = order.split(batch)
-    for rows in batches:
-        mine = rows[my_slice(len(rows))]
-        loss = F.cross_entropy(model(x[mine]), y[mine], reduction="sum")
-        # averaged over ranks, this is the mean loss of the global batch
-        (loss * C.size() / len(rows)).backward()
-        opt.step()
-        opt.zero_grad()
-    return len(batches)
-
-
-def _digest(model: nn.Module) -> str:
-    raw = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-    return hashlib.sha256(raw).hexdigest()
-
-
-def train(task: str, variant: str, seed: int, lr: float, freeze_step: int = 40,
-          batch: int = 64, epochs: int | None = None) -> Result:
-    """Train `task`'s model with `variant` on every rank; the same result on every rank."""
-    spec = TASKS[task]
-    x_train, y_train, x_test, y_test = spec.data()
-    torch.manual_seed(seed)
-    model = spec.model(x_train.shape[1], int(y_train.max()) + 1)
-    opt = VARIANTS[variant](list(model.parameters()), lr, freeze_step)
-    epochs = spec.epochs if epochs is None else epochs
-    for epoch in range(epochs):
-        if epoch == epochs - 1:
-            sent_before = C.stats()["bytes_sent"]
-        steps = _train_epoch(model, opt, x_train, y_train, batch, seed * 1000 + epoch)
-    sent = C.stats()["bytes_sent"] - sent_before
-    with torch.no_grad():
-        model.eval()
-        accuracy = (model(x_test).argmax(1) == y_test).double().mean().item() * 100
-    finite = all(torch.isfinite(p).all() for p in model.parameters())
-    return Result(accuracy, bool(finite), _digest(model), sent / steps)
-
-
-def ring_bytes(model_params: int) -> float:
-    """Bytes a float32 ring allreduce of every gradient sends per rank."""
-    n = C.size()
-    return 2 * (n - 1) / n * 4 * model_params
-
-
 # ---------------------------------------------------------------------------------- report
 
 def _sweep(task: str, variants: list[str], seeds: list[int], lrs: list[float],
            freeze_step: int) -> dict[str, list[Result]]:
     results = {}
     for variant in variants:
-        results[variant] = [train(task, variant, seed, lr, freeze_step)
+        results[variant] = [train(task, VARIANTS[variant], seed, lr, freeze_step)
                             for lr in lrs for seed in seeds]
         digests = C.allgather(np.array([[int(r.digest[:15], 16) for r in results[variant]]]))
         assert (digests == digests[0]).all(), f"{task}/{variant}: replicas differ"

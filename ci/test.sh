@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite (what `make test` and CI run): lint, CUDA compile check, unit tests,
-# then tests/mpi under mpirun at np 2, 3, 4 and with simulated nodes (2x2 and 2+1).
+# then tests/mpi under mpirun at np 1, 2, 3, 4 and with simulated nodes (2x2 and 2+1).
 set -eu
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -13,6 +13,7 @@ if [ -x ci/compile_cuda.sh ]; then
 fi
 echo "== tests/unit"
 "$py" -m pytest -q -p no:cacheprovider --color=no tests/unit
+ci/mpitest.sh 1
 ci/mpitest.sh 2
 ci/mpitest.sh 3
 ci/mpitest.sh 4

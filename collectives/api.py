@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import calls, dispatch, topology
+from . import algorithms, calls, topology
 from .agreement import PIGGYBACK_BYTES
 from .buffers import Buffer, host_float, store_float, wrap
 from .calls import Call
@@ -26,7 +26,7 @@ try:
 except ImportError:
     torch = _Tensor = None
 
-ALGORITHMS = dispatch.ALGORITHMS
+ALGORITHMS = algorithms.ALGORITHMS
 
 _INT64 = CODES["int64"]
 
@@ -105,7 +105,7 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
                          call.dtype_code, call.op_code, call.divisor)
 
     def move() -> Any:
-        dispatch.reduce(call.algorithm, topo, buf.flat, out.flat, op, buf.dtype)
+        algorithms.reduce(call.algorithm, topo, buf.flat, out.flat, op, buf.dtype)
         return _finish(buf, out)
 
     return call, Job(move)
@@ -179,7 +179,7 @@ def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, J
         out = buf.empty((int(everyone.sum()),) + buf.shape[1:])
         algo = calls.concrete(topo, "allgather", algorithm, out.nbytes)
         ENGINE.native.credit(topo.stats, "allgather", algo)  # `auto` chose by the total size
-        dispatch.allgather(algo, topo, buf.flat, out.flat, counts)
+        algorithms.allgather(algo, topo, buf.flat, out.flat, counts)
         return out.result()
 
     if not carried:  # very large jobs: the rows travel in a plain allgather
@@ -215,9 +215,9 @@ def _reducescatter(topo: topology.Topology, x: Any, op: Any,
         rows = _rows_split(buf.shape[0], topo.size)
         elems = _row_elems(buf.shape)
         out = buf.empty((rows[topo.rank],) + buf.shape[1:])
-        dispatch.reducescatter(call.algorithm, topo, buf.flat, out.flat,
+        algorithms.reducescatter(call.algorithm, topo, buf.flat, out.flat,
                                [r * elems for r in rows], kernel_op(op), buf.dtype)
-        dispatch.average(out.flat, buf.dtype, op, topo.size)
+        algorithms.average(out.flat, buf.dtype, op, topo.size)
         return out.result()
 
     return call, Job(move)
@@ -252,7 +252,7 @@ def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
         out = buf if inplace else buf.empty(buf.shape)
         if not inplace:
             out.flat[...] = buf.flat
-        dispatch.broadcast(call.algorithm, topo, out.flat, root)
+        algorithms.broadcast(call.algorithm, topo, out.flat, root)
         return _finish(buf, out)
 
     return call, Job(move)
@@ -299,7 +299,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, comm: Any = None) -> Any:
         if size < 0:
             raise ValueError(f"obj: root_rank {root}'s object cannot be pickled") from error
         data = np.frombuffer(payload, np.uint8).copy() if payload else np.empty(size, np.uint8)
-        dispatch.broadcast("mpi", topo, data, root)
+        algorithms.broadcast("mpi", topo, data, root)
         return obj if topo.rank == root else pickle.loads(data.tobytes())
 
     return ENGINE.run(topo, call, Job(move))

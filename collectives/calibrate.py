@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import kernels, select, topology
+from . import costmodel, kernels, select, topology
 from .ops import ReduceOp
 from .p2p import irecv, isend
 
@@ -70,9 +70,9 @@ def link(comm: MPI.Comm) -> tuple[float, float, float]:
     return alpha, max(beta, 1e-12), overhead
 
 
-def measure() -> select.Params:
+def measure() -> costmodel.Params:
     topo = topology.get()
-    defaults = select.Params()
+    defaults = costmodel.Params()
     values = dataclasses.asdict(defaults)
     if topo.local_size > 1:
         values["alpha_intra"], values["beta_intra"], values["overhead"] = link(topo.node_comm)
@@ -93,7 +93,7 @@ def measure() -> select.Params:
         steps = max(1, (topo.size - 1).bit_length())
         alpha = values["alpha_intra"] if len(topo.nodes) == 1 else values["alpha_inter"]
         values["mpi_call"] = max(t - steps * alpha, 0.0)
-    return select.Params(**values)
+    return costmodel.Params(**values)
 
 
 MEASURE_SIZES = [8, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _use(tuning: dict) -> None:
     """Make `auto` in this process use the fresh tuning (for the printed table)."""
-    select._tuning = lambda: tuning  # type: ignore[assignment]
-    select._choices.clear()
+    costmodel.tuning = lambda: tuning  # type: ignore[assignment]
+    select.choose.cache_clear()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-from . import agreement, dispatch, select
+from . import agreement, algorithms, select
 from .agreement import PIGGYBACK_BYTES
 from .dtypes import CODES, STORAGE
 from .engine import ENGINE
@@ -39,7 +39,7 @@ def concrete(topo: Topology, collective: str, algorithm: str, nbytes: int) -> st
     """The algorithm a call runs: `auto`'s choice, or the named one if it can run here."""
     if algorithm == "auto":
         return select.choose(collective, nbytes, topo)
-    dispatch.check_shm(algorithm, topo)
+    algorithms.check(algorithm, topo)
     return algorithm
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import calls, dispatch, kernels
+from . import algorithms, calls, kernels
 from .dtypes import FLOATING, numpy_dtype_name, torch_dtype, torch_dtype_name
 from .ops import ReduceOp
 from .topology import Topology
@@ -91,7 +91,7 @@ class TensorCompressor(Compressor):
         sent, ctx = self.compress(x)
         out = np.empty_like(sent)
         algo = calls.concrete(topo, "allreduce", algorithm, sent.nbytes)
-        dispatch.reduce(algo, topo, sent, out, op, sent.dtype.name)
+        algorithms.reduce(algo, topo, sent, out, op, sent.dtype.name)
         return self.decompress(out, ctx)
 
 
@@ -145,14 +145,14 @@ class Int8Compressor(TensorCompressor):
         for mine in (q, scales):
             everyone = np.empty((n, mine.size), mine.dtype)
             algo = calls.concrete(topo, "allgather", algorithm, everyone.nbytes)
-            dispatch.allgather(algo, topo, mine, everyone.reshape(-1), [mine.size] * n)
+            algorithms.allgather(algo, topo, mine, everyone.reshape(-1), [mine.size] * n)
             gathered.append(everyone)
         all_q, all_scales = gathered
         total = self.decompress(all_q[0], (all_scales[0], shape, "float32"))
         for r in range(1, n):
             part = self.decompress(all_q[r], (all_scales[r], shape, "float32"))
             kernels.reduce(total, [total, part], "float32", ReduceOp.Sum)
-        dispatch.average(total, "float32", op, n)
+        algorithms.average(total, "float32", op, n)
         return total
 
 

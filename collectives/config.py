@@ -1,5 +1,9 @@
 """One declared set of options; each is overridden by the environment variable
-COLLECTIVES_<NAME> (e.g. COLLECTIVES_RANKS_PER_NODE=2), derived from the field name."""
+COLLECTIVES_<NAME> (e.g. COLLECTIVES_RANKS_PER_NODE=2), derived from the field name.
+
+The process's options are one Config: get() returns it (read from the environment on first
+use), and topology.init installs the job's with set(); every module reads its settings
+there, so no setting lives in a module constant."""
 
 from __future__ import annotations
 
@@ -40,3 +44,22 @@ def from_env(environ: dict[str, str] | None = None) -> Config:
         raise ValueError(f"unknown option(s) {unknown}; known: {sorted(fields)}")
     values = {f.name: _parse(f, environ[var]) for var, f in fields.items() if var in environ}
     return Config(**values)
+
+
+_current: Config | None = None
+
+
+def get() -> Config:
+    """The options in force: those given to set(), else read from the environment once."""
+    global _current
+    if _current is None:
+        _current = from_env()
+    return _current
+
+
+def set(cfg: Config) -> None:
+    """Make cfg the options in force (topology.init calls this with the job's)."""
+    global _current
+    if not isinstance(cfg, Config):
+        raise TypeError(f"cfg: expected a Config, got {type(cfg).__name__}")
+    _current = cfg

@@ -98,6 +98,7 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
         comm = MPI.COMM_WORLD if comm is None else comm
         watchdog = Watchdog(comm, config.stall_warning_s, config.stall_timeout_s)
         _topology = Topology(comm, config, watchdog)
+        _config.set(config)
         _abort_on_uncaught_exceptions()
     return _topology
 

@@ -1,2 +1,101 @@
-"""One module per algorithm; each provides allreduce, allgather, reducescatter and
-broadcast as plain functions over a communicator and flat host arrays."""
+"""The algorithm registry, and the one place that runs algorithm X for collective Y.
+
+Every module listed in REGISTRY provides, as plain functions:
+  allreduce(comm, send, recv, op, dtype)            recv = reduction of every send
+  reducescatter(comm, send, recv, counts, op, dtype) recv = this rank's block of it
+  allgather(comm, send, recv, counts)               recv = every send in rank order
+  broadcast(comm, buf, root)                        buf = root's buf
+  cost(collective, nbytes, layout, params) -> float  predicted seconds on a group of that
+      Layout (collectives/costmodel.py), the formula its docstring states; math.inf where
+      `auto` must not pick it
+and optionally check(layout), which raises ValueError where the algorithm cannot run at all.
+comm is a communicator over flat host arrays, except for a module that sets
+TAKES_TOPOLOGY = True (hierarchical): its collectives take the Topology in its place.
+Adding an algorithm is one new module and one entry in REGISTRY (flat.FLAT for a
+flat one)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from types import ModuleType
+
+import numpy as np
+
+from .. import kernels
+from ..costmodel import Layout, Params
+from ..ops import ReduceOp, kernel_op
+from ..topology import Topology
+from . import flat, hierarchical
+
+#: Every algorithm by name: the flat ones (flat.py), then the two-level one; a tie in cost
+#: goes to the earlier one.
+REGISTRY: dict[str, ModuleType] = {**flat.FLAT, "hierarchical": hierarchical}
+#: The algorithm names a caller may pass.
+ALGORITHMS = ("auto", *REGISTRY)
+
+
+def costs(collective: str, nbytes: int, layout: Layout, p: Params) -> dict[str, float]:
+    """Predicted seconds of every registered algorithm that may run this call on layout."""
+    found = {name: m.cost(collective, nbytes, layout, p) for name, m in REGISTRY.items()}
+    return {name: t for name, t in found.items() if t < math.inf}
+
+
+def cheapest(collective: str, nbytes: int, layout: Layout, p: Params) -> str:
+    """The registered algorithm with the lowest cost for this call on layout."""
+    found = costs(collective, nbytes, layout, p)
+    return min(found, key=found.get)
+
+
+def function(algo: str, collective: str) -> Callable:
+    """Module algo's function for collective."""
+    return getattr(REGISTRY[algo], collective)
+
+
+def check(algo: str, topo: Topology) -> None:
+    """Raise ValueError if algo (a name from ALGORITHMS) cannot run on topo's world."""
+    module = REGISTRY.get(algo)
+    if module is not None and hasattr(module, "check"):
+        module.check(Layout.of(topo))
+
+
+def _group(algo: str, topo: Topology):
+    return topo if getattr(REGISTRY[algo], "TAKES_TOPOLOGY", False) else topo.comm
+
+
+def allreduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+              dtype: str) -> None:
+    """Run algo's allreduce over topo's world."""
+    function(algo, "allreduce")(_group(algo, topo), send, recv, op, dtype)
+
+
+def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+           dtype: str) -> None:
+    """recv = op over every rank's send (send may be recv), Average included: the data
+    moves as a Sum and is divided once at the end."""
+    allreduce(algo, topo, send, recv, kernel_op(op), dtype)
+    average(recv, dtype, op, topo.size)
+
+
+def average(out: np.ndarray, dtype: str, op: ReduceOp, n: int) -> None:
+    """Finish an Average over n ranks that moved as a Sum: one division (floor division
+    for integers); nothing for the other ops."""
+    if op is ReduceOp.Average and n > 1:
+        kernels.divide(out, dtype, n)
+
+
+def reducescatter(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
+                  counts: list[int], op: ReduceOp, dtype: str) -> None:
+    """Run algo's reducescatter over topo's world."""
+    function(algo, "reducescatter")(_group(algo, topo), send, recv, counts, op, dtype)
+
+
+def allgather(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
+              counts: list[int]) -> None:
+    """Run algo's allgather over topo's world."""
+    function(algo, "allgather")(_group(algo, topo), send, recv, counts)
+
+
+def broadcast(algo: str, topo: Topology, buf: np.ndarray, root: int) -> None:
+    """Run algo's broadcast over topo's world."""
+    function(algo, "broadcast")(_group(algo, topo), buf, root)

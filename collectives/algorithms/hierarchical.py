@@ -14,24 +14,87 @@ How it works.
   broadcast      root -> its node leader -> all leaders -> every rank of each node.
 Uneven nodes (e.g. 2 + 1 ranks) work: a smaller node's ranks own more shards.
 
-Cost (N nodes of L ranks, m bytes; intra alpha_i, beta_i; inter alpha_x, beta_x), allreduce:
-  intra 2(L-1) alpha_i + 2(L-1)/L m beta_i   +   inter on m/L: 2(N-1) alpha_x + 2(N-1)/N m/L beta_x
-so inter-node bytes per rank are 1/L of a flat ring's: ~L x faster when links are the limit.
-The intra- and inter-node algorithms are chosen per call (see collectives/select.py).
+Each level runs the registered flat algorithm that is cheapest there for its step's size
+(`plan`, which both the collectives below and cost() call, so the price is what runs); the
+node level is priced as the largest node (L ranks), the cross-node level as N single ranks.
+
+Cost (N nodes of at most L ranks, m bytes): the sum of plan's steps, each the chosen
+algorithm's cost() on its level; the point-to-point hand-offs (reducescatter's rows, a
+broadcast root's hop to its leader) are left out. The steps:
+  allreduce      reducescatter of m on the node + allreduce of m/L across + allgather of m
+                 on the node; with ring at both levels: 2(L-1) alpha_i + 2(L-1)/L m beta_i
+                 + 2(N-1) alpha_x + 2(N-1)/N m/L beta_x, so inter-node bytes per rank are
+                 1/L of a flat ring's: ~L x faster when links are the limit
+  allgather      allgather of m/N on the node + allgather of m across + broadcast of m
+  reducescatter  reduce of m to the leader (a reducescatter) + reducescatter of m across
+  broadcast      broadcast of m across + broadcast of m on the node
+Only on several nodes with more than one rank on some node (math.inf elsewhere, so `auto`
+never picks it there; run explicitly, it still works).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import costmodel
+from ..costmodel import Layout, Params
 from ..ops import ReduceOp
 from ..p2p import even_bounds, irecv, isend
 from ..topology import Topology
+from .flat import FLAT, cheapest
 
 TAG_SCATTER, TAG_ROOT = 31, 32
+#: The registry runs this module's collectives on the Topology, not on a communicator.
+TAKES_TOPOLOGY = True
+
+
+def _steps(collective: str, m: int, L: int, N: int) -> dict[str, tuple[str, str, int]]:
+    """Each level step of a call of m bytes over N nodes of at most L ranks:
+    step -> (flat collective, "intra" or "inter", bytes), as the collectives below run them."""
+    return {
+        "allreduce": {"intra_rs": ("reducescatter", "intra", m),
+                      "inter_ar": ("allreduce", "inter", m // L),
+                      "intra_ag": ("allgather", "intra", m)},
+        "allgather": {"intra_ag": ("allgather", "intra", m // N),
+                      "inter_ag": ("allgather", "inter", m),
+                      "intra_bcast": ("broadcast", "intra", m)},
+        "reducescatter": {"intra_rs": ("reducescatter", "intra", m),
+                          "inter_rs": ("reducescatter", "inter", m)},
+        "broadcast": {"inter_bcast": ("broadcast", "inter", m),
+                      "intra_bcast": ("broadcast", "intra", m)},
+    }[collective]
+
+
+def plan(collective: str, nbytes: int, layout: Layout,
+         p: Params) -> dict[str, tuple[str, Layout, int, str]]:
+    """Each step of a hierarchical call of nbytes on layout: step -> (flat collective,
+    level layout, bytes, the flat algorithm cheapest there). The one place a level's
+    algorithm is decided; it depends only on values every rank shares, so all ranks of a
+    level run the same algorithm."""
+    levels = {"intra": layout.intra(), "inter": layout.inter()}
+    steps = {}
+    for step, (flat, level, m) in _steps(collective, nbytes, max(layout.max_local, 1),
+                                         max(layout.nodes, 1)).items():
+        steps[step] = (flat, levels[level], m, cheapest(flat, m, levels[level], p))
+    return steps
+
+
+def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
+    """Predicted seconds of one call on layout: the sum of plan's steps."""
+    if layout.nodes <= 1 or layout.max_local <= 1:
+        return math.inf
+    return sum(FLAT[algo].cost(flat, m, where, p)
+               for flat, where, m, algo in plan(collective, nbytes, layout, p).values())
+
+
+def _levels(collective: str, nbytes: int, topo: Topology) -> dict[str, Callable]:
+    """step -> the flat function plan chose for it on topo."""
+    steps = plan(collective, nbytes, Layout.of(topo), costmodel.params())
+    return {step: getattr(FLAT[algo], flat) for step, (flat, _, _, algo) in steps.items()}
 
 
 def _node_order(topo: Topology) -> list[int]:
@@ -39,9 +102,10 @@ def _node_order(topo: Topology) -> list[int]:
     return [r for node in topo.nodes for r in node]
 
 
-def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp, dtype: str,
-              intra_rs: Callable, intra_ag: Callable, inter_ar: Callable) -> None:
+def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+              dtype: str) -> None:
     """recv = reduction of every rank's send (send may be recv)."""
+    level = _levels("allreduce", recv.nbytes, topo)
     shards = even_bounds(recv.size, topo.max_local_size)
     owned = [s for s in range(topo.max_local_size) if topo.shard_owner(s) == topo.local_rank]
     local_counts = [0] * topo.local_size
@@ -49,29 +113,29 @@ def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp, 
         local_counts[topo.shard_owner(s)] += shards[s + 1] - shards[s]
     lo, hi = shards[owned[0]], shards[owned[-1] + 1]
     # 1. intra-node reduce-scatter into this rank's own part of recv
-    intra_rs(topo.node_comm, send, recv[lo:hi], local_counts, op, dtype)
+    level["intra_rs"](topo.node_comm, send, recv[lo:hi], local_counts, op, dtype)
     # 2. inter-node allreduce of each owned shard
     for s in owned:
         comm = topo.shard_comm(s)
         piece = recv[shards[s]:shards[s + 1]]
         if comm.Get_size() > 1 and piece.size:
-            inter_ar(comm, piece, piece, op, dtype)
+            level["inter_ar"](comm, piece, piece, op, dtype)
     # 3. intra-node allgather of the reduced parts
-    intra_ag(topo.node_comm, recv[lo:hi].copy(), recv, local_counts)
+    level["intra_ag"](topo.node_comm, recv[lo:hi].copy(), recv, local_counts)
 
 
-def allgather(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: list[int],
-              intra_ag: Callable, inter_ag: Callable, intra_bcast: Callable) -> None:
+def allgather(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
     """recv = every rank's send in world rank order."""
+    level = _levels("allgather", recv.nbytes, topo)
     node_counts = [[counts[r] for r in node] for node in topo.nodes]
     mine = node_counts[topo.node_index]
     node_block = np.empty(sum(mine), dtype=send.dtype)
-    intra_ag(topo.node_comm, send, node_block, mine)
+    level["intra_ag"](topo.node_comm, send, node_block, mine)
     if topo.local_rank == 0:
         gathered = np.empty_like(recv)
-        inter_ag(topo.cross_comm, node_block, gathered, [sum(c) for c in node_counts])
+        level["inter_ag"](topo.cross_comm, node_block, gathered, [sum(c) for c in node_counts])
         _to_world_order(topo, gathered, recv, counts)
-    intra_bcast(topo.node_comm, recv, 0)
+    level["intra_bcast"](topo.node_comm, recv, 0)
 
 
 def _to_world_order(topo: Topology, node_ordered: np.ndarray, out: np.ndarray,
@@ -96,18 +160,20 @@ def _from_world_order(topo: Topology, buf: np.ndarray, counts: list[int]) -> np.
 
 
 def reducescatter(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: list[int],
-                  op: ReduceOp, dtype: str, intra_rs: Callable, inter_rs: Callable) -> None:
+                  op: ReduceOp, dtype: str) -> None:
     """recv = this rank's block of the reduction of every send."""
+    level = _levels("reducescatter", send.nbytes, topo)
     leader = topo.local_rank == 0
     node_sum = np.empty(send.size if leader else 0, dtype=send.dtype)
     # 1. reduce the whole buffer onto the node leader (a reduce-scatter with one owner)
-    intra_rs(topo.node_comm, send, node_sum, [send.size] + [0] * (topo.local_size - 1), op, dtype)
+    level["intra_rs"](topo.node_comm, send, node_sum, [send.size] + [0] * (topo.local_size - 1),
+                       op, dtype)
     if leader:
         # 2. leaders reduce-scatter node-sized blocks
         node_counts = [sum(counts[r] for r in node) for node in topo.nodes]
         mine = np.empty(node_counts[topo.node_index], dtype=send.dtype)
-        inter_rs(topo.cross_comm, _from_world_order(topo, node_sum, counts), mine,
-                 node_counts, op, dtype)
+        level["inter_rs"](topo.cross_comm, _from_world_order(topo, node_sum, counts), mine,
+                           node_counts, op, dtype)
         # 3. hand each local rank its rows
         offs = np.concatenate([[0], np.cumsum([counts[r] for r in topo.nodes[topo.node_index]])])
         reqs = [isend(topo.node_comm, mine[offs[j]:offs[j + 1]], j, TAG_SCATTER)
@@ -118,9 +184,9 @@ def reducescatter(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: li
         irecv(topo.node_comm, recv, 0, TAG_SCATTER).Wait()
 
 
-def broadcast(topo: Topology, buf: np.ndarray, root: int, intra_bcast: Callable,
-              inter_bcast: Callable) -> None:
+def broadcast(topo: Topology, buf: np.ndarray, root: int) -> None:
     """buf on every rank = buf on world rank root."""
+    level = _levels("broadcast", buf.nbytes, topo)
     root_node = next(i for i, node in enumerate(topo.nodes) if root in node)
     root_leader = topo.nodes[root_node][0]
     if root != root_leader:  # bring the data to the root node's leader
@@ -129,5 +195,5 @@ def broadcast(topo: Topology, buf: np.ndarray, root: int, intra_bcast: Callable,
         elif topo.rank == root_leader:
             irecv(topo.comm, buf, root, TAG_ROOT).Wait()
     if topo.local_rank == 0:
-        inter_bcast(topo.cross_comm, buf, root_node)
-    intra_bcast(topo.node_comm, buf, 0)
+        level["inter_bcast"](topo.cross_comm, buf, root_node)
+    level["intra_bcast"](topo.node_comm, buf, 0)

@@ -8,19 +8,26 @@ wrap (open-mpi/ompi#8045, closed as wontfix), so its native 8-bit Sum disagrees 
 other algorithm. And so do float Min/Max: MPI's MIN/MAX drop a NaN depending on operand
 order, where ours propagate it (as numpy.minimum), so `auto` switching algorithms by size
 never changes an answer.
-Average is a Sum here too: the caller divides once."""
+Average is a Sum here too: the caller divides once.
+
+Cost, as cost() computes it: the library picks among algorithms like ours and runs their
+steps in C, so the better of ring's and tree's formulas with no per-message overhead (o = 0),
+plus one mpi_call of fixed cost."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import kernels
+from ..costmodel import Layout, Params
 from ..dtypes import FLOATING, STORAGE
 from ..ops import ReduceOp
 from ..p2p import message
+from . import ring, tree
 
 #: Elements per MPI call: MPI 3.1 counts are C ints.
 MAX_COUNT = 1 << 30
@@ -96,3 +103,12 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
 
 def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     comm.Bcast(message(buf), root=root)
+
+
+def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
+    """Predicted seconds of one call on layout (see the module docstring)."""
+    if layout.size <= 1:
+        return 0.0
+    in_c = dataclasses.replace(p, overhead=0.0)
+    return min(ring.cost(collective, nbytes, layout, in_c),
+               tree.cost(collective, nbytes, layout, in_c)) + p.mpi_call

@@ -4,15 +4,18 @@ How it works: the buffer is cut into n chunks, one per rank. Reduce-scatter: in 
 every rank sends one chunk to its right neighbour and folds the chunk arriving from its left
 into its own contribution; after the last step rank r holds chunk r reduced over all ranks.
 Allgather: n-1 more steps pass the finished chunks around the ring. Each step is cut into
-segments that are all posted non-blocking, and a segment is reduced as soon as it lands, so
-the reduction of one segment overlaps the transfer of the next. Every chunk is reduced on
-exactly one rank and then copied, so all ranks end with bit-identical results.
+segments (Config.ring_segment_bytes) that are all posted non-blocking, and a segment is
+reduced as soon as it lands, so the reduction of one segment overlaps the transfer of the
+next. Every chunk is reduced on exactly one rank and then copied, so all ranks end with
+bit-identical results.
 
-Cost for n ranks and m bytes (alpha latency, beta seconds per byte, gamma reduction):
-  allreduce      2(n-1) alpha + 2(n-1)/n m beta + (n-1)/n m gamma
-  reducescatter   (n-1) alpha +  (n-1)/n m beta + (n-1)/n m gamma
-  allgather       (n-1) alpha +  (n-1)/n m beta        (m = gathered bytes)
-  broadcast      (n-1+s) alpha + m beta               (chain of s pipelined segments)
+Cost for n ranks and m bytes (alpha latency + o our per-message overhead, beta seconds per
+byte, gamma seconds per byte reduced), as cost() computes it:
+  allreduce      2(n-1) (alpha+o) + 2(n-1)/n m beta + (n-1)/n m gamma
+  reducescatter   (n-1) (alpha+o) +  (n-1)/n m beta + (n-1)/n m gamma
+  allgather       (n-1) (alpha+o) +  (n-1)/n m beta        (m = gathered bytes)
+  broadcast      (n-2+s) (alpha+o) + m beta    (a chain: the last of s segments leaves
+                                               the root at step s, then n-2 more hops)
 """
 
 from __future__ import annotations
@@ -22,13 +25,18 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .. import kernels
+from .. import config, kernels
+from ..costmodel import Layout, Params
 from ..ops import ReduceOp
 from ..p2p import even_bounds, irecv, isend, segments
 
 TAG_RS, TAG_AG, TAG_BCAST = 11, 12, 13
 #: Largest single message: keeps MPI's int counts in range whatever the buffer size.
 MAX_MESSAGE_BYTES = 1 << 30
+
+
+def _segment_elems(itemsize: int) -> int:
+    return max(1, config.get().ring_segment_bytes // itemsize)
 
 
 def _reduce_scatter(comm: MPI.Comm, send: np.ndarray, bounds: list[int], op: ReduceOp,
@@ -71,8 +79,8 @@ def _ring_allgather(comm: MPI.Comm, buf: np.ndarray, bounds: list[int]) -> None:
         MPI.Request.Waitall(reqs)
 
 
-def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, dtype: str,
-              segment_bytes: int) -> None:
+def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+              dtype: str) -> None:
     """recv = reduction of every rank's send (send may be recv)."""
     n = comm.Get_size()
     if n == 1 or recv.size == 0:
@@ -80,21 +88,21 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, 
             recv[...] = send
         return
     bounds = even_bounds(recv.size, n)
-    seg = max(1, segment_bytes // recv.itemsize)
+    seg = _segment_elems(recv.itemsize)
     _reduce_scatter(comm, send, bounds, op, dtype, seg,
                     lambda step, c: recv[bounds[c]:bounds[c + 1]])
     _ring_allgather(comm, recv, bounds)
 
 
 def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
-                  op: ReduceOp, dtype: str, segment_bytes: int) -> None:
+                  op: ReduceOp, dtype: str) -> None:
     """recv = this rank's block (counts[rank] elements) of the reduction of every send."""
     n = comm.Get_size()
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
     if n == 1:
         recv[...] = send
         return
-    seg = max(1, segment_bytes // send.itemsize)
+    seg = _segment_elems(send.itemsize)
     largest = max(counts)
     pingpong = [np.empty(largest, dtype=send.dtype) for _ in range(2)]
 
@@ -112,14 +120,14 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
     _ring_allgather(comm, recv, bounds)
 
 
-def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int, segment_bytes: int) -> None:
+def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     """buf on every rank = buf on root, passed down a pipelined chain root -> root+1 -> ..."""
     n, r = comm.Get_size(), comm.Get_rank()
     if n == 1 or buf.size == 0:
         return
     pos = (r - root) % n
     prev, nxt = (r - 1) % n, (r + 1) % n
-    pieces = segments(buf.size, max(1, segment_bytes // buf.itemsize))
+    pieces = segments(buf.size, _segment_elems(buf.itemsize))
     recvs = [irecv(comm, buf[a:b], prev, TAG_BCAST) for a, b in pieces] if pos > 0 else []
     sends = []
     for i, (a, b) in enumerate(pieces):
@@ -128,3 +136,21 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int, segment_bytes: int) ->
         if pos < n - 1:
             sends.append(isend(comm, buf[a:b], nxt, TAG_BCAST))
     MPI.Request.Waitall(sends)
+
+
+def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
+    """Predicted seconds of one call on layout (the formulas in the module docstring)."""
+    n, m = layout.size, nbytes
+    if n <= 1:
+        return 0.0
+    alpha, beta = layout.link(p)
+    step = alpha + p.overhead
+    share = (n - 1) / n * m
+    if collective == "allreduce":
+        return 2 * (n - 1) * step + 2 * share * beta + share * p.gamma
+    if collective == "reducescatter":
+        return (n - 1) * step + share * beta + share * p.gamma
+    if collective == "allgather":
+        return (n - 1) * step + share * beta
+    pieces = max(1, -(-m // config.get().ring_segment_bytes))
+    return (n - 2 + pieces) * step + m * beta

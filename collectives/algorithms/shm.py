@@ -26,6 +26,9 @@ counted chunk g - DEPTH as DONE. Stage s of chunk k runs at step k + s, so each 
 work the others did a step earlier, and chunks stay in cache from copy-in to copy-out.
 Every element is folded once, in rank order, so all ranks get bit-identical results.
 
+A wait longer than Config.stall_timeout_s means a rank has left the collective: it raises
+(None: wait forever, as the rest of the library does).
+
 Cost per rank for L ranks and m bytes (w = one counter wait, about a microsecond; copies and
 folds run at memory speed; waits overlap work across the pipeline):
   allreduce      copy in (L-1)/L m, fold m/L (reading m), copy out m; 3 w per chunk. Memory
@@ -36,11 +39,15 @@ folds run at memory speed; waits overlap work across the pipeline):
   reducescatter  copy in (L-1)/L m, fold m/L; 2 w per chunk.
   allgather      copy in 2 m/L (window and own block), copy out (L-1)/L m (m = gathered).
   broadcast      root copies m in, the others m out; 2 w per chunk.
+cost() prices a call as 3 (alpha + o) per chunk of SLOT_BYTES (at least one) plus passes x m
+x gamma, passes = 3 for allreduce and 2 for the others (each pass moves memory about as fast
+as our kernels reduce); math.inf on a group that spans several nodes.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Callable
@@ -48,7 +55,8 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .. import kernels
+from .. import config, kernels
+from ..costmodel import Layout, Params
 from ..ops import ReduceOp
 from ..p2p import even_bounds
 
@@ -62,14 +70,9 @@ DEPTH = 4
 #: Calls staging at most this many bytes in all (every rank's whole input) take one chunk:
 #: one wait instead of two or three, at the price of copying whole inputs in.
 SMALL_BYTES = 256 << 10
-#: A wait this long means a rank has left the collective: raise instead of hanging.
-STALL_SECONDS = 300.0
 #: Seconds a waiting rank polls before it yields its core between polls (at once when the
 #: machine runs more ranks than it has cores: then the rank waited for may need this core).
 SPIN_SECONDS = 1e-3
-#: Tests only: the C++ stages of windows made while this is > 0 sleep up to this long
-#: before a fifth of their counter posts, so ranks drift apart mid-call.
-JITTER_SECONDS = 0.0
 
 _HEADER = 4096  # counters page at the start of each segment
 _STRIDE = 16  # int64s between counters: each on its own 128-byte line pair
@@ -96,7 +99,7 @@ class _Window:
     """One communicator's shared window: each rank's counters and staging buffers."""
 
     __slots__ = ("win", "rank", "size", "slot_bytes", "flags", "segments", "native", "typed",
-                 "seq", "spin_seconds")
+                 "seq", "spin_seconds", "stall_seconds")
 
     def __init__(self, comm: MPI.Comm, slot_bytes: int):
         self.slot_bytes = slot_bytes
@@ -108,13 +111,20 @@ class _Window:
         self.win.Lock_all(MPI.MODE_NOCHECK)  # Win.Sync needs a passive-target epoch
         raw = [self.win.Shared_query(j)[0] for j in range(self.size)]
         self.flags = [memoryview(b)[:_HEADER].cast("q") for b in raw]
+        # MPI does not promise zeroed memory (a one-rank window comes from malloc): zero our
+        # counters, and let no rank read a peer's before the peer has
+        np.frombuffer(raw[self.rank], np.uint8, _HEADER)[:] = 0
+        self.win.Sync()
+        comm.Barrier()
         self.segments = [np.frombuffer(b, np.uint8, DEPTH * slot_bytes, _HEADER) for b in raw]
         self.typed: dict[np.dtype, list[np.ndarray]] = {}
         self.seq = 0  # chunks done so far on this window, the same on every rank
         self.spin_seconds = SPIN_SECONDS if _ranks_on_machine(self.size) <= _cores() else 0.0
+        timeout = config.get().stall_timeout_s
+        self.stall_seconds = math.inf if timeout is None else timeout
         self.native = kernels.shm_window(  # the same layout for the C++ stages
             [np.frombuffer(b, np.uint8).ctypes.data for b in raw], self.rank, _HEADER, _STRIDE,
-            slot_bytes, DEPTH, self.spin_seconds, STALL_SECONDS, JITTER_SECONDS)
+            slot_bytes, DEPTH, self.spin_seconds, self.stall_seconds)
 
     def data(self, dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's DEPTH buffers as one flat array of dtype (cached per dtype)."""
@@ -151,9 +161,9 @@ class _Window:
                 waited = time.perf_counter() - start
                 if waited > self.spin_seconds:
                     os.sched_yield()
-                if waited > STALL_SECONDS:
+                if waited > self.stall_seconds:
                     raise RuntimeError(f"shm: rank {j} has not counted chunk {g} as "
-                                       f"{_COUNTERS[counter]} after {STALL_SECONDS:g} s; "
+                                       f"{_COUNTERS[counter]} after {self.stall_seconds:g} s; "
                                        "did it leave the collective?")
 
     def free(self) -> None:
@@ -224,6 +234,26 @@ def shutdown(comm: MPI.Comm | None = None) -> None:
     for key in list(_windows):
         if comm is None or key == comm.handle:
             _forget(key)
+
+
+def check(layout: Layout) -> None:
+    """shm needs every rank of the group on one node."""
+    if layout.nodes > 1:
+        raise ValueError(f"algorithm: 'shm' needs every rank on one node, but the job spans "
+                         f"{layout.nodes} nodes; use 'hierarchical' (its node level uses "
+                         f"shared memory) or 'auto'")
+
+
+def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
+    """Predicted seconds of one call on layout (see the module docstring)."""
+    if layout.nodes > 1:
+        return math.inf
+    if layout.size <= 1:
+        return 0.0
+    alpha, _ = layout.link(p)
+    passes = 3 if collective == "allreduce" else 2
+    chunks = max(1, nbytes // SLOT_BYTES)
+    return 3 * chunks * (alpha + p.overhead) + passes * nbytes * p.gamma
 
 
 # ------------------------------------------------------------------------------- plumbing

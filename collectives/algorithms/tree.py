@@ -12,11 +12,13 @@ their result back at the end.
   allgather      Bruck: at distance 1, 2, 4, ... send everything held so far; any n, no fold
   broadcast      binomial tree from the root
 
-Cost for n ranks and m bytes (alpha latency, beta seconds per byte):
-  allreduce      (log2 p + 2[e>0]) alpha + (log2 p + 2[e>0]) m beta
-  reducescatter  (log2 p + 2[e>0]) alpha + ((p-1)/p + [e>0]) m beta
-  allgather      ceil(log2 n) alpha + (n-1)/n m beta
-  broadcast      ceil(log2 n) alpha + ceil(log2 n) m beta
+Cost for n ranks and m bytes (alpha latency + o our per-message overhead, beta seconds per
+byte, gamma seconds per byte reduced; d = log2 p + 2[e>0] recursive-doubling steps, the
+fold in and out counted), as cost() computes it:
+  allreduce      d (alpha+o) + d m beta + (log2 p + [e>0]) m gamma
+  reducescatter  d (alpha+o) + ((p-1)/p + [e>0]) m beta + ((p-1)/p + [e>0]) m gamma
+  allgather      ceil(log2 n) (alpha+o) + (n-1)/n m beta
+  broadcast      ceil(log2 n) (alpha+o) + ceil(log2 n) m beta
 Latency wins for small messages; ring wins on bandwidth for large ones.
 """
 
@@ -26,6 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import kernels
+from ..costmodel import Layout, Params, log2_steps
 from ..dtypes import CODES
 from ..engine import ENGINE
 from ..kernels import _C
@@ -168,3 +171,29 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
             sends.append(isend(comm, buf, (r + mask) % n, TAG_BCAST))
         mask >>= 1
     MPI.Request.Waitall(sends)
+
+
+def doubling_steps(n: int) -> int:
+    """Steps of recursive doubling over n ranks: log2 p, plus the fold in and out of the
+    extra ranks when n is not a power of two (also the agreement exchange's step count)."""
+    p, e = _fold_shape(n)
+    return p.bit_length() - 1 + (2 if e else 0)
+
+
+def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
+    """Predicted seconds of one call on layout (the formulas in the module docstring)."""
+    n, m = layout.size, nbytes
+    if n <= 1:
+        return 0.0
+    alpha, beta = layout.link(p)
+    step = alpha + p.overhead
+    pow2, extra = _fold_shape(n)
+    d = doubling_steps(n)
+    if collective == "allreduce":
+        return d * step + d * m * beta + (d - (1 if extra else 0)) * m * p.gamma
+    if collective == "reducescatter":
+        moved = ((pow2 - 1) / pow2 + (1 if extra else 0)) * m
+        return d * step + moved * (beta + p.gamma)
+    if collective == "allgather":
+        return log2_steps(n) * step + (n - 1) / n * m * beta
+    return log2_steps(n) * (step + m * beta)

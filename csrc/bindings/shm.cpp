@@ -17,8 +17,7 @@ namespace {
 
 ShmWindow make_shm_window(const std::vector<uintptr_t>& segments, int rank,
                           int64_t header_bytes, int64_t stride, int64_t slot_bytes,
-                          int64_t depth, double spin_seconds, double stall_seconds,
-                          double jitter_seconds) {
+                          int64_t depth, double spin_seconds, double stall_seconds) {
   if (rank < 0 || rank >= static_cast<int>(segments.size()))
     throw py::value_error("rank: out of range");
   if (depth <= 0 || slot_bytes <= 0 || header_bytes < 3 * stride * 8 || stride <= 0)
@@ -32,7 +31,6 @@ ShmWindow make_shm_window(const std::vector<uintptr_t>& segments, int rank,
   w.depth = depth;
   w.spin_seconds = spin_seconds;
   w.stall_seconds = stall_seconds;
-  w.jitter_seconds = jitter_seconds;
   return w;
 }
 
@@ -89,7 +87,15 @@ void bind_shm(py::module_& m) {
   py::class_<ShmWindow>(m, "ShmWindow", "A shared window's layout, seen from one rank (shm.h)")
       .def(py::init(&make_shm_window), py::arg("segments"), py::arg("rank"),
            py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),
-           py::arg("spin_seconds"), py::arg("stall_seconds"), py::arg("jitter_seconds"));
+           py::arg("spin_seconds"), py::arg("stall_seconds"))
+      .def(
+          "set_jitter",
+          [](ShmWindow& w, double seconds) {
+            if (!(seconds >= 0)) throw py::value_error("seconds: must be >= 0");
+            w.jitter_seconds = seconds;
+          },
+          py::arg("seconds"),
+          "Tests only: sleep up to seconds before a fifth of this window's counter posts");
   m.def("shm_reduce", &py_shm_reduce, py::arg("window"), py::arg("seq"), py::arg("send"),
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("dtype"),
         py::arg("op"), py::arg("allreduce"),

@@ -20,8 +20,9 @@ struct ShmWindow {
   int64_t slot_bytes = 0;     // one staging buffer
   int64_t depth = 0;          // staging buffers per rank
   double spin_seconds = 0;    // poll this long before yielding the core between polls
-  double stall_seconds = 0;   // then give up: a rank has left the collective
-  double jitter_seconds = 0;  // tests: sleep up to this long before a fifth of the posts
+  double stall_seconds = 0;   // then give up: a rank has left the collective (inf: never)
+  double jitter_seconds = 0;  // tests only (set_jitter): sleep up to this long before a
+                              // fifth of the posts, so ranks drift apart mid-call
 };
 
 // Counter indices (shm.py: READY, REDUCED, DONE).

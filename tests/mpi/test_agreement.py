@@ -13,7 +13,7 @@ import collectives as C
 from collectives.agreement import PIGGYBACK_BYTES
 from collectives.engine import ENGINE
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 
 
 def _expect_mismatch(comm, call, word: str) -> str:
@@ -28,6 +28,7 @@ def _expect_mismatch(comm, call, word: str) -> str:
     return text
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algo", ["tree", "auto"])
 def test_small_against_large_payload_is_a_shape_mismatch(comm, algo):
     # rank 0 rides the agreement (small), the others send only the header (large)
@@ -37,6 +38,7 @@ def test_small_against_large_payload_is_a_shape_mismatch(comm, algo):
     assert "rank 0 has (16,)" in text, text
 
 
+@pytest.mark.mpi(min_size=2)
 def test_fast_path_against_general_collective(comm):
     r = comm.Get_rank()
     x = np.ones(8, np.float32)
@@ -46,6 +48,7 @@ def test_fast_path_against_general_collective(comm):
     assert "rank 0 called allreduce" in text, text
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("field,value", [("op", C.Max), ("dtype", np.float64)])
 def test_fast_path_field_mismatch_on_last_rank(comm, field, value):
     last = comm.Get_rank() == comm.Get_size() - 1

@@ -10,7 +10,7 @@ import torch
 
 import collectives as C
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 
 
 def test_topology_matches_world(comm):
@@ -60,6 +60,7 @@ def test_bad_arguments_raise():
         C.synchronize(42)
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algo", list(C.ALGORITHMS))
 def test_mismatch_raises_same_error_everywhere_and_recovers(comm, algo):
     r, n = comm.Get_rank(), comm.Get_size()
@@ -112,6 +113,7 @@ def test_broadcast_object(comm):
     assert C.broadcast_object(None if r else "x") == "x"
 
 
+@pytest.mark.mpi(min_size=2)
 def test_async_in_submission_order(comm):
     n, r = comm.Get_size(), comm.Get_rank()
     xs = [np.full(1000 * (i + 1), i + r, np.float64) for i in range(6)]
@@ -130,6 +132,7 @@ def test_async_in_submission_order(comm):
     assert C.synchronize(rs).tolist() == [[n, n]]
 
 
+@pytest.mark.mpi(min_size=2)
 def test_async_error_is_raised_by_synchronize(comm):
     r = comm.Get_rank()
     h = C.allreduce_async(np.zeros(3 + r))

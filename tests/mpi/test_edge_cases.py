@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 import collectives as C
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 ALGOS = list(C.ALGORITHMS)
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algo", ALGOS)
 def test_nan_and_inf_follow_ieee(comm, algo):
     r, n = comm.Get_rank(), comm.Get_size()

@@ -13,7 +13,7 @@ from mpi4py import MPI
 import collectives as C
 from collectives.onebit import compressed_allreduce, error_sizes
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 f32 = np.float32
 
 
@@ -185,6 +185,7 @@ def test_bytes_on_the_wire(comm, block):
     assert sent <= ring / 20
 
 
+@pytest.mark.mpi(min_size=2)
 def test_rejects_bad_arguments(comm):
     padded, chunk = error_sizes(100, comm.Get_size())
     x, worker, server = np.ones(100, f32), np.zeros(padded, f32), np.zeros(chunk, f32)
@@ -204,6 +205,7 @@ def test_rejects_bad_arguments(comm):
         error_sizes(-1, 2)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_ranks_must_agree_on_block_size(comm):
     padded, chunk = error_sizes(64, comm.Get_size())
     block = 32 if comm.Get_rank() == 0 else 16

@@ -1,14 +1,11 @@
 """OnebitAdam (optim/onebit_adam.py): Adam(W) before the freeze, bitwise resume from a
 checkpoint, bytes per step after the freeze, and convergence against Adam on real data
-(the tasks of benchmarks/onebit_convergence.py, which runs the fuller sweep)."""
+(optim/convergence.py's tasks; benchmarks/onebit_convergence.py runs the fuller sweep)."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,21 +15,18 @@ from torch import nn
 
 import collectives as C
 from optim import DistributedOptimizer
+from optim.convergence import mlp, my_slice, ring_bytes, train
 from optim.onebit_adam import OnebitAdam
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 
 
-def _load_benchmark():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "onebit_convergence.py"
-    spec = importlib.util.spec_from_file_location("onebit_convergence", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def _adam(params: list, lr: float, freeze_step: int) -> DistributedOptimizer:
+    return DistributedOptimizer(torch.optim.Adam(params, lr=lr), algorithm="ring")
 
 
-bench = _load_benchmark()
+def _onebit(params: list, lr: float, freeze_step: int) -> OnebitAdam:
+    return OnebitAdam(params, lr=lr, freeze_step=freeze_step)  # its defaults otherwise
 
 
 def _model(seed: int) -> nn.Module:
@@ -46,7 +40,7 @@ def _train(model: nn.Module, opt, steps: range) -> None:
         rng = np.random.default_rng(step)
         x = torch.tensor(rng.standard_normal((12, 8)), dtype=torch.float32)
         y = torch.tensor(rng.integers(0, 3, 12))
-        mine = bench.my_slice(12)
+        mine = my_slice(12)
         loss = F.cross_entropy(model(x[mine]), y[mine], reduction="sum") * C.size() / 12
         loss.backward()
         opt.step()
@@ -67,6 +61,7 @@ def test_before_the_freeze_it_is_adamw():
         assert torch.equal(a, b)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_resume_continues_bitwise():
     """Stopped after the freeze (error buffers in use) and resumed from each rank's own
     state dict, training continues exactly as if it had never stopped."""
@@ -92,6 +87,7 @@ def test_resume_continues_bitwise():
         assert torch.equal(a, b)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_another_ranks_error_buffers_are_reset():
     """Loading rank 0's state (as broadcast_optimizer_state does) keeps the moments and
     the step everywhere, but error buffers only where they belong."""
@@ -107,10 +103,11 @@ def test_another_ranks_error_buffers_are_reset():
     assert "worker_error" in opt.state[model[0].weight]
 
 
+@pytest.mark.mpi(min_size=2)
 def test_bytes_per_step_after_the_freeze():
     """One compressed step of the digits MLP sends under 1/20 of a float32 ring allreduce."""
     torch.manual_seed(0)
-    model = bench._mlp(64, 10)
+    model = mlp(64, 10)
     opt = OnebitAdam(model.parameters(), freeze_step=1)
     sent = []
     for _ in range(2):  # the second step is compressed
@@ -120,7 +117,7 @@ def test_bytes_per_step_after_the_freeze():
         opt.zero_grad()
         sent.append(C.stats()["bytes_sent"] - before)
     sent = sent[-1]
-    ring = bench.ring_bytes(sum(p.numel() for p in model.parameters()))
+    ring = ring_bytes(sum(p.numel() for p in model.parameters()))
     assert 0 < sent <= ring / 20, f"{sent} bytes per step, a float32 ring sends {ring:.0f}"
 
 
@@ -132,8 +129,8 @@ def test_converges_like_adam(task, runs):
     """Within 2 points of Adam's test accuracy on the same global batches (the digits'
     blank pixels are what make DeepSpeed's version diverge); replicas bit-identical."""
     for seed, lr in runs:
-        adam = bench.train(task, "adam", seed, lr, epochs=10)
-        ours = bench.train(task, "ours", seed, lr, epochs=10)
+        adam = train(task, _adam, seed, lr, epochs=10)
+        ours = train(task, _onebit, seed, lr, epochs=10)
         assert ours.finite and ours.accuracy >= adam.accuracy - 2, (seed, lr, adam, ours)
         digests = C.allgather(np.array([[int(ours.digest[:15], 16)]]))
         assert (digests == digests[0]).all()

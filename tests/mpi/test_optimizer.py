@@ -20,7 +20,7 @@ import collectives as C
 import optim.distributed
 from optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 
 IN, OUT, PER_RANK = 6, 4, 3  # features, outputs, samples per rank per backward pass
 OPTIMIZERS = {
@@ -166,6 +166,7 @@ def test_plain_torch_packing(comm, monkeypatch):
                    gradient_predivide_factor=2.0, fusion_threshold_bytes=256)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_rank_dependent_hook_order_does_not_deadlock(comm):
     model, opt, ref, ref_opt = setup(comm, Branches, "sgd", fusion_threshold_bytes=(IN * IN + IN) * 8)
     assert len(opt._buckets) == len(model.layers)  # one bucket per layer

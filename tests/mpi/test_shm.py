@@ -6,6 +6,7 @@ torn reads, and long runs of back-to-back calls that grow, reuse and recreate th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -14,9 +15,10 @@ import torch
 from conftest import DTYPES, assert_equal, assert_same_on_all_ranks, make_input, reference_reduce
 
 import collectives as C
+from collectives import config
 from collectives.algorithms import shm
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi
 
 OPS = [C.Sum, C.Min, C.Max, C.Product]
 BIG = (1 << 20) + 1
@@ -193,6 +195,7 @@ def test_back_to_back_growth_and_reuse(comm):
             check_broadcast(comm, to_storage(x, dtype), i % n, f"broadcast {what}")
 
 
+@pytest.mark.mpi(min_size=2)
 def test_freed_communicator_frees_its_window(comm):
     """MPI reuses communicator handles: a window must go with its communicator, so that the
     next one (here with the ranks reversed every other time) gets a window of its own."""
@@ -226,8 +229,11 @@ def test_delays_between_stages(comm, monkeypatch):
     monkeypatch.setattr(shm.kernels, "reduce", slow(reduce))
     monkeypatch.setattr(shm, "SMALL_BYTES", 0)
     monkeypatch.setattr(shm, "SLOT_BYTES", 2048)
-    monkeypatch.setattr(shm, "JITTER_SECONDS", 3e-4)
-    shm.shutdown(comm)  # new windows, made with the jitter
+    shm.shutdown(comm)
+    # a window every call below fits (pieces of at most SLOT_BYTES), with C++ stages that
+    # sleep before a fifth of their counter posts
+    jittery = shm._window(comm, shm.MIN_SLOT_BYTES)
+    jittery.native.set_jitter(3e-4)
     for i in range(40):
         count = 5000 + 37 * i
         x = make_input("int64", (count,), seed=i * 7 + r)
@@ -236,4 +242,21 @@ def test_delays_between_stages(comm, monkeypatch):
                             f"reducescatter call {i}")
         check_allgather(comm, x[:count - i * r], f"allgather call {i}")
         check_broadcast(comm, x, i % n, f"broadcast call {i}")
+    assert shm._windows[comm.handle] is jittery  # never regrown: every call drifted
     shm.shutdown(comm)  # no jitter in later tests' windows
+
+
+def test_stall_limit_is_the_configs(comm, monkeypatch):
+    """A wait for a count no rank posts gives up after Config.stall_timeout_s, in the
+    Python stages and in the C++ ones."""
+    monkeypatch.setattr(config, "_current", dataclasses.replace(config.get(), stall_timeout_s=0.2))
+    sub = comm.Split(0, key=comm.Get_rank())  # a fresh window, made under that config
+    w = shm._window(sub, shm.MIN_SLOT_BYTES)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"has not counted chunk \d+ as READY after 0.2"):
+        w.wait(shm.READY, w.seq + 5)
+    if sub.Get_rank() != 0:  # rank 0 is the root and never fills its buffer
+        with pytest.raises(RuntimeError, match=r"has not counted chunk \d+ as READY after 0.2"):
+            shm.kernels.shm_broadcast(w.native, w.seq, np.zeros(64, np.uint8), 64, 1, 0)
+    assert time.perf_counter() - start < 10
+    sub.Free()  # frees the window too

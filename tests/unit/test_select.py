@@ -1,0 +1,154 @@
+"""`auto`'s choices from the registered costs, on fake topologies (no MPI job needed)."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+from fake_topology import FakeTopology
+
+from collectives import algorithms, config, select
+from collectives.agreement import PIGGYBACK_BYTES
+from collectives.algorithms import flat as flat_algorithms
+from collectives.algorithms import hierarchical, tree
+from collectives.costmodel import Layout, Params
+
+COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast")
+
+
+@pytest.fixture(autouse=True)
+def default_config(monkeypatch):
+    """Every test starts from the default options (no tuning file) and fresh choices."""
+    monkeypatch.setattr(config, "_current", config.Config())
+    select.choose.cache_clear()
+    yield
+    select.choose.cache_clear()
+
+
+def fake_algorithm(seconds: float) -> types.SimpleNamespace:
+    """A registrable algorithm whose every call costs `seconds`."""
+    return types.SimpleNamespace(cost=lambda collective, nbytes, layout, p: seconds)
+
+
+def test_tiny_allreduce_rides_in_the_agreement_as_tree():
+    for sizes in [(2,), (3,), (8,), (2, 2), (4, 4, 4)]:
+        assert select.choose("allreduce", 8, FakeTopology(*sizes)) == "tree", sizes
+
+
+def test_piggyback_costs_only_the_agreement_with_its_payload(monkeypatch):
+    # tree's own formula says "never"; a piggybacked allreduce does not pay it
+    monkeypatch.setattr(tree, "cost", lambda *args: math.inf)
+    topo = FakeTopology(4)
+    assert select.choose("allreduce", 1 << 10, topo) == "tree"
+    assert select.choose("allreduce", PIGGYBACK_BYTES + 1, topo) != "tree"
+    assert select.choose("allgather", 8, topo) != "tree"  # only allreduce piggybacks
+
+
+def test_piggyback_price_is_the_agreement_exchange():
+    topo = FakeTopology(3)
+    p = Params()
+    steps = tree.doubling_steps(3)
+    assert steps == 3  # 2 ranks double, the third folds in and out
+    assert select.agreement_cost(topo) == pytest.approx(steps * p.alpha_intra + p.mpi_call)
+    with_data = steps * (p.alpha_intra + 100 * (p.beta_intra + p.gamma)) + p.mpi_call
+    assert select.agreement_cost(topo, 100) == pytest.approx(with_data)
+
+
+def test_doubling_steps():
+    assert [tree.doubling_steps(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 3, 2, 4, 3, 5]
+
+
+def test_hierarchical_only_on_several_nodes_with_shared_ranks():
+    assert "hierarchical" not in select.candidates(FakeTopology(4))
+    assert "hierarchical" not in select.candidates(FakeTopology(1, 1, 1, 1))
+    assert "hierarchical" in select.candidates(FakeTopology(2, 2))
+    assert "hierarchical" in select.candidates(FakeTopology(2, 1))
+    # slow links between nodes: a large allreduce goes hierarchical
+    assert select.choose("allreduce", 64 << 20, FakeTopology(8, 8, 8, 8)) == "hierarchical"
+
+
+def test_shm_only_on_one_node():
+    assert "shm" in select.candidates(FakeTopology(4))
+    assert "shm" not in select.candidates(FakeTopology(2, 2))
+    for c in COLLECTIVES:
+        assert select.choose(c, 64 << 20, FakeTopology(2, 2)) != "shm"
+    with pytest.raises(ValueError, match="'shm' needs every rank on one node"):
+        algorithms.check("shm", FakeTopology(2, 2))
+    algorithms.check("shm", FakeTopology(4))
+    algorithms.check("hierarchical", FakeTopology(4))  # runs anywhere; `auto` just skips it
+
+
+def test_large_messages_leave_tree():
+    for c in COLLECTIVES:
+        assert select.choose(c, 256 << 20, FakeTopology(8)) != "tree", c
+
+
+def test_a_registered_algorithm_with_the_lowest_cost_is_chosen(monkeypatch):
+    # a hierarchical call made of it costs one such call per level: more than one
+    fake = fake_algorithm(1e-12)
+    monkeypatch.setitem(flat_algorithms.FLAT, "fake", fake)  # as registering a flat module does
+    monkeypatch.setitem(algorithms.REGISTRY, "fake", fake)
+    for c in COLLECTIVES:
+        assert select.choose(c, 1 << 20, FakeTopology(4)) == "fake", c
+        assert select.choose(c, 1 << 20, FakeTopology(2, 2)) == "fake", c
+    assert "fake" in select.candidates(FakeTopology(4))
+    # and hierarchical's levels pick it too
+    steps = hierarchical.plan("allreduce", 1 << 20, Layout((2, 2)), Params())
+    assert {algo for *_, algo in steps.values()} == {"fake"}
+
+
+def test_an_algorithm_that_cannot_run_is_never_chosen(monkeypatch):
+    monkeypatch.setitem(algorithms.REGISTRY, "never", fake_algorithm(math.inf))
+    assert "never" not in select.candidates(FakeTopology(4))
+    assert select.choose("allgather", 1 << 20, FakeTopology(4)) != "never"
+
+
+def test_hierarchical_price_is_the_sum_of_its_level_choices():
+    p = Params()
+    for sizes in [(2, 2), (4, 4, 4, 4), (2, 1), (8, 8)]:
+        layout = Layout(sizes)
+        for c in COLLECTIVES:
+            for m in (8, 64 << 10, 16 << 20):
+                steps = hierarchical.plan(c, m, layout, p)
+                total = 0.0
+                for flat, where, nbytes, algo in steps.values():
+                    costs = algorithms.costs(flat, nbytes, where, p)
+                    assert algo == min(costs, key=costs.get)  # each level: the cheapest
+                    assert where in (Layout((max(sizes),)), Layout((1,) * len(sizes)))
+                    total += costs[algo]
+                assert hierarchical.cost(c, m, layout, p) == pytest.approx(total)
+
+
+def test_hierarchical_runs_the_levels_it_prices():
+    topo = FakeTopology(4, 4)
+    steps = hierarchical.plan("allreduce", 4 << 20, Layout((4, 4)), Params())
+    assert set(steps) == {"intra_rs", "inter_ar", "intra_ag"}
+    assert steps["inter_ar"][2] == (4 << 20) // 4  # a 1/L shard crosses nodes
+    run = hierarchical._levels("allreduce", 4 << 20, topo)
+    assert run == {step: algorithms.function(algo, flat)
+                   for step, (flat, _, _, algo) in steps.items()}
+    # the node level may use shared memory; the cross-node level may not
+    p = Params()
+    for flat, where, m, _ in steps.values():
+        assert ("shm" in algorithms.costs(flat, m, where, p)) == (where.nodes == 1)
+
+
+def test_choices_are_memoized_per_topology(monkeypatch):
+    topo = FakeTopology(4)
+    first = select.choose("allgather", 1 << 20, topo)
+    monkeypatch.setitem(algorithms.REGISTRY, "fake", fake_algorithm(0.0))
+    assert select.choose("allgather", 1 << 20, topo) == first
+    assert select.choose("allgather", 1 << 20, FakeTopology(4)) == "fake"
+    select.choose.cache_clear()
+    assert select.choose("allgather", 1 << 20, topo) == "fake"
+
+
+def test_every_module_prices_every_collective():
+    p = Params()
+    for name, module in algorithms.REGISTRY.items():
+        for c in COLLECTIVES:
+            for layout in (Layout((1,)), Layout((3,)), Layout((2, 2))):
+                t = module.cost(c, 1 << 20, layout, p)
+                assert t >= 0, (name, c, layout)
+            assert callable(getattr(module, c)), (name, c)
