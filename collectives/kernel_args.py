@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-#: Elements sharing one float32 scale in quantize_int8 (kInt8Block in csrc/cpu/quantize.h,
+#: Elements sharing one float32 scale in quantize_int8 (kInt8Block in csrc/kernels/quantize.h,
 #: INT8_BLOCK in csrc/cuda/quantize.cu).
 INT8_BLOCK_SIZE = 256
 

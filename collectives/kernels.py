@@ -38,7 +38,7 @@ def reduce(dst: Array, srcs: Sequence[Array], dtype: str, op: ReduceOp) -> None:
 
 def shm_window(addresses: list[int], rank: int, header_bytes: int, stride: int,
                slot_bytes: int, depth: int, spin_seconds: float, stall_seconds: float) -> Any:
-    """A shared window's layout for the C++ stages below (csrc/cpu/shm.h)."""
+    """A shared window's layout for the C++ stages below (csrc/runtime/shm.h)."""
     return _C.ShmWindow(addresses, rank, header_bytes, stride, slot_bytes, depth, spin_seconds,
                         stall_seconds)
 

@@ -6,7 +6,7 @@ import enum
 
 
 class ReduceOp(enum.IntEnum):
-    """The value of each kernel op is its code in csrc/cpu/reduce.h; Average is a Sum
+    """The value of each kernel op is its code in csrc/kernels/reduce.h; Average is a Sum
     followed by one division by the world size."""
 
     Sum = 0

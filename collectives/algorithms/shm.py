@@ -16,7 +16,7 @@ rank, and each chunk takes one piece of every block:
   allgather      1. copy a piece of the input into the buffer (and into the own output
                  block); 2. copy every other rank's piece out.
   broadcast      1. the root copies a piece in; 2. the others copy it out.
-These pipelined stages run in C++ with the GIL released (csrc/cpu/shm.cpp).
+These pipelined stages run in C++ with the GIL released (csrc/runtime/shm.cpp).
 Calls staging at most SMALL_BYTES in all take one chunk, in Python: every rank copies its
 whole input in, waits once, and reads what it needs (allreduce: every rank folds the whole vector).
 A counter is a number of chunks done, written only by its owner after MPI.Win.Sync (a full
@@ -283,7 +283,7 @@ def _single(comm: MPI.Comm, send: np.ndarray, counts: list[int],
 
 class _Blocks:
     """A buffer cut into one block per rank (bounds) and each block into pieces of e
-    (piece k of block j: csrc/cpu/shm.cpp)."""
+    (piece k of block j: csrc/runtime/shm.cpp)."""
 
     __slots__ = ("bounds", "e", "nchunks")
 
@@ -302,7 +302,7 @@ def _bounds(counts: list[int]) -> list[int]:
 def _reduce_blocks(w: _Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarray,
                    op: ReduceOp, dtype: str, allreduce: bool) -> None:
     """The pipelined stages (copy-in, reduce, and for allreduce copy-out) of every chunk,
-    in C++ with the GIL released (csrc/cpu/shm.cpp; same counters and order as above)."""
+    in C++ with the GIL released (csrc/runtime/shm.cpp; same counters and order as above)."""
     kernels.shm_reduce(w.native, w.seq, send, recv, blocks.bounds, blocks.e, blocks.nchunks,
                        dtype, op, allreduce)
     w.seq += blocks.nchunks

@@ -1,4 +1,4 @@
-"""The agreement exchange (csrc/cpu/agree.cpp) and the small-allreduce fast path riding on it:
+"""The agreement exchange (csrc/runtime/agree.cpp) and the small-allreduce fast path riding on it:
 mismatches between the fast and the general path, payloads at the piggyback limit, results
 equal whichever path each rank takes."""
 
