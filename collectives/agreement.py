@@ -45,9 +45,16 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def describe_mismatch(signatures: list[tuple]) -> str:
-    """A message naming the first field that differs, its values and which ranks hold each.
+    """A message naming the first field that differs, its values and which ranks hold each;
+    or, where some ranks' arguments were invalid, those ranks and what was wrong.
 
-    A signature is (collective, ((field, value), ...))."""
+    A signature is (collective, ((field, value), ...)); an invalid call's fields are
+    (("invalid", "TypeError: x: ..."),) (calls.invalid)."""
+    invalid = [(r, s[0], s[1][0][1]) for r, s in enumerate(signatures)
+               if s[1] and s[1][0][0] == "invalid"]
+    if invalid:
+        return "; ".join(f"{collective}: rank {r} passed an invalid argument ({text})"
+                         for r, collective, text in invalid)
     names = [s[0] for s in signatures]
     if len(set(names)) > 1:
         return "collective mismatch: " + _groups("called", names)
@@ -85,3 +92,10 @@ def raise_mismatch(comm: MPI.Comm, collective: str, fields: tuple) -> None:
     """After an exchange found ranks that differ: every rank raises the same MismatchError
     naming the field, the values and the ranks."""
     raise MismatchError(describe_mismatch(comm.allgather((collective, fields))))
+
+
+def raise_invalid(comm: MPI.Comm, collective: str, fields: tuple, error: BaseException) -> None:
+    """raise_mismatch's part on a rank whose own arguments were invalid: it joins the
+    gathering of signatures the others make, then raises its own error."""
+    comm.allgather((collective, fields))
+    raise error

@@ -7,6 +7,7 @@ takes `comm`: an mpi4py communicator to run over (default: the job's, from init)
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,21 @@ except ImportError:
 ALGORITHMS = algorithms.ALGORITHMS
 
 _INT64 = CODES["int64"]
+
+
+def _run(topo: topology.Topology, collective: str, prepare: Callable[..., tuple[Call, Job]],
+         *args: Any) -> Any:
+    return ENGINE.run(topo, *calls.prepare(topo, collective, prepare, *args))
+
+
+def _submit(topo: topology.Topology, collective: str,
+            prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Handle:
+    """An async call; one whose arguments are bad on this rank also raises here at once."""
+    call, job = calls.prepare(topo, collective, prepare, *args)
+    handle = ENGINE.submit(topo, call, job)
+    if call.algorithm == calls.INVALID:
+        job.move()  # raises this rank's error; the queued call keeps the ranks in step
+    return handle
 
 
 def _check_algorithm(algorithm: object) -> str:
@@ -135,7 +151,7 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
         out = _fast(topo, x, op, algorithm, False)
         if out is not None:
             return out
-    return ENGINE.run(topo, *_allreduce(topo, x, op, algorithm, compression, False))
+    return _run(topo, "allreduce", _allreduce, x, op, algorithm, compression, False)
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -144,19 +160,19 @@ def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
     topo = topology.of(comm)
     if compression is None and _fast(topo, x, op, algorithm, True) is not None:
         return x
-    return ENGINE.run(topo, *_allreduce(topo, x, op, algorithm, compression, True))
+    return _run(topo, "allreduce", _allreduce, x, op, algorithm, compression, True)
 
 
 def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                     compression: Any = None, *, comm: Any = None) -> Handle:
     topo = topology.of(comm)
-    return ENGINE.submit(topo, *_allreduce(topo, x, op, algorithm, compression, False))
+    return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, False)
 
 
 def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                      compression: Any = None, *, comm: Any = None) -> Handle:
     topo = topology.of(comm)
-    return ENGINE.submit(topo, *_allreduce(topo, x, op, algorithm, compression, True))
+    return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, True)
 
 
 # ----------------------------------------------------------------------------- allgather
@@ -190,12 +206,12 @@ def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, J
 def allgather(x: Any, algorithm: str = "auto", *, comm: Any = None) -> Any:
     """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
     topo = topology.of(comm)
-    return ENGINE.run(topo, *_allgather(topo, x, algorithm))
+    return _run(topo, "allgather", _allgather, x, algorithm)
 
 
 def allgather_async(x: Any, algorithm: str = "auto", *, comm: Any = None) -> Handle:
     topo = topology.of(comm)
-    return ENGINE.submit(topo, *_allgather(topo, x, algorithm))
+    return _submit(topo, "allgather", _allgather, x, algorithm)
 
 
 # ------------------------------------------------------------------------- reducescatter
@@ -227,13 +243,13 @@ def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "aut
                   comm: Any = None) -> Any:
     """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
     topo = topology.of(comm)
-    return ENGINE.run(topo, *_reducescatter(topo, x, op, algorithm))
+    return _run(topo, "reducescatter", _reducescatter, x, op, algorithm)
 
 
 def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
                         comm: Any = None) -> Handle:
     topo = topology.of(comm)
-    return ENGINE.submit(topo, *_reducescatter(topo, x, op, algorithm))
+    return _submit(topo, "reducescatter", _reducescatter, x, op, algorithm)
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -261,30 +277,28 @@ def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
 def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None) -> Any:
     """root_rank's x on every rank, as a new array."""
     topo = topology.of(comm)
-    return ENGINE.run(topo, *_broadcast(topo, x, root_rank, algorithm, False))
+    return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, False)
 
 
 def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None) -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
     topo = topology.of(comm)
-    return ENGINE.run(topo, *_broadcast(topo, x, root_rank, algorithm, True))
+    return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, True)
 
 
 def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                     comm: Any = None) -> Handle:
     topo = topology.of(comm)
-    return ENGINE.submit(topo, *_broadcast(topo, x, root_rank, algorithm, False))
+    return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, False)
 
 
 def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                      comm: Any = None) -> Handle:
     topo = topology.of(comm)
-    return ENGINE.submit(topo, *_broadcast(topo, x, root_rank, algorithm, True))
+    return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, True)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, *, comm: Any = None) -> Any:
-    """root_rank's picklable obj on every rank."""
-    topo = topology.of(comm)
+def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any) -> tuple[Call, Job]:
     root = _check_root(root_rank, topo)
     call = calls.describe(topo, "broadcast_object", (("root_rank", root),), "mpi")
 
@@ -302,7 +316,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, comm: Any = None) -> Any:
         algorithms.broadcast("mpi", topo, data, root)
         return obj if topo.rank == root else pickle.loads(data.tobytes())
 
-    return ENGINE.run(topo, call, Job(move))
+    return call, Job(move)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, *, comm: Any = None) -> Any:
+    """root_rank's picklable obj on every rank."""
+    topo = topology.of(comm)
+    return _run(topo, "broadcast_object", _broadcast_object, obj, root_rank)
 
 
 # ------------------------------------------------------------------------------- handles

@@ -10,18 +10,21 @@ runs the whole call (`_C.SmallAllreduce`)."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from . import agreement, algorithms, select
 from .agreement import PIGGYBACK_BYTES
 from .dtypes import CODES, STORAGE
-from .engine import ENGINE
+from .engine import ENGINE, Job
 from .kernels import _C
 from .ops import ReduceOp, kernel_op
 from .topology import Topology
 
 #: Descriptions kept per communicator; past this the table starts over.
 MAX_CALLS = 4096
+#: The algorithm of a call whose arguments were bad on this rank (invalid()).
+INVALID = "invalid"
 
 
 class Call(NamedTuple):
@@ -72,6 +75,34 @@ def allreduce(topo: Topology, dtype: str, shape: tuple, nbytes: int, op: ReduceO
         count = nbytes // STORAGE[dtype].itemsize
         small = _C.SmallAllreduce(ENGINE.native, topo.channel, native, count, code, kop, divisor)
     return _remember(topo, key, Call("allreduce", fields, algo, native, small, code, kop, divisor))
+
+
+def prepare(topo: Topology, collective: str, make: Callable[..., tuple[Call, Job]],
+            *args: Any) -> tuple[Call, Job]:
+    """make(topo, *args): a call's description and job. If one of its argument checks
+    fails on this rank, the call still takes part in the agreement, carrying the error:
+    every rank raises in this same call (this rank its own TypeError / ValueError, the
+    others a MismatchError naming it), and the next call finds every rank in step."""
+    try:
+        return make(topo, *args)
+    except (TypeError, ValueError) as exc:
+        return invalid(topo, collective, exc), Job(functools.partial(_reraise, exc))
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
+
+
+def invalid(topo: Topology, collective: str, error: BaseException) -> Call:
+    """A call whose argument check failed on this rank with error: it still takes part in
+    the agreement, its one field the error's text, so that every rank raises in this call
+    (agreement.raise_invalid makes this rank raise error itself). Not cached."""
+    fields = ((INVALID, f"{type(error).__name__}: {error}"),)
+    native = _C.Call(agreement.digest((collective, fields)), collective, repr(dict(fields)),
+                     topo.stats, INVALID,
+                     functools.partial(agreement.raise_invalid, topo.comm, collective, fields,
+                                       error))
+    return Call(collective, fields, INVALID, native)
 
 
 def _native(topo: Topology, collective: str, fields: tuple, algorithm: str) -> Any:

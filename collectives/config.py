@@ -21,8 +21,11 @@ class Config:
     tuning_file: str | None = None
     #: Seconds a collective may wait for other ranks before it logs who is missing.
     stall_warning_s: float = 60.0
-    #: Seconds after which a waiting collective raises StallError; None = wait forever.
-    stall_timeout_s: float | None = None
+    #: Seconds after which a waiting collective raises StallError (naming the ranks that never
+    #: arrived and what each was doing); None = wait forever. The default is PyTorch's
+    #: process-group timeout: long enough for a rank's evaluation or checkpoint between
+    #: collectives, short enough that a lost rank ends the job instead of hanging it.
+    stall_timeout_s: float | None = 1800.0
 
 
 def _parse(field: dataclasses.Field, text: str):

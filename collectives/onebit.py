@@ -205,6 +205,12 @@ def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
     block of this many elements within each chunk (finer, for 4/block_size more bytes per
     element). comm: the mpi4py communicator to run over (default: the job's)."""
     topo = topology.of(comm)
+    return ENGINE.run(topo, *calls.prepare(topo, "compressed_allreduce", _prepare, x,
+                                           worker_error, server_error, block_size))
+
+
+def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: Any,
+             block_size: Any) -> tuple[calls.Call, Job]:
     buf = _check_x(x)
     block = _check_block(block_size)
     padded, chunk = error_sizes(buf.flat.size, topo.size)
@@ -222,4 +228,4 @@ def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
         server.write_back()
         return out.result()
 
-    return ENGINE.run(topo, call, Job(move))
+    return call, Job(move)

@@ -5,7 +5,7 @@ since when; kept by the engine in C++), and a responder thread answers status re
 communicator, polling every 50 ms, so even a rank busy in user code answers. A rank whose
 agreement step has waited longer than COLLECTIVES_STALL_WARNING_S asks every other rank
 for its record and logs which ranks have not joined and what they are doing; after
-COLLECTIVES_STALL_TIMEOUT_S (off by default) it raises StallError. MPI cannot cancel a
+COLLECTIVES_STALL_TIMEOUT_S (default 1800 s) it raises StallError. MPI cannot cancel a
 collective, so after a StallError the library refuses further calls."""
 
 from __future__ import annotations

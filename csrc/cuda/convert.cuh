@@ -1,5 +1,5 @@
 // float16 / bfloat16 bit conversions for the CUDA kernels: the same integer arithmetic as
-// csrc/cpu/dtypes.h (round to nearest even, NaN stays NaN), so CPU and GPU agree bit for
+// csrc/kernels/dtypes.h (round to nearest even, NaN stays NaN), so CPU and GPU agree bit for
 // bit without relying on cuda_fp16.h, which run-time compilation may not find.
 #pragma once
 

@@ -1,5 +1,5 @@
 // 1-bit compression with error feedback on the GPU; format and semantics as
-// csrc/cpu/onebit.h. compress is three launches:
+// csrc/kernels/onebit.h. compress is three launches:
 //   onebit_partial_sumsq  one CTA per piece (a block, or a segment of a long block):
 //                         a sum of (x + error)^2 in double, reduced in a fixed order
 //   onebit_scales         one thread per block: sqrt(sum of its pieces / length)

@@ -1,7 +1,7 @@
 // Fusion-buffer packing on the GPU: one launch for the whole tensor list. blockIdx.y walks
 // the tensors and blockIdx.x / threadIdx.x the elements of each (grid-stride both ways).
 // srcs / dsts are device arrays of pointers; offsets[k] is where tensor k starts in the
-// packed buffer and offsets[n] the total. Same semantics as csrc/cpu/pack.cpp.
+// packed buffer and offsets[n] the total. Same semantics as csrc/kernels/pack.cpp.
 #include "convert.cuh"
 
 template <typename T, typename F>

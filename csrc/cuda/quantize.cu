@@ -1,8 +1,8 @@
-// float16 and block-int8 quantization on the GPU, same semantics as csrc/cpu/quantize.cpp.
+// float16 and block-int8 quantization on the GPU, same semantics as csrc/kernels/quantize.cpp.
 // Launch quantize_int8 with INT8_BLOCK threads per CTA: a CTA quantizes one block at a time.
 #include "convert.cuh"
 
-#define INT8_BLOCK 256  // kInt8Block in csrc/cpu/quantize.h
+#define INT8_BLOCK 256  // kInt8Block in csrc/kernels/quantize.h
 
 extern "C" __global__ void quantize_fp16(const float* x, unsigned short* h, long long n) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;

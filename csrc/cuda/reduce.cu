@@ -1,4 +1,4 @@
-// Elementwise reduce and divide on the GPU, same semantics as csrc/cpu/reduce.cpp: a left
+// Elementwise reduce and divide on the GPU, same semantics as csrc/kernels/reduce.cpp: a left
 // fold dst = a op b op c op d of one to four sources (dst may be a; longer lists are folded
 // on into dst by the caller, which is the same fold), integers wrapping (two's complement),
 // half types computed in float32 and rounded to nearest even after every op, Min/Max
