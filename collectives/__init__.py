@@ -5,6 +5,7 @@
     y = C.allreduce(x, op=C.Average)        # x: NumPy array, torch tensor or CuPy array
 """
 
+from . import mpi_defaults  # noqa: F401  (before anything starts MPI)
 from .agreement import MismatchError
 from .api import (
     ALGORITHMS,
