@@ -11,17 +11,17 @@ buffer (allgather: the gathered result). `vs_mpi` = mpi's time / this time (>1 =
 `vs_raw` the same against mpi-raw (the MPI collective called directly, when measured).
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  (collectives first: see below)
 
 import argparse
 import json
 import sys
 import time
 
+import collectives as C  # before mpi4py starts MPI: collectives/mpi_defaults.py
 import numpy as np
 from mpi4py import MPI
-
-import collectives as C
+from tqdm import tqdm
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
 #: Beside our algorithms: torch.distributed gloo, 1-bit compressed allreduce, and the MPI
@@ -184,7 +184,10 @@ def run(args, comm: MPI.Comm) -> list[dict]:
     rows, plan = [], [(op, s) for op in args.op for s in sizes(args.b, args.e, args.f)]
     if "onebit" in args.algo and dtype != np.float32:
         raise SystemExit("--algo onebit needs --dtype float32")
-    for k, (op, nbytes) in enumerate(plan):
+    progress = tqdm(plan, desc="bandwidth", unit="size", file=sys.stderr,
+                    disable=comm.rank != 0)
+    for op, nbytes in progress:
+        progress.set_postfix_str(f"{op} {nbytes} B")
         x = local_input(op, nbytes, dtype, comm)
         calls = {a: make_call(op, a, x, gloo, args.inplace) for a in args.algo}
         calls = {a: c for a, c in calls.items() if c is not None}
@@ -208,8 +211,6 @@ def run(args, comm: MPI.Comm) -> list[dict]:
                 "busbw": algbw * BUS_FACTOR[op](n),
                 "wrong": count_wrong(op, a, x, comm, gloo) if args.c else -1,
             })
-        if comm.rank == 0:
-            print(f"[{k + 1}/{len(plan)}] {op} {size} B done", file=sys.stderr, flush=True)
     for row in rows:
         for algo, key in (("mpi", "vs_mpi"), ("mpi-raw", "vs_raw")):
             ref = next((r for r in rows if r["op"] == row["op"] and r["size"] == row["size"]
@@ -230,12 +231,18 @@ def print_table(rows: list[dict], n: int) -> None:
               f"{wrong:>6} {r['vs_mpi']:>7.2f} {r['vs_raw']:>7.2f}")
 
 
-def plot(rows: list[dict], path: str, n: int) -> None:
+def pyplot():
+    """matplotlib's pyplot without a display (imported before a sweep, so that a missing
+    matplotlib fails at once rather than after a long run)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(plt, rows: list[dict], path: str, n: int) -> None:
     ops = sorted({r["op"] for r in rows}, key=OPS.index)
     fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
     for ax, op in zip(axes[0], ops):
@@ -281,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     if "mpi" not in args.algo:
         args.algo.append("mpi")  # the reference every ratio is taken against
     comm = MPI.COMM_WORLD
+    plt = pyplot() if args.plot and comm.rank == 0 else None
     C.init()
     rows = run(args, comm)
     if comm.rank != 0:
@@ -294,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
             f.write(",".join(rows[0]) + "\n")
             f.writelines(",".join(str(v) for v in r.values()) + "\n" for r in rows)
     if args.plot:
-        plot(rows, args.plot, comm.size)
+        plot(plt, rows, args.plot, comm.size)
 
 
 if __name__ == "__main__":

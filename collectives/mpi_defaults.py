@@ -9,13 +9,18 @@ messages are a 32-byte header plus, for an allreduce of up to 64 KiB, its data. 
 shared-memory transport sends up to 4 KiB (its header included) eagerly and anything larger
 by rendezvous, an extra round trip: a 4 KiB allreduce's 4,128-byte message took 10-11 us at
 np 2 on the development VM, against 5-6 us with an 8 KiB limit (MPI_Allreduce: 4-6 us).
-The cost is larger preallocated fragments (at most 512 per process, 4 MiB)."""
+The cost is larger preallocated fragments (at most 512 per process, 4 MiB).
+
+osc = ^ucx. Open MPI's UCX one-sided component prints an error at every shared-window
+creation on machines without UCX devices; shared windows (algorithms/shm.py) are served by
+the shared-memory component either way. Clusters whose own one-sided code wants UCX set
+OMPI_MCA_osc themselves."""
 
 from __future__ import annotations
 
 import os
 
-DEFAULTS = {"OMPI_MCA_btl_sm_eager_limit": "8192"}
+DEFAULTS = {"OMPI_MCA_btl_sm_eager_limit": "8192", "OMPI_MCA_osc": "^ucx"}
 
 for _name, _value in DEFAULTS.items():
     os.environ.setdefault(_name, _value)

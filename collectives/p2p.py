@@ -43,6 +43,14 @@ def irecv(comm: MPI.Comm, buf: np.ndarray, source: int, tag: int) -> MPI.Request
     return comm.Irecv(message(buf), source, tag)
 
 
+def count(comm: MPI.Comm, sent: int, received: int) -> None:
+    """Count a transfer that is not a message of ours (the MPI library's collective, the
+    shared window's copies) as the payload this rank contributes and receives; nothing on
+    a communicator of one rank."""
+    if comm.Get_size() > 1:
+        ENGINE.native.add_bytes(sent, received)
+
+
 def segments(count: int, seg: int) -> list[tuple[int, int]]:
     """[lo, hi) pieces of at most seg elements covering range(count)."""
     return [(lo, min(lo + seg, count)) for lo in range(0, count, seg)]

@@ -3,8 +3,11 @@
 The counters live in C++ (`_C.Stats`, one per communicator, csrc/runtime/engine.h) and the
 engine alone writes them: each finished call counts once, with the bytes our own messages
 moved while it ran (point-to-point messages and agreement payloads; one call runs at a
-time, so the attribution is exact). The MPI library's internal traffic (`mpi`) and
-shared-memory copies (`shm`) are not messages of ours and count no bytes."""
+time, so the attribution is exact). The MPI library's collectives (`mpi`) and the shared
+window's copies (`shm`) send no messages of ours: they count the payload this rank
+contributes and receives (allreduce: the buffer both ways; allgather: its rows out, the
+others' in; reducescatter: the others' blocks out, its block in; broadcast: the buffer out
+on the root, in elsewhere)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from .. import kernels
 from ..costmodel import Layout, Params
 from ..dtypes import FLOATING, STORAGE
 from ..ops import ReduceOp
-from ..p2p import message
+from ..p2p import count, message
 from . import ring, tree
 
 #: Elements per MPI call: MPI 3.1 counts are C ints.
@@ -63,6 +63,7 @@ def _type_and_op(dtype: str, op: ReduceOp) -> tuple[MPI.Datatype, MPI.Op]:
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
               dtype: str) -> None:
+    count(comm, recv.nbytes, recv.nbytes)
     datatype, mpi_op = _type_and_op(dtype, op)
     for lo in range(0, max(recv.size, 1), MAX_COUNT):  # MPI counts are C ints
         hi = min(lo + MAX_COUNT, recv.size)
@@ -72,6 +73,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
 
 def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
                   op: ReduceOp, dtype: str) -> None:
+    count(comm, send.nbytes - recv.nbytes, recv.nbytes)
     datatype, mpi_op = _type_and_op(dtype, op)
     if sum(counts) * send.itemsize < 1 << 31:
         comm.Reduce_scatter([send, datatype], [recv, datatype], list(counts), mpi_op)
@@ -88,6 +90,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
 
 
 def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
+    count(comm, send.nbytes, recv.nbytes - send.nbytes)
     item = send.itemsize
     nbytes = [c * item for c in counts]
     if recv.nbytes < 1 << 31:
@@ -102,6 +105,8 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
 
 
 def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
+    root_here = comm.Get_rank() == root
+    count(comm, buf.nbytes if root_here else 0, 0 if root_here else buf.nbytes)
     comm.Bcast(message(buf), root=root)
 
 

@@ -58,7 +58,7 @@ from mpi4py import MPI
 from .. import config, kernels
 from ..costmodel import Layout, Params
 from ..ops import ReduceOp
-from ..p2p import even_bounds
+from ..p2p import count, even_bounds
 
 #: Largest staging buffer per rank and chunk: chunks that stay in the L2/L3 caches.
 SLOT_BYTES = 1 << 20
@@ -311,6 +311,7 @@ def _reduce_blocks(w: _Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarr
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
               dtype: str) -> None:
     """recv = reduction of every rank's send (send may be recv)."""
+    count(comm, recv.nbytes, recv.nbytes)
     size = comm.Get_size()
     if size == 1 or recv.size == 0:
         if recv is not send:
@@ -328,6 +329,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
 def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
                   op: ReduceOp, dtype: str) -> None:
     """recv = this rank's block (counts[rank] elements) of the reduction of every send."""
+    count(comm, send.nbytes - recv.nbytes, recv.nbytes)
     size, r = comm.Get_size(), comm.Get_rank()
     if size == 1:
         np.copyto(recv, send)
@@ -348,6 +350,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
 
 def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
     """recv = every rank's send concatenated in rank order (counts[i] elements from rank i)."""
+    count(comm, send.nbytes, recv.nbytes - send.nbytes)
     size = comm.Get_size()
     if size == 1:
         np.copyto(recv, send)
@@ -369,6 +372,8 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
 
 def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     """buf on every rank = buf on root: the root copies pieces in, the others copy them out."""
+    root_here = comm.Get_rank() == root
+    count(comm, buf.nbytes if root_here else 0, 0 if root_here else buf.nbytes)
     if comm.Get_size() == 1 or buf.size == 0:
         return
     raw = buf.view(np.uint8)

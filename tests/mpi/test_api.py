@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import collectives as C
+from collectives import topology
 
 pytestmark = pytest.mark.mpi
 
@@ -103,6 +104,44 @@ def test_stats_count_ring_bytes(comm):
     assert after["calls"] == before["calls"] + 1
     key = "allreduce/ring"
     assert after["per_op"][key]["calls"] == before["per_op"].get(key, {"calls": 0})["calls"] + 1
+
+
+@pytest.mark.mpi(min_size=2)  # one rank moves nothing
+@pytest.mark.parametrize("algo", ["mpi", "shm"])
+def test_stats_count_the_payload_of_library_and_window_collectives(comm, algo):
+    """Not our messages: the payload this rank contributes and receives."""
+    if algo == "shm" and len(topology.get().nodes) > 1:
+        pytest.skip("shm needs one node")
+    r, n = comm.Get_rank(), comm.Get_size()
+    rows = 8 * n
+
+    def moved(call) -> tuple[int, int]:
+        before = C.stats()["per_op"].get(f"{call.__name__}/{algo}", {})
+        call()
+        after = C.stats()["per_op"][f"{call.__name__}/{algo}"]
+        return (after["bytes_sent"] - before.get("bytes_sent", 0),
+                after["bytes_received"] - before.get("bytes_received", 0))
+
+    x = np.ones((rows, 64), np.float32)
+    nbytes = x.nbytes
+
+    def allreduce():
+        C.allreduce(x, algorithm=algo)
+
+    def allgather():
+        C.allgather(x, algorithm=algo)
+
+    def reducescatter():
+        C.reducescatter(x, algorithm=algo)
+
+    def broadcast():
+        C.broadcast(x, root_rank=n - 1, algorithm=algo)
+
+    assert moved(allreduce) == (nbytes, nbytes)
+    sent, received = moved(allgather)  # plus the row counts riding in the agreement
+    assert sent - nbytes == received - (n - 1) * nbytes >= 0
+    assert moved(reducescatter) == (nbytes - nbytes // n, nbytes // n)
+    assert moved(broadcast) == ((nbytes, 0) if r == n - 1 else (0, nbytes))
 
 
 def test_broadcast_object(comm):
