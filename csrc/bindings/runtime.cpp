@@ -281,7 +281,9 @@ void bind_runtime(py::module_& m) {
       .def(py::init<py::object, int, int64_t, double, py::function>(), py::arg("comm"),
            py::arg("tag"), py::arg("capacity"), py::arg("first_wait"), py::arg("on_wait"))
       .def_property_readonly("capacity", &AgreeChannel::capacity);
-  py::class_<PyEngine>(m, "Engine", "Ordering, claim, stall record and byte counts (engine.h)")
+  // Never destroyed: the engine's thread may still wait on it while the interpreter exits.
+  py::class_<PyEngine, std::unique_ptr<PyEngine, py::nodelete>>(
+      m, "Engine", "Ordering, claim, stall record and byte counts (engine.h)")
       .def(py::init<>())
       .def("push", &PyEngine::push, py::arg("item"), "Queue item behind everything before")
       .def("next", &PyEngine::next,
