@@ -95,10 +95,10 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
         config = _config.from_env()
         if ranks_per_node is not None:
             config.ranks_per_node = ranks_per_node
+        _config.set(config)
         comm = MPI.COMM_WORLD if comm is None else comm
         watchdog = Watchdog(comm, config.stall_warning_s, config.stall_timeout_s)
         _topology = Topology(comm, config, watchdog)
-        _config.set(config)
         _abort_on_uncaught_exceptions()
     return _topology
 
@@ -109,8 +109,6 @@ def of(comm: MPI.Comm | None) -> Topology:
     freed with it."""
     if comm is None:
         return _topology if _topology is not None else init()
-    if isinstance(comm, Topology):
-        return comm
     if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
         raise TypeError(f"comm: expected an mpi4py MPI.Comm, got {comm!r}")
     global _keyval
