@@ -19,11 +19,12 @@ import sys
 import time
 
 import collectives as C  # before mpi4py starts MPI: collectives/mpi_defaults.py
+from collectives import algorithms
 import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
 
-OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
+OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")
 #: Beside our algorithms: torch.distributed gloo, 1-bit compressed allreduce, and the MPI
 #: library's collective called directly through mpi4py (mpi-raw; `mpi` is the same collective
 #: behind our API: argument checks, agreement, stats).
@@ -33,6 +34,7 @@ BUS_FACTOR = {
     "allgather": lambda n: (n - 1) / n,
     "reducescatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "alltoall": lambda n: (n - 1) / n,
 }
 
 
@@ -106,6 +108,14 @@ def raw_mpi(op: str, x: np.ndarray, comm: MPI.Comm, inplace: bool):
             return None  # Reduce_scatter_block needs equal blocks
         out = np.empty(x.size // n, x.dtype)
         return lambda: comm.Reduce_scatter_block(x, out, MPI.SUM) or out
+    if op == "alltoall":
+        if x.size % n:
+            return None
+        out = np.empty_like(x)
+        block = [x.nbytes // n] * n
+        displs = [j * block[0] for j in range(n)]
+        return lambda: comm.Alltoallv([x, (block, displs), MPI.BYTE],
+                                      [out, (block, displs), MPI.BYTE]) or out
     buf = x.copy()
     return lambda: comm.Bcast(buf, root=0) or buf
 
@@ -125,6 +135,8 @@ def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None, inplace: boo
 
         worker, server = (np.zeros(k, np.float32) for k in error_sizes(x.size, C.size()))
         return lambda: C.compressed_allreduce(x, worker, server, block_size=256)
+    if op != "alltoall" and algo not in C.ALGORITHMS:
+        return None  # an alltoall-only algorithm
     if op == "allreduce":
         if inplace:
             return lambda: C.allreduce_(x, op=C.Sum, algorithm=algo)
@@ -133,6 +145,10 @@ def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None, inplace: boo
         return lambda: C.allgather(x, algorithm=algo)
     if op == "reducescatter":
         return lambda: C.reducescatter(x, op=C.Sum, algorithm=algo)
+    if op == "alltoall":
+        if algo not in algorithms.ALLTOALL_ALGORITHMS or x.size % C.size():
+            return None
+        return lambda: C.alltoall(x, algorithm=algo)
     if inplace:
         return lambda: C.broadcast_(x, root_rank=0, algorithm=algo)
     return lambda: C.broadcast(x, root_rank=0, algorithm=algo)
@@ -143,6 +159,8 @@ def local_input(op: str, nbytes: int, dtype: np.dtype, comm: MPI.Comm) -> np.nda
     count = max(nbytes // dtype.itemsize, 1)
     if op == "allgather":
         count = max(count // n, 1)
+    if op == "alltoall":  # an even split
+        count = max(count // n, 1) * n
     rng = np.random.default_rng(comm.Get_rank())
     return rng.integers(-3, 4, size=count).astype(dtype)
 
@@ -160,6 +178,8 @@ def count_wrong(op: str, algo: str, x: np.ndarray, comm: MPI.Comm, gloo) -> int:
         ref = np.concatenate(inputs)
     elif op == "broadcast":
         ref = inputs[0]
+    elif op == "alltoall":
+        ref = np.concatenate([np.array_split(v, n)[r] for v in inputs])
     else:
         full = np.sum(inputs, axis=0, dtype=x.dtype)
         split = [len(full) // n + (1 if i < len(full) % n else 0) for i in range(n)]
@@ -283,8 +303,9 @@ def main(argv: list[str] | None = None) -> None:
         if op not in OPS:
             p.error(f"--op: {op!r} is not one of {OPS}")
     for a in args.algo:
-        if a not in C.ALGORITHMS + EXTRA_ALGOS:
-            p.error(f"--algo: {a!r} is not one of {C.ALGORITHMS + EXTRA_ALGOS}")
+        known = algorithms.ALGORITHMS + algorithms.ALLTOALL_ALGORITHMS + EXTRA_ALGOS
+        if a not in known:
+            p.error(f"--algo: {a!r} is not one of {sorted(set(known))}")
     if "mpi" not in args.algo:
         args.algo.append("mpi")  # the reference every ratio is taken against
     comm = MPI.COMM_WORLD

@@ -15,6 +15,9 @@ from .api import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
     broadcast,
     broadcast_,
     broadcast_async,
@@ -34,10 +37,11 @@ from .topology import cross_rank, cross_size, init, local_rank, local_size, rank
 from .watchdog import StallError
 
 __all__ = [
-    "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError", "Product",
-    "ReduceOp", "StallError", "Sum", "allgather", "allgather_async", "allreduce", "allreduce_",
-    "allreduce_async", "allreduce_async_", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "compressed_allreduce", "cross_rank", "cross_size",
-    "init", "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
+    "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError",
+    "Product", "ReduceOp", "StallError", "Sum", "allgather", "allgather_async", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
+    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "compressed_allreduce", "cross_rank", "cross_size", "init",
+    "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
     "shutdown", "size", "stats", "synchronize",
 ]

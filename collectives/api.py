@@ -47,9 +47,9 @@ def _submit(topo: topology.Topology, collective: str,
     return handle
 
 
-def _check_algorithm(algorithm: object) -> str:
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm: expected one of {list(ALGORITHMS)}, got {algorithm!r}")
+def _check_algorithm(algorithm: object, known: tuple[str, ...] = ALGORITHMS) -> str:
+    if algorithm not in known:
+        raise ValueError(f"algorithm: expected one of {list(known)}, got {algorithm!r}")
     return algorithm
 
 
@@ -323,6 +323,90 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, comm: Any = None) -> Any:
     """root_rank's picklable obj on every rank."""
     topo = topology.of(comm)
     return _run(topo, "broadcast_object", _broadcast_object, obj, root_rank)
+
+
+# ------------------------------------------------------------------------------ alltoall
+
+def _check_splits(splits: Any, rows: int, n: int) -> list[int]:
+    """Rows of x for each rank: splits as a list of n ints >= 0 summing to rows, or an
+    even split (rows divisible by n) for None."""
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"x: dim 0 ({rows}) must be divisible by the {n} ranks when "
+                             "splits is not given")
+        return [rows // n] * n
+    try:
+        values = splits.tolist() if hasattr(splits, "tolist") else list(splits)
+    except TypeError:
+        values = None
+    ok = isinstance(values, list) and all(type(v) is int for v in values)
+    if not ok or len(values) != n or min(values, default=0) < 0 or sum(values) != rows:
+        raise ValueError(f"splits: expected {n} ints >= 0 summing to dim 0 of x ({rows}), "
+                         f"got {splits!r}")
+    return values
+
+
+def _alltoall(topo: topology.Topology, x: Any, splits: Any,
+              algorithm: Any) -> tuple[Call, Job]:
+    _check_algorithm(algorithm, algorithms.ALLTOALL_ALGORITHMS)
+    buf = wrap(x, "x")
+    _need_dim0(buf, "x")
+    n, r = topo.size, topo.rank
+    mine = _check_splits(splits, buf.shape[0], n)
+    fields = (("dtype", buf.dtype), ("row_shape", buf.shape[1:]), ("algorithm", algorithm))
+    call = calls.describe(topo, "alltoall", fields, algorithm)
+    matrix = np.zeros(n * n, np.int64)  # row j: rank j's splits, gathered by the agreement
+    matrix[r * n:(r + 1) * n] = mine
+    carried = matrix.nbytes <= PIGGYBACK_BYTES
+
+    def move() -> Any:
+        everyone = (matrix if carried else np.array(topo.comm.allgather(mine), np.int64)
+                    ).reshape(n, n)
+        received = everyone[:, r]
+        elems = _row_elems(buf.shape)
+        out = buf.empty((int(received.sum()),) + buf.shape[1:])
+        per_rank = int(everyone.sum()) * elems * buf.flat.itemsize // n  # agreed: auto's size
+        algo = calls.concrete(topo, "alltoall", algorithm, per_rank)
+        ENGINE.native.credit(topo.stats, "alltoall", algo)
+        algorithms.alltoall(algo, topo, buf.flat, out.flat, [c * elems for c in mine],
+                            [int(c) * elems for c in received])
+        if splits is None:
+            return out.result()
+        got = received.astype(np.int32)
+        return out.result(), (torch.from_numpy(got) if buf.kind == "torch" else got)
+
+    if not carried:  # very large jobs: the splits travel in a plain allgather
+        return call, Job(move)
+    return call, Job(move, matrix, matrix, n * n, _INT64, int(ReduceOp.Sum), 1)
+
+
+def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, comm: Any = None) -> Any:
+    """Rank r sends rows splits[j] of x's dim 0 (in order) to rank j; splits None: an even
+    split. Returns the rows received, in rank order, and, when splits is given, the number
+    received from each rank (int32, as Horovod does)."""
+    topo = topology.of(comm)
+    return _run(topo, "alltoall", _alltoall, x, splits, algorithm)
+
+
+def alltoall_async(x: Any, splits: Any = None, algorithm: str = "auto", *,
+                   comm: Any = None) -> Handle:
+    topo = topology.of(comm)
+    return _submit(topo, "alltoall", _alltoall, x, splits, algorithm)
+
+
+# ------------------------------------------------------------------------------- barrier
+
+def _barrier(topo: topology.Topology) -> tuple[Call, Job]:
+    return calls.describe(topo, "barrier", (), "agreement"), Job(None)
+
+
+def barrier(*, comm: Any = None) -> None:
+    """Return once every rank has called barrier. It is the agreement exchange itself: a
+    recursive doubling in which no rank finishes before hearing, directly or through its
+    partners, from every other; so it is checked (a rank in another collective raises
+    MismatchError everywhere) and stall-watched like any call, in ceil(log2 n) steps."""
+    topo = topology.of(comm)
+    _run(topo, "barrier", _barrier)
 
 
 # ------------------------------------------------------------------------------- handles

@@ -1,10 +1,13 @@
 """The algorithm registry, and the one place that runs algorithm X for collective Y.
 
-Every module listed in REGISTRY provides, as plain functions:
+Every module listed in REGISTRY provides, as plain functions, the collectives it runs:
   allreduce(comm, send, recv, op, dtype)            recv = reduction of every send
   reducescatter(comm, send, recv, counts, op, dtype) recv = this rank's block of it
   allgather(comm, send, recv, counts)               recv = every send in rank order
   broadcast(comm, buf, root)                        buf = root's buf
+  alltoall(comm, send, recv, send_counts, recv_counts)
+                                                    recv = block r of every send
+(all of the first four, or only alltoall), and
   cost(collective, nbytes, layout, params) -> float  predicted seconds on a group of that
       Layout (collectives/costmodel.py), the formula its docstring states; math.inf where
       `auto` must not pick it
@@ -26,18 +29,30 @@ from .. import kernels
 from ..costmodel import Layout, Params
 from ..ops import ReduceOp, kernel_op
 from ..topology import Topology
-from . import flat, hierarchical
+from . import flat, hierarchical, pairwise
 
 #: Every algorithm by name: the flat ones (flat.py), then the two-level one; a tie in cost
 #: goes to the earlier one.
-REGISTRY: dict[str, ModuleType] = {**flat.FLAT, "hierarchical": hierarchical}
-#: The algorithm names a caller may pass.
-ALGORITHMS = ("auto", *REGISTRY)
+REGISTRY: dict[str, ModuleType] = {**flat.FLAT, "hierarchical": hierarchical,
+                                   "pairwise": pairwise}
+
+
+def names(collective: str) -> tuple[str, ...]:
+    """The algorithm names a caller may pass for collective: `auto` and the modules that
+    run it."""
+    return ("auto", *(name for name, m in REGISTRY.items() if hasattr(m, collective)))
+
+
+#: The algorithm names a caller may pass to allreduce, allgather, reducescatter, broadcast.
+ALGORITHMS = names("allreduce")
+#: ... and to alltoall.
+ALLTOALL_ALGORITHMS = names("alltoall")
 
 
 def costs(collective: str, nbytes: int, layout: Layout, p: Params) -> dict[str, float]:
     """Predicted seconds of every registered algorithm that may run this call on layout."""
-    found = {name: m.cost(collective, nbytes, layout, p) for name, m in REGISTRY.items()}
+    found = {name: m.cost(collective, nbytes, layout, p) for name, m in REGISTRY.items()
+             if hasattr(m, collective)}
     return {name: t for name, t in found.items() if t < math.inf}
 
 
@@ -94,6 +109,12 @@ def allgather(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
               counts: list[int]) -> None:
     """Run algo's allgather over topo's world."""
     function(algo, "allgather")(_group(algo, topo), send, recv, counts)
+
+
+def alltoall(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,
+             send_counts: list[int], recv_counts: list[int]) -> None:
+    """Run algo's alltoall over topo's world."""
+    function(algo, "alltoall")(_group(algo, topo), send, recv, send_counts, recv_counts)
 
 
 def broadcast(algo: str, topo: Topology, buf: np.ndarray, root: int) -> None:

@@ -12,7 +12,7 @@ Average is a Sum here too: the caller divides once.
 
 Cost, as cost() computes it: the library picks among algorithms like ours and runs their
 steps in C, so the better of ring's and tree's formulas with no per-message overhead (o = 0),
-plus one mpi_call of fixed cost."""
+plus one mpi_call of fixed cost; alltoall: pairwise exchange's formula the same way."""
 
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ from ..costmodel import Layout, Params
 from ..dtypes import FLOATING, STORAGE
 from ..ops import ReduceOp
 from ..p2p import count, message
-from . import ring, tree
+from . import pairwise, ring, tree
 
 #: Elements per MPI call: MPI 3.1 counts are C ints.
 MAX_COUNT = 1 << 30
+TAG_ALLTOALL = 62
 
 _NATIVE_TYPES = {
     "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
@@ -110,10 +111,33 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     comm.Bcast(message(buf), root=root)
 
 
+def alltoall(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, send_counts: list[int],
+             recv_counts: list[int]) -> None:
+    """MPI_Alltoallv of bytes; past 2 GiB of displacements (C ints), one MPI_Sendrecv per
+    peer in the pairwise order."""
+    count(comm, send.nbytes - send_counts[comm.Get_rank()] * send.itemsize,
+          recv.nbytes - recv_counts[comm.Get_rank()] * recv.itemsize)
+    item = send.itemsize
+    sb, rb = [c * item for c in send_counts], [c * item for c in recv_counts]
+    sd, rd = (np.concatenate([[0], np.cumsum(b)[:-1]]).astype(np.int64).tolist() for b in (sb, rb))
+    if max(send.nbytes, recv.nbytes) < 1 << 31:
+        comm.Alltoallv([send, (sb, sd), MPI.BYTE], [recv, (rb, rd), MPI.BYTE])
+        return
+    n, r = comm.Get_size(), comm.Get_rank()
+    raw_send, raw_recv = send.view(np.uint8), recv.view(np.uint8)
+    raw_recv[rd[r]:rd[r] + rb[r]] = raw_send[sd[r]:sd[r] + sb[r]]
+    for k in range(1, n):
+        dst, src = (r + k) % n, (r - k) % n
+        comm.Sendrecv(message(raw_send[sd[dst]:sd[dst] + sb[dst]]), dst, TAG_ALLTOALL,
+                      message(raw_recv[rd[src]:rd[src] + rb[src]]), src, TAG_ALLTOALL)
+
+
 def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     """Predicted seconds of one call on layout (see the module docstring)."""
     if layout.size <= 1:
         return 0.0
     in_c = dataclasses.replace(p, overhead=0.0)
+    if collective == "alltoall":  # pairwise, as the library does it, steps in C
+        return pairwise.cost(collective, nbytes, layout, in_c) + p.mpi_call
     return min(ring.cost(collective, nbytes, layout, in_c),
                tree.cost(collective, nbytes, layout, in_c)) + p.mpi_call

@@ -53,6 +53,9 @@ CASES = {
     "broadcast_object root": (lambda bad: C.broadcast_object("a", root_rank=-1 if bad else 0),
                               ValueError, "root_rank"),
     "compressed_allreduce error size": (_onebit, ValueError, "worker_error"),
+    "alltoall splits": (lambda bad: C.alltoall(np.ones((C.size(), 2)),
+                                               splits=[-1] * C.size() if bad else None),
+                        ValueError, "splits"),
 }
 
 
