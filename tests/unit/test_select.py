@@ -27,8 +27,12 @@ def default_config(monkeypatch):
 
 
 def fake_algorithm(seconds: float) -> types.SimpleNamespace:
-    """A registrable algorithm whose every call costs `seconds`."""
-    return types.SimpleNamespace(cost=lambda collective, nbytes, layout, p: seconds)
+    """A registrable algorithm of the four collectives whose every call costs `seconds`."""
+    def run(*args):
+        raise AssertionError("only priced, never run")
+
+    return types.SimpleNamespace(cost=lambda collective, nbytes, layout, p: seconds,
+                                 **{c: run for c in COLLECTIVES})
 
 
 def test_tiny_allreduce_rides_in_the_agreement_as_tree():
@@ -144,11 +148,22 @@ def test_choices_are_memoized_per_topology(monkeypatch):
     assert select.choose("allgather", 1 << 20, topo) == "fake"
 
 
-def test_every_module_prices_every_collective():
+def test_every_module_prices_every_collective_it_runs():
     p = Params()
     for name, module in algorithms.REGISTRY.items():
-        for c in COLLECTIVES:
+        runs = [c for c in (*COLLECTIVES, "alltoall") if hasattr(module, c)]
+        assert runs in (list(COLLECTIVES), ["alltoall"], [*COLLECTIVES, "alltoall"]), name
+        for c in runs:
             for layout in (Layout((1,)), Layout((3,)), Layout((2, 2))):
                 t = module.cost(c, 1 << 20, layout, p)
                 assert t >= 0, (name, c, layout)
             assert callable(getattr(module, c)), (name, c)
+
+
+def test_alltoall_chooses_among_the_modules_that_run_it():
+    assert algorithms.names("alltoall") == ("auto", "mpi", "pairwise")
+    for sizes in [(2,), (4,), (2, 2)]:
+        for nbytes in (8, 1 << 20, 64 << 20):
+            assert select.choose("alltoall", nbytes, FakeTopology(*sizes)) in ("mpi", "pairwise")
+    # our pairwise exchange pays o per step where the library's runs in C
+    assert select.choose("alltoall", 8, FakeTopology(8)) == "mpi"
