@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms, calls, topology
+from . import algorithms, calls, kernels, topology
 from .agreement import PIGGYBACK_BYTES
 from .buffers import Buffer, host_float, store_float, wrap
 from .calls import Call
 from .compression import Compression, check_compression
-from .dtypes import CODES, FLOATING
+from .dtypes import CODES, FLOATING, STORAGE
 from .engine import ENGINE, Handle, Job
 from .ops import ReduceOp, check_op, kernel_op
 
@@ -173,6 +173,95 @@ def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "
                      compression: Any = None, *, comm: Any = None) -> Handle:
     topo = topology.of(comm)
     return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, True)
+
+
+# --------------------------------------------------------------------- grouped allreduce
+
+def _packable(flat: np.ndarray) -> np.ndarray:
+    """A flat storage array as kernels.pack takes it: bfloat16's uint16 bits viewed as
+    float16 (pack copies bits exactly at scale 1)."""
+    return flat.view(np.float16) if flat.dtype == np.uint16 else flat
+
+
+def _grouped_allreduce(topo: topology.Topology, tensors: Any, op: Any, algorithm: Any,
+                       compression: Any, inplace: bool) -> tuple[Call, Job]:
+    op = check_op(op)
+    _check_algorithm(algorithm)
+    compressor = check_compression(compression)
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors: expected a list or tuple of arrays, got "
+                        f"{type(tensors).__name__}")
+    bufs = [wrap(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    dtypes = sorted({b.dtype for b in bufs})
+    if len(dtypes) > 1:
+        raise TypeError(f"tensors: one dtype per group, got {dtypes}")
+    dtype = dtypes[0] if dtypes else "float32"
+    packed = kernels.pack([_packable(b.flat) for b in bufs]) if bufs else np.empty(0)
+    packed = packed.view(STORAGE[dtype])
+    compressed = compressor is not Compression.none and dtype in FLOATING
+    fields = (("op", op.name), ("dtype", dtype), ("shapes", tuple(b.shape for b in bufs)),
+              ("algorithm", algorithm), ("compression", compressor.name))
+    algo = compressor.name if compressed else calls.concrete(topo, "allreduce", algorithm,
+                                                              packed.nbytes)
+    call = calls.describe(topo, "grouped_allreduce", fields, algo)
+    outs = bufs if inplace else [b.empty(b.shape) for b in bufs]
+
+    def finish(reduced: np.ndarray) -> list:
+        if outs:
+            kernels.unpack(_packable(reduced), [_packable(o.flat) for o in outs])
+        return [_finish(b, o) for b, o in zip(bufs, outs)]
+
+    def move() -> list:
+        if compressed:
+            whole = Buffer(None, "numpy", packed, dtype, packed.shape, False)
+            reduced = np.empty_like(packed)
+            store_float(Buffer(None, "numpy", reduced, dtype, reduced.shape, False),
+                        compressor.allreduce(topo, host_float(whole), op, algorithm))
+        else:
+            reduced = packed
+            algorithms.reduce(algo, topo, packed, reduced, op, dtype)
+        return finish(reduced)
+
+    small = not compressed and algo == "tree" and packed.nbytes <= PIGGYBACK_BYTES
+    if not small:
+        return call, Job(move)
+    divisor = topo.size if op is ReduceOp.Average else 1
+    return call, Job(lambda: finish(packed), packed, packed, packed.size, CODES[dtype],
+                     int(kernel_op(op)), divisor)
+
+
+def grouped_allreduce(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
+                      compression: Any = None, *, comm: Any = None) -> list:
+    """allreduce of every tensor of the list in one call: one agreement and one fused
+    message (the tensors packed by one C++ call). The tensors share one dtype and may differ
+    in shape and type; returns a list of new arrays like them."""
+    topo = topology.of(comm)
+    return _run(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
+                compression, False)
+
+
+def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
+                       compression: Any = None, *, comm: Any = None) -> list:
+    """grouped_allreduce in place; returns the tensors."""
+    topo = topology.of(comm)
+    return _run(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
+                compression, True)
+
+
+def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
+                            algorithm: str = "auto", compression: Any = None, *,
+                            comm: Any = None) -> Handle:
+    topo = topology.of(comm)
+    return _submit(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
+                   compression, False)
+
+
+def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
+                             algorithm: str = "auto", compression: Any = None, *,
+                             comm: Any = None) -> Handle:
+    topo = topology.of(comm)
+    return _submit(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
+                   compression, True)
 
 
 # ----------------------------------------------------------------------------- allgather

@@ -1,0 +1,79 @@
+"""grouped_allreduce: every tensor of a list reduced in one call, against per-tensor
+references; one agreement checks the whole group."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    DTYPES,
+    OPS,
+    assert_equal,
+    assert_same_on_all_ranks,
+    make_input,
+    reference_reduce,
+    to_framework,
+    to_numpy,
+)
+
+import collectives as C
+
+SHAPES = [(0,), (1,), (5,), (3, 4), (2, 0, 2), (1000,)]
+
+
+@pytest.mark.parametrize("algo", list(C.ALGORITHMS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_per_tensor_references(comm, algo, dtype):
+    from collectives import topology
+
+    if algo == "shm" and len(topology.get().nodes) > 1:
+        pytest.skip("shm needs one node")
+    if algo == "hierarchical" and len(topology.get().nodes) < 2:
+        pytest.skip("hierarchical needs several nodes")
+    r, n = comm.Get_rank(), comm.Get_size()
+    for op in OPS:
+        data = [make_input(dtype, s, seed=31 * r + k + 7 * int(op)) for k, s in enumerate(SHAPES)]
+        refs = [reference_reduce(comm.allgather(d), op, dtype, n) for d in data]
+        framework = "torch" if dtype == "bfloat16" else ("numpy" if op % 2 else "torch")
+        xs = [to_framework(d, dtype, framework) for d in data]
+        got = C.grouped_allreduce(xs, op=op, algorithm=algo)
+        assert len(got) == len(xs)
+        for k, (g, ref) in enumerate(zip(got, refs)):
+            assert type(g) is type(xs[k]) and tuple(g.shape) == SHAPES[k]
+            assert_equal(to_numpy(g), ref, f"{algo} {op.name} {dtype} tensor {k}")
+            assert_same_on_all_ranks(comm, to_numpy(g), "grouped")
+        C.grouped_allreduce_(xs, op=op, algorithm=algo)
+        for k, ref in enumerate(refs):
+            assert_equal(to_numpy(xs[k]), ref, f"in place {k}")
+
+
+def test_async_small_and_compressed(comm):
+    n = comm.Get_size()
+    xs = [np.full(4, 1.5, np.float32), np.full((2, 3), 2.0, np.float32)]
+    h = C.grouped_allreduce_async(xs, op=C.Sum)
+    got = C.synchronize(h)
+    assert_equal(got[1], np.full((2, 3), 2.0 * n, np.float32), "async")
+    halves = C.grouped_allreduce(xs, op=C.Sum, compression=C.Compression.fp16)
+    assert_equal(halves[0], np.full(4, 1.5 * n, np.float32), "fp16")
+    ts = [torch.ones(3), torch.ones(2)]
+    C.synchronize(C.grouped_allreduce_async_(ts, op=C.Sum))
+    assert torch.equal(ts[1], torch.full((2,), float(n)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_group_that_differs_raises_everywhere(comm):
+    r = comm.Get_rank()
+    xs = [np.ones(3), np.ones(2 + (r == 0))]
+    with pytest.raises(C.MismatchError, match="grouped_allreduce shapes mismatch"):
+        C.grouped_allreduce(xs)
+    assert C.grouped_allreduce([np.ones(2)], op=C.Sum)[0].tolist() == [comm.Get_size()] * 2
+
+
+def test_bad_groups_name_the_argument():
+    with pytest.raises(TypeError, match="tensors"):
+        C.grouped_allreduce(np.ones(3))
+    with pytest.raises(TypeError, match="one dtype"):
+        C.grouped_allreduce([np.ones(2, np.float32), np.ones(2, np.float64)])
+    with pytest.raises(TypeError, match=r"tensors\[1\]"):
+        C.grouped_allreduce([np.ones(2), "x"])
