@@ -114,7 +114,7 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
         return _compressed(topo, buf, op, algorithm, compressor, inplace)
     call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
     out = buf if inplace else buf.empty(buf.shape)
-    if call.small is not None:  # the data rides in the agreement
+    if call.rides:  # the data rides in the agreement
         if not buf.staged and buf.dtype != "bfloat16":
             topo.fast[(op, x.dtype, x.shape, algorithm)] = call
         return call, Job(lambda: _finish(buf, out), buf.flat, out.flat, buf.flat.size,
@@ -137,7 +137,8 @@ def _compressed(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: s
     out = buf if inplace else buf.empty(buf.shape)
 
     def move() -> Any:
-        store_float(out, compressor.allreduce(topo, host_float(buf), op, algorithm))
+        store_float(out.flat, out.dtype,
+                    compressor.allreduce(topo, host_float(buf.flat, buf.dtype), op, algorithm))
         return _finish(buf, out)
 
     return call, Job(move)
@@ -248,27 +249,26 @@ def _grouped_allreduce(topo: topology.Topology, tensors: Any, op: Any, algorithm
     compressed = compressor is not Compression.none and dtype in FLOATING
     fields = (("op", op.name), ("dtype", dtype), ("shapes", group.shapes),
               ("algorithm", algorithm), ("compression", compressor.name))
-    algo = compressor.name if compressed else calls.concrete(topo, "allreduce", algorithm,
-                                                              packed.nbytes)
-    call = calls.describe(topo, "grouped_allreduce", fields, algo)
+    if compressed:
+        call = calls.describe(topo, "grouped_allreduce", fields, compressor.name)
+    else:
+        algo = calls.concrete(topo, "allreduce", algorithm, packed.nbytes)
+        call = calls.reduction(topo, "grouped_allreduce", fields, dtype, packed.nbytes, op, algo)
+    if call.rides:
+        return call, Job(lambda: group.finish(packed), packed, packed, packed.size,
+                         call.dtype_code, call.op_code, call.divisor)
 
     def move() -> list:
         if compressed:
-            whole = Buffer(None, "numpy", packed, dtype, packed.shape, False)
             reduced = np.empty_like(packed)
-            store_float(Buffer(None, "numpy", reduced, dtype, reduced.shape, False),
-                        compressor.allreduce(topo, host_float(whole), op, algorithm))
+            store_float(reduced, dtype,
+                        compressor.allreduce(topo, host_float(packed, dtype), op, algorithm))
         else:
             reduced = packed
-            algorithms.reduce(algo, topo, packed, reduced, op, dtype)
+            algorithms.reduce(call.algorithm, topo, packed, reduced, op, dtype)
         return group.finish(reduced)
 
-    small = not compressed and algo == "tree" and packed.nbytes <= PIGGYBACK_BYTES
-    if not small:
-        return call, Job(move)
-    divisor = topo.size if op is ReduceOp.Average else 1
-    return call, Job(lambda: group.finish(packed), packed, packed, packed.size, CODES[dtype],
-                     int(kernel_op(op)), divisor)
+    return call, Job(move)
 
 
 def grouped_allreduce(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",

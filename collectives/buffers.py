@@ -74,20 +74,21 @@ class Buffer:
             self.orig[...] = cupy.asarray(self.flat.reshape(self.shape))
 
 
-def host_float(buf: Buffer) -> np.ndarray:
-    """A floating buffer's values as a flat host array: its own storage for float16,
-    float32 and float64; bfloat16 widened to float32 (exact: it is float32's top half)."""
-    if buf.dtype != "bfloat16":
-        return buf.flat
-    return (buf.flat.astype(np.uint32) << 16).view(np.float32)
+def host_float(flat: np.ndarray, dtype: str) -> np.ndarray:
+    """The values of flat storage of a floating dtype as a host array: the storage itself
+    for float16, float32 and float64; bfloat16 widened to float32 (exact: it is float32's
+    top half)."""
+    if dtype != "bfloat16":
+        return flat
+    return (flat.astype(np.uint32) << 16).view(np.float32)
 
 
-def store_float(out: Buffer, values: np.ndarray) -> None:
-    """out.flat = floating values rounded to out's floating dtype (to nearest even)."""
-    if out.dtype == "bfloat16":
-        out.flat[...] = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy()
+def store_float(flat: np.ndarray, dtype: str, values: np.ndarray) -> None:
+    """flat (storage of a floating dtype) = values rounded to dtype (to nearest even)."""
+    if dtype == "bfloat16":
+        flat[...] = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy()
     else:
-        out.flat[...] = values
+        flat[...] = values
 
 
 def _unsupported(name: str, what: str) -> TypeError:

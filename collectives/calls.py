@@ -32,8 +32,9 @@ class Call(NamedTuple):
     fields: tuple          # ((name, value), ...): what every rank must pass alike
     algorithm: str         # concrete algorithm, or the stats label of a compressed call
     native: Any            # _C.Call: digest, stall-record text, counter, mismatch report
-    small: Any = None      # _C.SmallAllreduce when the data rides in the agreement
-    dtype_code: int = 0    # allreduce: the kernels' codes of its payload
+    rides: bool = False    # a reduction whose data rides in the agreement exchange
+    small: Any = None      # allreduce that rides: its C++ fast entry (_C.SmallAllreduce)
+    dtype_code: int = 0    # a reduction: the kernels' codes of its payload
     op_code: int = 0
     divisor: int = 1       # world size for Average, else 1
 
@@ -59,22 +60,44 @@ def describe(topo: Topology, collective: str, fields: tuple, algorithm: str) -> 
 
 def allreduce(topo: Topology, dtype: str, shape: tuple, nbytes: int, op: ReduceOp,
               algorithm: str) -> Call:
-    """An uncompressed allreduce's description (raises the argument errors of concrete())."""
+    """An uncompressed allreduce's description (raises the argument errors of concrete()),
+    found by a key cheaper to build than its fields: this is on every call's path."""
     key = ("allreduce", dtype, shape, op, algorithm)
     call = topo.calls.get(key)
-    if call is not None:
-        return call
-    fields = (("op", op.name), ("dtype", dtype), ("shape", shape), ("algorithm", algorithm),
-              ("compression", "none"))
-    algo = concrete(topo, "allreduce", algorithm, nbytes)
-    native = _native(topo, "allreduce", fields, algo)
+    if call is None:
+        fields = (("op", op.name), ("dtype", dtype), ("shape", shape),
+                  ("algorithm", algorithm), ("compression", "none"))
+        algo = concrete(topo, "allreduce", algorithm, nbytes)
+        call = _remember(topo, key, _reduction(topo, "allreduce", fields, dtype, nbytes, op,
+                                               algo, fast_entry=True))
+    return call
+
+
+def reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes: int,
+              op: ReduceOp, algo: str) -> Call:
+    """The description of a reduction of nbytes of dtype other than allreduce's (a grouped
+    allreduce): like allreduce's, without the C++ fast entry."""
+    key = (collective, fields, algo)
+    call = topo.calls.get(key)
+    if call is None:
+        call = _remember(topo, key, _reduction(topo, collective, fields, dtype, nbytes, op,
+                                               algo, fast_entry=False))
+    return call
+
+
+def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes: int,
+               op: ReduceOp, algo: str, fast_entry: bool) -> Call:
+    """A reduction's Call: its data rides in the agreement when the algorithm is `tree` and
+    it is at most PIGGYBACK_BYTES (the exchange is recursive doubling already)."""
+    native = _native(topo, collective, fields, algo)
     code, kop = CODES[dtype], int(kernel_op(op))
     divisor = topo.size if op is ReduceOp.Average else 1
+    rides = algo == "tree" and nbytes <= PIGGYBACK_BYTES
     small = None
-    if algo == "tree" and nbytes <= PIGGYBACK_BYTES:
+    if rides and fast_entry:
         count = nbytes // STORAGE[dtype].itemsize
         small = _C.SmallAllreduce(ENGINE.native, topo.channel, native, count, code, kop, divisor)
-    return _remember(topo, key, Call("allreduce", fields, algo, native, small, code, kop, divisor))
+    return Call(collective, fields, algo, native, rides, small, code, kop, divisor)
 
 
 def prepare(topo: Topology, collective: str, make: Callable[..., tuple[Call, Job]],
@@ -98,17 +121,18 @@ def invalid(topo: Topology, collective: str, error: BaseException) -> Call:
     the agreement, its one field the error's text, so that every rank raises in this call
     (agreement.raise_invalid makes this rank raise error itself). Not cached."""
     fields = ((INVALID, f"{type(error).__name__}: {error}"),)
-    native = _C.Call(agreement.digest((collective, fields)), collective, repr(dict(fields)),
-                     topo.stats, INVALID,
-                     functools.partial(agreement.raise_invalid, topo.comm, collective, fields,
-                                       error))
-    return Call(collective, fields, INVALID, native)
+    report = functools.partial(agreement.raise_invalid, topo.comm, collective, fields, error)
+    return Call(collective, fields, INVALID, _native(topo, collective, fields, INVALID, report))
 
 
-def _native(topo: Topology, collective: str, fields: tuple, algorithm: str) -> Any:
+def _native(topo: Topology, collective: str, fields: tuple, algorithm: str,
+            report: Callable[[], None] | None = None) -> Any:
+    """The C++ part of a description; report raises on a mismatch (default: the same
+    MismatchError on every rank)."""
+    if report is None:
+        report = functools.partial(agreement.raise_mismatch, topo.comm, collective, fields)
     return _C.Call(agreement.digest((collective, fields)), collective, repr(dict(fields)),
-                   topo.stats, algorithm,
-                   functools.partial(agreement.raise_mismatch, topo.comm, collective, fields))
+                   topo.stats, algorithm, report)
 
 
 def _remember(topo: Topology, key: tuple, call: Call) -> Call:

@@ -222,8 +222,8 @@ def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: A
 
     def move() -> Any:
         out = buf.empty(buf.shape)
-        store_float(out, ONEBIT.allreduce(topo, host_float(buf), ReduceOp.Average, "auto",
-                                          state))
+        store_float(out.flat, out.dtype, ONEBIT.allreduce(
+            topo, host_float(buf.flat, buf.dtype), ReduceOp.Average, "auto", state))
         worker.write_back()
         server.write_back()
         return out.result()

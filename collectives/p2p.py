@@ -6,6 +6,7 @@ Messages go as MPI.BYTE: the element type only matters to the reduction kernels.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 from mpi4py import MPI
@@ -54,6 +55,12 @@ def count(comm: MPI.Comm, sent: int, received: int) -> None:
 def segments(count: int, seg: int) -> list[tuple[int, int]]:
     """[lo, hi) pieces of at most seg elements covering range(count)."""
     return [(lo, min(lo + seg, count)) for lo in range(0, count, seg)]
+
+
+def offsets(counts: list[int]) -> list[int]:
+    """len(counts) + 1 offsets: where each of counts' consecutive blocks starts, then the
+    end."""
+    return list(itertools.accumulate(counts, initial=0))
 
 
 def even_bounds(count: int, parts: int) -> list[int]:

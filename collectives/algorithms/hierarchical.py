@@ -43,7 +43,7 @@ from mpi4py import MPI
 from .. import costmodel
 from ..costmodel import Layout, Params
 from ..ops import ReduceOp
-from ..p2p import even_bounds, irecv, isend
+from ..p2p import even_bounds, irecv, isend, offsets
 from ..topology import Topology
 from .flat import FLAT, cheapest
 
@@ -144,7 +144,7 @@ def _to_world_order(topo: Topology, node_ordered: np.ndarray, out: np.ndarray,
     if order == list(range(topo.size)):
         out[...] = node_ordered
         return
-    world = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    world = offsets(counts)
     pos = 0
     for r in order:
         out[world[r]:world[r + 1]] = node_ordered[pos:pos + counts[r]]
@@ -155,7 +155,7 @@ def _from_world_order(topo: Topology, buf: np.ndarray, counts: list[int]) -> np.
     order = _node_order(topo)
     if order == list(range(topo.size)):
         return buf
-    world = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    world = offsets(counts)
     return np.concatenate([buf[world[r]:world[r + 1]] for r in order])
 
 
@@ -175,7 +175,7 @@ def reducescatter(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: li
         level["inter_rs"](topo.cross_comm, _from_world_order(topo, node_sum, counts), mine,
                            node_counts, op, dtype)
         # 3. hand each local rank its rows
-        offs = np.concatenate([[0], np.cumsum([counts[r] for r in topo.nodes[topo.node_index]])])
+        offs = offsets([counts[r] for r in topo.nodes[topo.node_index]])
         reqs = [isend(topo.node_comm, mine[offs[j]:offs[j + 1]], j, TAG_SCATTER)
                 for j in range(1, topo.local_size)]
         recv[...] = mine[offs[0]:offs[1]]

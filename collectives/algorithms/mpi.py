@@ -26,12 +26,11 @@ from .. import kernels
 from ..costmodel import Layout, Params
 from ..dtypes import FLOATING, STORAGE
 from ..ops import ReduceOp
-from ..p2p import count, message
+from ..p2p import count, message, offsets
 from . import pairwise, ring, tree
 
 #: Elements per MPI call: MPI 3.1 counts are C ints.
 MAX_COUNT = 1 << 30
-TAG_ALLTOALL = 62
 
 _NATIVE_TYPES = {
     "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
@@ -80,7 +79,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
         comm.Reduce_scatter([send, datatype], [recv, datatype], list(counts), mpi_op)
         return
     # in rounds: round k reduces elements [k*C, (k+1)*C) of every rank's block
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    starts = offsets(counts)
     step = MAX_COUNT // len(counts)
     r = comm.Get_rank()
     for lo in range(0, max(counts), step):
@@ -95,11 +94,11 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
     item = send.itemsize
     nbytes = [c * item for c in counts]
     if recv.nbytes < 1 << 31:
-        displs = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).tolist()
+        displs = offsets(nbytes)[:-1]
         comm.Allgatherv([send, MPI.BYTE], [recv, (nbytes, displs), MPI.BYTE])
         return
     # byte displacements past 2 GiB do not fit C ints: every rank broadcasts its own block
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    starts = offsets(counts)
     recv[starts[comm.Get_rank()]:starts[comm.Get_rank() + 1]] = send
     for root in range(comm.Get_size()):
         broadcast(comm, recv[starts[root]:starts[root + 1]], root)
@@ -113,23 +112,17 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
 
 def alltoall(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, send_counts: list[int],
              recv_counts: list[int]) -> None:
-    """MPI_Alltoallv of bytes; past 2 GiB of displacements (C ints), one MPI_Sendrecv per
-    peer in the pairwise order."""
-    count(comm, send.nbytes - send_counts[comm.Get_rank()] * send.itemsize,
-          recv.nbytes - recv_counts[comm.Get_rank()] * recv.itemsize)
-    item = send.itemsize
-    sb, rb = [c * item for c in send_counts], [c * item for c in recv_counts]
-    sd, rd = (np.concatenate([[0], np.cumsum(b)[:-1]]).astype(np.int64).tolist() for b in (sb, rb))
-    if max(send.nbytes, recv.nbytes) < 1 << 31:
-        comm.Alltoallv([send, (sb, sd), MPI.BYTE], [recv, (rb, rd), MPI.BYTE])
+    """MPI_Alltoallv of bytes; past 2 GiB (displacements are C ints) pairwise.alltoall,
+    whose messages count themselves."""
+    if max(send.nbytes, recv.nbytes) >= 1 << 31:
+        pairwise.alltoall(comm, send, recv, send_counts, recv_counts)
         return
-    n, r = comm.Get_size(), comm.Get_rank()
-    raw_send, raw_recv = send.view(np.uint8), recv.view(np.uint8)
-    raw_recv[rd[r]:rd[r] + rb[r]] = raw_send[sd[r]:sd[r] + sb[r]]
-    for k in range(1, n):
-        dst, src = (r + k) % n, (r - k) % n
-        comm.Sendrecv(message(raw_send[sd[dst]:sd[dst] + sb[dst]]), dst, TAG_ALLTOALL,
-                      message(raw_recv[rd[src]:rd[src] + rb[src]]), src, TAG_ALLTOALL)
+    r = comm.Get_rank()
+    count(comm, send.nbytes - send_counts[r] * send.itemsize,
+          recv.nbytes - recv_counts[r] * recv.itemsize)
+    sb, rb = ([c * send.itemsize for c in counts] for counts in (send_counts, recv_counts))
+    comm.Alltoallv([send, (sb, offsets(sb)[:-1]), MPI.BYTE],
+                   [recv, (rb, offsets(rb)[:-1]), MPI.BYTE])
 
 
 def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:

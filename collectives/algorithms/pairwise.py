@@ -16,13 +16,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..costmodel import Layout, Params
-from ..p2p import irecv, isend
+from ..p2p import irecv, isend, offsets
 
 TAG_ALLTOALL = 61
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
 
 
 def alltoall(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, send_counts: list[int],
@@ -30,7 +26,7 @@ def alltoall(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, send_counts: li
     """recv = block r of every rank's send, in rank order; send holds send_counts[j]
     elements for rank j, recv recv_counts[j] from rank j."""
     n, r = comm.Get_size(), comm.Get_rank()
-    so, ro = _offsets(send_counts), _offsets(recv_counts)
+    so, ro = offsets(send_counts), offsets(recv_counts)
     recv[ro[r]:ro[r + 1]] = send[so[r]:so[r + 1]]
     for k in range(1, n):
         dst, src = (r + k) % n, (r - k) % n

@@ -28,7 +28,7 @@ from mpi4py import MPI
 from .. import config, kernels
 from ..costmodel import Layout, Params
 from ..ops import ReduceOp
-from ..p2p import even_bounds, irecv, isend, segments
+from ..p2p import even_bounds, irecv, isend, offsets, segments
 
 TAG_RS, TAG_AG, TAG_BCAST = 11, 12, 13
 #: Largest single message: keeps MPI's int counts in range whatever the buffer size.
@@ -98,7 +98,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
                   op: ReduceOp, dtype: str) -> None:
     """recv = this rank's block (counts[rank] elements) of the reduction of every send."""
     n = comm.Get_size()
-    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+    bounds = offsets(counts)
     if n == 1:
         recv[...] = send
         return
@@ -115,7 +115,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
 def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
     """recv = every rank's send concatenated in rank order (counts[i] elements from rank i)."""
     r = comm.Get_rank()
-    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+    bounds = offsets(counts)
     recv[bounds[r]:bounds[r + 1]] = send
     _ring_allgather(comm, recv, bounds)
 

@@ -46,7 +46,6 @@ as our kernels reduce); math.inf on a group that spans several nodes.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import time
@@ -58,7 +57,7 @@ from mpi4py import MPI
 from .. import config, kernels
 from ..costmodel import Layout, Params
 from ..ops import ReduceOp
-from ..p2p import count, even_bounds
+from ..p2p import count, even_bounds, offsets
 
 #: Largest staging buffer per rank and chunk: chunks that stay in the L2/L3 caches.
 SLOT_BYTES = 1 << 20
@@ -293,10 +292,6 @@ class _Blocks:
         self.nchunks = -(-longest // e)
 
 
-def _bounds(counts: list[int]) -> list[int]:
-    return list(itertools.accumulate(counts, initial=0))
-
-
 # ------------------------------------------------------------------ reduce over blocks
 
 def _reduce_blocks(w: _Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarray,
@@ -336,7 +331,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
         return
     if send.size == 0:
         return
-    bounds = _bounds(counts)
+    bounds = offsets(counts)
     start, end = bounds[r], bounds[r + 1]
     if send.nbytes * size <= SMALL_BYTES:
         return _single(comm, send, [send.size] * size,
@@ -357,7 +352,7 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
         return
     if recv.size == 0:
         return
-    bounds = _bounds(counts)
+    bounds = offsets(counts)
     if recv.nbytes <= SMALL_BYTES:
         def finish(slots: list[np.ndarray]) -> None:
             for j, slot in enumerate(slots):

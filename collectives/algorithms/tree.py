@@ -33,7 +33,7 @@ from ..dtypes import CODES
 from ..engine import ENGINE
 from ..kernels import _C
 from ..ops import ReduceOp
-from ..p2p import irecv, isend
+from ..p2p import irecv, isend, offsets
 
 TAG_FOLD, TAG_RD, TAG_RH, TAG_BRUCK, TAG_BCAST = 21, 22, 23, 24, 25
 #: Largest allreduce message: MPI counts are C ints.
@@ -93,7 +93,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
     """recv = this rank's block (counts[rank] elements) of the reduction of every send,
     by recursive halving; active rank v owns the blocks of the ranks folded into it."""
     n, r = comm.Get_size(), comm.Get_rank()
-    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+    bounds = offsets(counts)
     if n == 1:
         recv[...] = send
         return
@@ -135,9 +135,9 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
 def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
     """recv = every rank's send in rank order, by Bruck's algorithm (any n)."""
     n, r = comm.Get_size(), comm.Get_rank()
-    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+    bounds = offsets(counts)
     order = [(r + i) % n for i in range(n)]  # blocks held in rotated order r, r+1, ...
-    offs = np.concatenate([[0], np.cumsum([counts[b] for b in order])]).astype(np.int64).tolist()
+    offs = offsets([counts[b] for b in order])
     rotated = np.empty_like(recv)
     rotated[:counts[r]] = send
     have = 1
