@@ -36,17 +36,25 @@ from .compression import Compression
 from .engine import Handle
 from .onebit import compressed_allreduce
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
+from .process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    init,
+    remove_process_set,
+    shutdown,
+)
 from .stats import stats
-from .topology import cross_rank, cross_size, init, local_rank, local_size, rank, shutdown, size
+from .topology import cross_rank, cross_size, local_rank, local_size, rank, size
 from .watchdog import StallError
 
 __all__ = [
     "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError",
-    "Product", "ReduceOp", "StallError", "Sum", "allgather", "allgather_async", "allreduce",
-    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
+    "ProcessSet", "Product", "ReduceOp", "StallError", "Sum", "allgather", "allgather_async", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "add_process_set", "alltoall", "alltoall_async",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "broadcast_object", "compressed_allreduce", "cross_rank", "cross_size",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "init", "local_rank", "local_size", "poll", "rank",
-    "reducescatter", "reducescatter_async", "shutdown", "size", "stats", "synchronize",
+    "grouped_allreduce_async_", "global_process_set", "init", "local_rank", "local_size", "poll", "rank",
+    "reducescatter", "reducescatter_async", "remove_process_set", "shutdown", "size", "stats", "synchronize",
 ]

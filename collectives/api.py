@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import algorithms, calls, kernels, topology
+from . import algorithms, calls, kernels, process_sets, topology
 from .agreement import PIGGYBACK_BYTES
 from .buffers import Buffer, host_float, store_float, wrap
 from .calls import Call
@@ -68,7 +68,21 @@ def _need_dim0(buf: Buffer, name: str) -> None:
         raise ValueError(f"{name}: needs at least one dimension (rows on dim 0), got a scalar")
 
 
-def _check_root(root_rank: object, topo: topology.Topology) -> int:
+def _target(comm: Any, process_set: Any) -> topology.Topology:
+    """The communicator a call runs over: comm's, process_set's, or the job's."""
+    if process_set is None:
+        return topology.of(comm)
+    return process_sets.resolve(comm, process_set)
+
+
+def _check_root(root_rank: object, topo: topology.Topology, ranks: list[int] | None) -> int:
+    """root_rank as a rank of topo's communicator; ranks: a process set's job ranks, of
+    which root_rank is one (None: root_rank is already a rank of the communicator)."""
+    if ranks is not None:
+        if root_rank not in ranks:
+            raise ValueError(f"root_rank: expected one of the process set's ranks {ranks}, "
+                             f"got {root_rank!r}")
+        return ranks.index(root_rank)
     n = topo.size
     if not isinstance(root_rank, (int, np.integer)) or not 0 <= int(root_rank) < n:
         raise ValueError(f"root_rank: expected an int in [0, {n}), got {root_rank!r}")
@@ -145,9 +159,10 @@ def _compressed(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: s
 
 
 def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-              compression: Any = None, *, comm: Any = None) -> Any:
+              compression: Any = None, *, comm: Any = None,
+        process_set: Any = None) -> Any:
     """Reduce x over all ranks; a new array of x's type, dtype, shape and device."""
-    topo = topology.of(comm)
+    topo = _target(comm, process_set)
     if compression is None:
         out = _fast(topo, x, op, algorithm, False)
         if out is not None:
@@ -156,23 +171,26 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-               compression: Any = None, *, comm: Any = None) -> Any:
+               compression: Any = None, *, comm: Any = None,
+        process_set: Any = None) -> Any:
     """Reduce x over all ranks in place; returns x."""
-    topo = topology.of(comm)
+    topo = _target(comm, process_set)
     if compression is None and _fast(topo, x, op, algorithm, True) is not None:
         return x
     return _run(topo, "allreduce", _allreduce, x, op, algorithm, compression, True)
 
 
 def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                    compression: Any = None, *, comm: Any = None) -> Handle:
-    topo = topology.of(comm)
+                    compression: Any = None, *, comm: Any = None,
+        process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
     return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, False)
 
 
 def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                     compression: Any = None, *, comm: Any = None) -> Handle:
-    topo = topology.of(comm)
+                     compression: Any = None, *, comm: Any = None,
+        process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
     return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, True)
 
 
@@ -272,35 +290,39 @@ def _grouped_allreduce(topo: topology.Topology, tensors: Any, op: Any, algorithm
 
 
 def grouped_allreduce(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                      compression: Any = None, *, comm: Any = None) -> list:
+                      compression: Any = None, *, comm: Any = None,
+        process_set: Any = None) -> list:
     """allreduce of every tensor of the list in one call: one agreement and one fused
     message (the tensors packed by one C++ call). The tensors share one dtype and may differ
     in shape and type; returns a list of new arrays like them."""
-    topo = topology.of(comm)
+    topo = _target(comm, process_set)
     return _run(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
                 compression, False)
 
 
 def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                       compression: Any = None, *, comm: Any = None) -> list:
+                       compression: Any = None, *, comm: Any = None,
+        process_set: Any = None) -> list:
     """grouped_allreduce in place; returns the tensors."""
-    topo = topology.of(comm)
+    topo = _target(comm, process_set)
     return _run(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
                 compression, True)
 
 
 def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                             algorithm: str = "auto", compression: Any = None, *,
-                            comm: Any = None) -> Handle:
-    topo = topology.of(comm)
+                            comm: Any = None,
+        process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
     return _submit(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
                    compression, False)
 
 
 def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
                              algorithm: str = "auto", compression: Any = None, *,
-                             comm: Any = None) -> Handle:
-    topo = topology.of(comm)
+                             comm: Any = None,
+        process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
     return _submit(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
                    compression, True)
 
@@ -333,14 +355,16 @@ def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, J
     return call, Job(move, rows, rows, n, _INT64, int(ReduceOp.Sum), 1)
 
 
-def allgather(x: Any, algorithm: str = "auto", *, comm: Any = None) -> Any:
+def allgather(x: Any, algorithm: str = "auto", *, comm: Any = None,
+        process_set: Any = None) -> Any:
     """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
-    topo = topology.of(comm)
+    topo = _target(comm, process_set)
     return _run(topo, "allgather", _allgather, x, algorithm)
 
 
-def allgather_async(x: Any, algorithm: str = "auto", *, comm: Any = None) -> Handle:
-    topo = topology.of(comm)
+def allgather_async(x: Any, algorithm: str = "auto", *, comm: Any = None,
+        process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
     return _submit(topo, "allgather", _allgather, x, algorithm)
 
 
@@ -370,24 +394,26 @@ def _reducescatter(topo: topology.Topology, x: Any, op: Any,
 
 
 def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
-                  comm: Any = None) -> Any:
+                  comm: Any = None,
+        process_set: Any = None) -> Any:
     """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
-    topo = topology.of(comm)
+    topo = _target(comm, process_set)
     return _run(topo, "reducescatter", _reducescatter, x, op, algorithm)
 
 
 def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
-                        comm: Any = None) -> Handle:
-    topo = topology.of(comm)
+                        comm: Any = None,
+        process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
     return _submit(topo, "reducescatter", _reducescatter, x, op, algorithm)
 
 
 # ----------------------------------------------------------------------------- broadcast
 
 def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
-               inplace: bool) -> tuple[Call, Job]:
+               inplace: bool, ranks: list[int] | None) -> tuple[Call, Job]:
     _check_algorithm(algorithm)
-    root = _check_root(root_rank, topo)
+    root = _check_root(root_rank, topo, ranks)
     buf = wrap(x, "x")
     fields = (("dtype", buf.dtype), ("shape", buf.shape), ("root_rank", root),
               ("algorithm", algorithm))
@@ -404,32 +430,41 @@ def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
     return call, Job(move)
 
 
-def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None) -> Any:
+def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None,
+        process_set: Any = None) -> Any:
     """root_rank's x on every rank, as a new array."""
-    topo = topology.of(comm)
-    return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, False)
+    topo = _target(comm, process_set)
+    return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, False,
+                process_sets.job_ranks(process_set))
 
 
-def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None) -> Any:
+def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None,
+        process_set: Any = None) -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
-    topo = topology.of(comm)
-    return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, True)
+    topo = _target(comm, process_set)
+    return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, True,
+                process_sets.job_ranks(process_set))
 
 
 def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
-                    comm: Any = None) -> Handle:
-    topo = topology.of(comm)
-    return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, False)
+                    comm: Any = None,
+        process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
+    return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, False,
+                process_sets.job_ranks(process_set))
 
 
 def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
-                     comm: Any = None) -> Handle:
-    topo = topology.of(comm)
-    return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, True)
+                     comm: Any = None,
+        process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
+    return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, True,
+                process_sets.job_ranks(process_set))
 
 
-def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any) -> tuple[Call, Job]:
-    root = _check_root(root_rank, topo)
+def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
+                      ranks: list[int] | None) -> tuple[Call, Job]:
+    root = _check_root(root_rank, topo, ranks)
     call = calls.describe(topo, "broadcast_object", (("root_rank", root),), "mpi")
 
     def move() -> Any:
@@ -449,10 +484,12 @@ def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any) -> tupl
     return call, Job(move)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, *, comm: Any = None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, *, comm: Any = None,
+        process_set: Any = None) -> Any:
     """root_rank's picklable obj on every rank."""
-    topo = topology.of(comm)
-    return _run(topo, "broadcast_object", _broadcast_object, obj, root_rank)
+    topo = _target(comm, process_set)
+    return _run(topo, "broadcast_object", _broadcast_object, obj, root_rank,
+                process_sets.job_ranks(process_set))
 
 
 # ------------------------------------------------------------------------------ alltoall
@@ -510,17 +547,19 @@ def _alltoall(topo: topology.Topology, x: Any, splits: Any,
     return call, Job(move, matrix, matrix, n * n, _INT64, int(ReduceOp.Sum), 1)
 
 
-def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, comm: Any = None) -> Any:
+def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, comm: Any = None,
+        process_set: Any = None) -> Any:
     """Rank r sends rows splits[j] of x's dim 0 (in order) to rank j; splits None: an even
     split. Returns the rows received, in rank order, and, when splits is given, the number
     received from each rank (int32, as Horovod does)."""
-    topo = topology.of(comm)
+    topo = _target(comm, process_set)
     return _run(topo, "alltoall", _alltoall, x, splits, algorithm)
 
 
 def alltoall_async(x: Any, splits: Any = None, algorithm: str = "auto", *,
-                   comm: Any = None) -> Handle:
-    topo = topology.of(comm)
+                   comm: Any = None,
+        process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
     return _submit(topo, "alltoall", _alltoall, x, splits, algorithm)
 
 
@@ -530,12 +569,13 @@ def _barrier(topo: topology.Topology) -> tuple[Call, Job]:
     return calls.describe(topo, "barrier", (), "agreement"), Job(None)
 
 
-def barrier(*, comm: Any = None) -> None:
+def barrier(*, comm: Any = None,
+        process_set: Any = None) -> None:
     """Return once every rank has called barrier. It is the agreement exchange itself: a
     recursive doubling in which no rank finishes before hearing, directly or through its
     partners, from every other; so it is checked (a rank in another collective raises
     MismatchError everywhere) and stall-watched like any call, in ceil(log2 n) steps."""
-    topo = topology.of(comm)
+    topo = _target(comm, process_set)
     _run(topo, "barrier", _barrier)
 
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import topology
+from . import process_sets
 
 
-def stats(comm: Any = None) -> dict:
+def stats(comm: Any = None, process_set: Any = None) -> dict:
     """{"bytes_sent", "bytes_received", "calls", "per_op": {"allreduce/ring": {...}}} of the
-    job's communicator, or of comm (an mpi4py communicator used in collectives)."""
+    job's communicator, or of comm (an mpi4py communicator used in collectives), or of
+    process_set."""
     per_op, totals = {}, {"bytes_sent": 0, "bytes_received": 0, "calls": 0}
-    for collective, algorithm, calls, sent, received in topology.of(comm).stats.snapshot():
+    counters = process_sets.resolve(comm, process_set).stats.snapshot()
+    for collective, algorithm, calls, sent, received in counters:
         per_op[f"{collective}/{algorithm}"] = {"bytes_sent": sent, "bytes_received": received,
                                                "calls": calls}
         totals["bytes_sent"] += sent
@@ -29,6 +31,6 @@ def stats(comm: Any = None) -> dict:
     return dict(totals, per_op=per_op)
 
 
-def reset(comm: Any = None) -> None:
-    """Zero the counters of the job's communicator (or comm's)."""
-    topology.of(comm).stats.reset()
+def reset(comm: Any = None, process_set: Any = None) -> None:
+    """Zero the counters of the job's communicator (or comm's, or process_set's)."""
+    process_sets.resolve(comm, process_set).stats.reset()

@@ -76,6 +76,7 @@ class _Reduction:
     compression: Any
     prescale: float = 1.0
     postscale: float = 1.0
+    process_set: Any = None
 
 
 class _Bucket:
@@ -103,7 +104,8 @@ class _Bucket:
         self.grads = [p.grad for p in self.params]
         _pack(self.grads, self.buffer, how.prescale)
         self.handle = C.allreduce_async_(self.buffer, op=how.op, algorithm=how.algorithm,
-                                         compression=how.compression)
+                                         compression=how.compression,
+                                         process_set=how.process_set)
 
     def finish(self, how: _Reduction) -> None:
         """Wait for the allreduce and write the reduced gradients back into .grad."""
@@ -140,7 +142,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 def _check_reduction(op: object, factor: object, algorithm: object,
-                     compression: object) -> _Reduction:
+                     compression: object, process_set: Any) -> _Reduction:
     if op is not C.Average and op is not C.Sum:
         raise ValueError(f"op: expected collectives.Average or collectives.Sum, got {op!r}")
     if (isinstance(factor, bool) or not isinstance(factor, (int, float))
@@ -154,10 +156,14 @@ def _check_reduction(op: object, factor: object, algorithm: object,
     if not any(compression is c for c in _COMPRESSORS.values()):
         names = [f"Compression.{n}" for n in _COMPRESSORS]
         raise ValueError(f"compression: expected one of {names}, got {compression!r}")
+    if process_set is not None and not isinstance(process_set, C.ProcessSet):
+        raise TypeError(f"process_set: expected a collectives.ProcessSet, got "
+                        f"{type(process_set).__name__}")
     if factor == 1:
-        return _Reduction(op, algorithm, compression)
+        return _Reduction(op, algorithm, compression, process_set=process_set)
     # Sum of x / f over the ranks, then * f / size: the average, with smaller partial sums.
-    return _Reduction(C.Sum, algorithm, compression, 1.0 / factor, factor / C.size())
+    size = C.size() if process_set is None else process_set.size()
+    return _Reduction(C.Sum, algorithm, compression, 1.0 / factor, factor / size, process_set)
 
 
 def _user_names(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
@@ -219,14 +225,16 @@ class DistributedOptimizer:
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  compression: Any = C.Compression.none, backward_passes_per_step: int = 1,
                  op: C.ReduceOp = C.Average, gradient_predivide_factor: float = 1.0,
-                 fusion_threshold_bytes: int = 64 << 20, algorithm: str = "auto"):
+                 fusion_threshold_bytes: int = 64 << 20, algorithm: str = "auto",
+                 process_set: C.ProcessSet | None = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self._passes = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
         self._threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
-        self._how = _check_reduction(op, gradient_predivide_factor, algorithm, compression)
+        self._how = _check_reduction(op, gradient_predivide_factor, algorithm, compression,
+                                     process_set)
         self._user_names = None if named_parameters is None else _user_names(named_parameters)
         self._names: dict[int, str] = {}  # id(param) -> name, for error messages
         self._buckets: list[_Bucket] = []
@@ -389,23 +397,24 @@ def _broadcastable(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def _broadcast_all(named: list[tuple[str, Any]], root_rank: int) -> None:
+def _broadcast_all(named: list[tuple[str, Any]], root_rank: int, process_set: Any) -> None:
     """broadcast_ every tensor in place: all checked first, then launched together."""
     tensors = [_broadcastable(name, t) for name, t in named]
-    handles = [C.broadcast_async_(t, root_rank=root_rank) for t in tensors]
+    handles = [C.broadcast_async_(t, root_rank=root_rank, process_set=process_set)
+               for t in tensors]
     for handle in handles:
         C.synchronize(handle)
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root_rank: int = 0) -> None:
+                         root_rank: int = 0, process_set: C.ProcessSet | None = None) -> None:
     """Overwrite every rank's tensors, in place, with root_rank's (start from one init).
 
     params: a state_dict or (name, tensor) pairs such as model.named_parameters(); they
     travel sorted by name, so every rank must pass the same names."""
     items = sorted(params.items() if isinstance(params, Mapping) else params,
                    key=lambda item: item[0])
-    _broadcast_all([(f"params[{name!r}]", t) for name, t in items], root_rank)
+    _broadcast_all([(f"params[{name!r}]", t) for name, t in items], root_rank, process_set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +449,8 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer | DistributedOptimizer,
-                              root_rank: int = 0) -> None:
+                              root_rank: int = 0,
+                              process_set: C.ProcessSet | None = None) -> None:
     """Give every rank root_rank's optimizer state and hyper-parameters (lr, betas, ...).
 
     State the optimizer creates lazily (Adam's moments before its first step) arrives by
@@ -456,9 +466,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer | DistributedOpti
     if is_root:
         skeleton = _hollow(inner.state_dict(), tensors)
         payload = (skeleton, [(tuple(t.shape), t.dtype) for t in tensors])
-    skeleton, specs = C.broadcast_object(payload, root_rank)
+    skeleton, specs = C.broadcast_object(payload, root_rank, process_set=process_set)
     if not is_root:
         tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
-    _broadcast_all([(f"optimizer state tensor {i}", t) for i, t in enumerate(tensors)], root_rank)
+    _broadcast_all([(f"optimizer state tensor {i}", t) for i, t in enumerate(tensors)], root_rank,
+                   process_set)
     if not is_root:
         inner.load_state_dict(_fill(skeleton, tensors))
