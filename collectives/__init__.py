@@ -34,6 +34,7 @@ from .api import (
 )
 from .compression import Compression
 from .engine import Handle
+from .join import join
 from .onebit import compressed_allreduce
 from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import (
@@ -50,11 +51,12 @@ from .watchdog import StallError
 
 __all__ = [
     "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError",
-    "ProcessSet", "Product", "ReduceOp", "StallError", "Sum", "allgather", "allgather_async", "allreduce",
-    "allreduce_", "allreduce_async", "allreduce_async_", "add_process_set", "alltoall", "alltoall_async",
-    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "broadcast_object", "compressed_allreduce", "cross_rank", "cross_size",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "global_process_set", "init", "local_rank", "local_size", "poll", "rank",
-    "reducescatter", "reducescatter_async", "remove_process_set", "shutdown", "size", "stats", "synchronize",
+    "ProcessSet", "Product", "ReduceOp", "StallError", "Sum", "add_process_set",
+    "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "compressed_allreduce",
+    "cross_rank", "cross_size", "global_process_set", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "init",
+    "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
+    "reducescatter_async", "remove_process_set", "shutdown", "size", "stats", "synchronize",
 ]

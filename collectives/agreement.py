@@ -46,31 +46,41 @@ def _ranks_text(ranks: list[int]) -> str:
 
 def describe_mismatch(signatures: list[tuple]) -> str:
     """A message naming the first field that differs, its values and which ranks hold each;
-    or, where some ranks' arguments were invalid, those ranks and what was wrong.
+    or, where some ranks' arguments were invalid, those ranks and what was wrong. Ranks
+    inside join() are left out of the comparison and named at the end.
 
     A signature is (collective, ((field, value), ...)); an invalid call's fields are
-    (("invalid", "TypeError: x: ..."),) (calls.invalid)."""
+    (("invalid", "TypeError: x: ..."),) (calls.invalid); a joined rank's is ("join", ())."""
     invalid = [(r, s[0], s[1][0][1]) for r, s in enumerate(signatures)
                if s[1] and s[1][0][0] == "invalid"]
     if invalid:
         return "; ".join(f"{collective}: rank {r} passed an invalid argument ({text})"
                          for r, collective, text in invalid)
-    names = [s[0] for s in signatures]
-    if len(set(names)) > 1:
-        return "collective mismatch: " + _groups("called", names)
-    fields = [dict(s[1]) for s in signatures]
-    for key in fields[0]:
-        values = [repr(f.get(key)) for f in fields]
-        if len(set(values)) > 1:
-            return f"{names[0]} {key} mismatch: " + _groups("has", values)
-    return f"{names[0]} mismatch: " + _groups("has", [repr(s[1]) for s in signatures])
+    joined = [r for r, s in enumerate(signatures) if s[0] == "join"]
+    ranked = [(r, s) for r, s in enumerate(signatures) if s[0] != "join"] or \
+        list(enumerate(signatures))
+    if len(ranked) == len(signatures):
+        joined = []
+    names = [(r, s[0]) for r, s in ranked]
+    fields = [(r, dict(s[1])) for r, s in ranked]
+    if len({name for _, name in names}) > 1:
+        text = "collective mismatch: " + _groups("called", names)
+    else:
+        text = f"{names[0][1]} mismatch: " + _groups("has", [(r, repr(s[1])) for r, s in ranked])
+        for key in fields[0][1]:
+            values = [(r, repr(f.get(key))) for r, f in fields]
+            if len({v for _, v in values}) > 1:
+                text = f"{names[0][1]} {key} mismatch: " + _groups("has", values)
+                break
+    return text + (f" ({_ranks_text(joined)} in join())" if joined else "")
 
 
-def _groups(verb: str, values: list[str]) -> str:
-    order = list(dict.fromkeys(values))
+def _groups(verb: str, values: list[tuple[int, str]]) -> str:
+    """'rank 0 has A, ranks 1-3 have B' for (rank, value) pairs."""
+    order = list(dict.fromkeys(v for _, v in values))
     parts = []
     for v in order:
-        ranks = [r for r, x in enumerate(values) if x == v]
+        ranks = [r for r, x in values if x == v]
         plural = verb if len(ranks) == 1 else {"has": "have", "called": "called"}[verb]
         parts.append(f"{_ranks_text(ranks)} {plural} {v}")
     return ", ".join(parts)
@@ -92,6 +102,36 @@ def raise_mismatch(comm: MPI.Comm, collective: str, fields: tuple) -> None:
     """After an exchange found ranks that differ: every rank raises the same MismatchError
     naming the field, the values and the ranks."""
     raise MismatchError(describe_mismatch(comm.allgather((collective, fields))))
+
+
+#: What may run while some ranks have joined (join.py): reductions, to which a joined rank
+#: contributes the identity.
+JOINABLE = ("allreduce", "grouped_allreduce")
+
+
+def check_joinable(collective: str, fields: tuple, joined: int, size: int) -> None:
+    """Raise MismatchError (on every rank: each one calls this with the same values) if a
+    call cannot run while `joined` of the `size` ranks have joined."""
+    if fields and fields[0][0] == "invalid":
+        raise MismatchError(f"{collective}: the ranks that have not joined passed an invalid "
+                            f"argument ({fields[0][1]})")
+    if collective in JOINABLE:
+        return
+    ranks = "rank has" if joined == 1 else "ranks have"
+    raise MismatchError(f"{collective}: {joined} of {size} {ranks} joined; until every rank "
+                        f"has joined, only {' and '.join(JOINABLE)} can run")
+
+
+def share_with_joined(comm: MPI.Comm, collective: str, fields: tuple, joined: int,
+                      first_active: int) -> None:
+    """An active rank's side of a call the agreement found joined ranks in: the lowest
+    active rank sends the call's signature to every rank (the joined ones run their part
+    of it, join.py), then every rank checks the call can run with joined ranks. An invalid
+    call goes on to raise its own error."""
+    comm.bcast((collective, fields) if comm.Get_rank() == first_active else None,
+               root=first_active)
+    if not (fields and fields[0][0] == "invalid"):
+        check_joinable(collective, fields, joined, comm.Get_size())
 
 
 def raise_invalid(comm: MPI.Comm, collective: str, fields: tuple, error: BaseException) -> None:

@@ -92,12 +92,17 @@ def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbyte
     native = _native(topo, collective, fields, algo)
     code, kop = CODES[dtype], int(kernel_op(op))
     divisor = topo.size if op is ReduceOp.Average else 1
-    rides = algo == "tree" and nbytes <= PIGGYBACK_BYTES
+    rides = riding(algo, nbytes)
     small = None
     if rides and fast_entry:
         count = nbytes // STORAGE[dtype].itemsize
         small = _C.SmallAllreduce(ENGINE.native, topo.channel, native, count, code, kop, divisor)
     return Call(collective, fields, algo, native, rides, small, code, kop, divisor)
+
+
+def riding(algo: str, nbytes: int) -> bool:
+    """Whether a reduction of nbytes by algo rides in the agreement exchange."""
+    return algo == "tree" and nbytes <= PIGGYBACK_BYTES
 
 
 def prepare(topo: Topology, collective: str, make: Callable[..., tuple[Call, Job]],
@@ -132,7 +137,8 @@ def _native(topo: Topology, collective: str, fields: tuple, algorithm: str,
     if report is None:
         report = functools.partial(agreement.raise_mismatch, topo.comm, collective, fields)
     return _C.Call(agreement.digest((collective, fields)), collective, repr(dict(fields)),
-                   topo.stats, algorithm, report)
+                   topo.stats, algorithm, report,
+                   functools.partial(agreement.share_with_joined, topo.comm, collective, fields))
 
 
 def _remember(topo: Topology, key: tuple, call: Call) -> Call:

@@ -152,7 +152,7 @@ class Int8Compressor(TensorCompressor):
         for r in range(1, n):
             part = self.decompress(all_q[r], (all_scales[r], shape, "float32"))
             kernels.reduce(total, [total, part], "float32", ReduceOp.Sum)
-        algorithms.average(total, "float32", op, n)
+        algorithms.average(total, "float32", op, algorithms.contributors(topo))
         return total
 
 

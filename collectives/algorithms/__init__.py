@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import kernels
 from ..costmodel import Layout, Params
+from ..engine import ENGINE
 from ..ops import ReduceOp, kernel_op
 from ..topology import Topology
 from . import flat, hierarchical, pairwise
@@ -89,7 +90,13 @@ def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: Re
     """recv = op over every rank's send (send may be recv), Average included: the data
     moves as a Sum and is divided once at the end."""
     allreduce(algo, topo, send, recv, kernel_op(op), dtype)
-    average(recv, dtype, op, topo.size)
+    average(recv, dtype, op, contributors(topo))
+
+
+def contributors(topo: Topology) -> int:
+    """The ranks whose data the running reduction on topo sums: all but those inside
+    join() (collectives/join.py), which contribute the identity."""
+    return topo.size - ENGINE.native.joined
 
 
 def average(out: np.ndarray, dtype: str, op: ReduceOp, n: int) -> None:

@@ -49,13 +49,15 @@ struct PyStats {
 
 // What execute() needs of one described call (collectives/calls.py builds it once per
 // distinct call): the digest of its agreed fields, the stall record's text, its counter,
-// and the Python function that raises MismatchError on every rank.
+// the Python function that raises MismatchError on every rank, and the one that hands the
+// call to joined ranks (collectives/join.py), called with (joined, first_active).
 struct Call {
   int64_t digest;
   std::string collective, detail;
   Counter* counter;
   py::object stats;  // keeps *counter alive
   py::function mismatch;
+  py::function on_joined;
 };
 
 // One communicator's agreement exchange (agree.h), with what stays fixed bound once.
@@ -68,10 +70,9 @@ class AgreeChannel {
     if (capacity < 0) throw py::value_error("capacity: must be >= 0");
   }
 
-  // The payload bytes sent (= received), or -1 if the ranks disagree. GIL held on entry;
-  // released while MPI waits.
-  int64_t run(int64_t digest, const void* src, void* dst, int64_t count, DType dtype,
-              ReduceOp op) {
+  // The exchange (agree.h). GIL held on entry; released while MPI waits.
+  AgreeResult run(int64_t digest, const void* src, void* dst, int64_t count, DType dtype,
+                  ReduceOp op, Role role = Role::active) {
     if (count * dtype_size(dtype) > capacity_)
       throw py::value_error("count: the payload exceeds the channel's capacity");
     const OnWait on_wait = [this](double waited) {
@@ -82,9 +83,9 @@ class AgreeChannel {
     {
       py::gil_scoped_release release;
       r = agree_exchange(comm_, tag_, digest, src, dst, count, dtype, op, capacity_,
-                         first_wait_, on_wait);
+                         first_wait_, on_wait, role);
     }
-    return r.ok ? r.payload_sent : -1;
+    return r;
   }
 
   int64_t capacity() const { return capacity_; }
@@ -117,42 +118,67 @@ class PyEngine {
   void release() { engine_.release(); }
 
   // One collective, after the claim: the stall record, the agreement exchange (reducing a
-  // payload of count elements from send into out, divided by divisor), move() (None: no
-  // data phase), and the call's stats. Returns move()'s result.
+  // payload of count elements from send into out, divided by divisor: the world size for
+  // Average, less the ranks that have joined), the hand-over to joined ranks if any,
+  // move() (None: no data phase), and the call's stats. Returns move()'s result.
   py::object execute(AgreeChannel& channel, Call& call, const void* send, void* out,
                      int64_t count, DType dtype, ReduceOp op, int64_t divisor,
                      py::handle move) {
-    if (engine_.has_failed())
-      throw Unusable("collectives is unusable after a stall timeout (" + engine_.failed() +
-                     "); an MPI collective cannot be cancelled: restart the job");
+    check_usable();
     Record& record = engine_.record();
     record.enter(call.collective, call.detail);
     credit_ = call.counter;
-    try {
-      const auto before = engine_.bytes();
-      const int64_t moved = channel.run(call.digest, send, out, count, dtype, op);
-      if (moved < 0) {
-        call.mismatch();  // raises MismatchError
-        throw std::logic_error("the mismatch callback returned");
+    struct Leave {
+      PyEngine* self;
+      ~Leave() {
+        self->engine_.record().leave();
+        self->joined_ = 0;
       }
-      engine_.add_bytes(moved, moved);
-      if (divisor != 1 && count) {
-        py::gil_scoped_release release;
-        divide(out, count, dtype, divisor);
-      }
-      record.run();
-      py::object result = move.is_none() ? py::none() : move();
-      const auto after = engine_.bytes();
-      credit_->calls += 1;
-      credit_->sent += after.first - before.first;
-      credit_->received += after.second - before.second;
-      record.leave();
-      return result;
-    } catch (...) {
-      record.leave();
-      throw;
+    } leave{this};
+    const auto before = engine_.bytes();
+    const AgreeResult r = channel.run(call.digest, send, out, count, dtype, op);
+    if (!r.ok) {
+      call.mismatch();  // raises MismatchError
+      throw std::logic_error("the mismatch callback returned");
     }
+    engine_.add_bytes(r.payload_sent, r.payload_sent);
+    if (r.joined) {
+      joined_ = r.joined;
+      call.on_joined(r.joined, r.first_active);  // raises if the call cannot run with them
+      if (divisor != 1) divisor -= r.joined;
+    }
+    if (divisor != 1 && count) {
+      py::gil_scoped_release release;
+      divide(out, count, dtype, divisor);
+    }
+    record.run();
+    py::object result = move.is_none() ? py::none() : move();
+    const auto after = engine_.bytes();
+    credit_->calls += 1;
+    credit_->sent += after.first - before.first;
+    credit_->received += after.second - before.second;
+    return result;
   }
+
+  // One agreement exchange of a rank inside join() (first: its first one), under the stall
+  // record; counted as one `join` call. Returns (ok, joined, first_active, last_joiner).
+  py::tuple join_step(AgreeChannel& channel, Call& call, bool first) {
+    check_usable();
+    Record& record = engine_.record();
+    record.enter(call.collective, call.detail);
+    struct Leave {
+      Record& record;
+      ~Leave() { record.leave(); }
+    } leave{record};
+    const AgreeResult r = channel.run(call.digest, nullptr, nullptr, 0, DType::u8,
+                                      ReduceOp::sum, first ? Role::joining : Role::joined);
+    engine_.add_bytes(r.payload_sent, r.payload_sent);
+    if (first) call.counter->calls += 1;
+    return py::make_tuple(r.ok, r.joined, r.first_active, r.last_joiner);
+  }
+
+  // Ranks that joined in the running call's agreement (0 outside execute()).
+  int joined() const { return joined_; }
 
   py::object py_execute(AgreeChannel& channel, Call& call, py::handle send, py::handle out,
                         int64_t count, int dtype_code, int op_code, int64_t divisor,
@@ -184,8 +210,15 @@ class PyEngine {
   }
 
  private:
+  void check_usable() const {
+    if (engine_.has_failed())
+      throw Unusable("collectives is unusable after a stall timeout (" + engine_.failed() +
+                     "); an MPI collective cannot be cancelled: restart the job");
+  }
+
   Engine engine_;
   Counter* credit_ = nullptr;  // the running call's counter
+  int joined_ = 0;             // the running call's joined ranks
 };
 
 // A small allreduce that rides in its own agreement exchange, with everything derived from
@@ -268,13 +301,15 @@ void bind_runtime(py::module_& m) {
       .def("reset", [](PyStats& s) { s.stats.reset(); }, "Zero every counter");
   py::class_<Call>(m, "Call", "A described call's native part (collectives/calls.py)")
       .def(py::init([](int64_t digest, std::string collective, std::string detail,
-                       py::object stats, const std::string& algorithm, py::function mismatch) {
+                       py::object stats, const std::string& algorithm, py::function mismatch,
+                       py::function on_joined) {
              Counter* c = stats.cast<PyStats&>().stats.counter(collective, algorithm);
-             return Call{digest, std::move(collective), std::move(detail), c, std::move(stats),
-                         std::move(mismatch)};
+             return Call{digest,           std::move(collective), std::move(detail),
+                         c,                std::move(stats),      std::move(mismatch),
+                         std::move(on_joined)};
            }),
            py::arg("digest"), py::arg("collective"), py::arg("detail"), py::arg("stats"),
-           py::arg("algorithm"), py::arg("mismatch"))
+           py::arg("algorithm"), py::arg("mismatch"), py::arg("on_joined"))
       .def_readonly("digest", &Call::digest);
   py::class_<AgreeChannel>(m, "AgreeChannel",
                            "The agreement exchange of one communicator (agree.h)")
@@ -294,6 +329,11 @@ void bind_runtime(py::module_& m) {
            py::arg("send"), py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("op"),
            py::arg("divisor"), py::arg("move"),
            "One claimed call: record, agreement (with payload), move(), stats")
+      .def("join_step", &PyEngine::join_step, py::arg("channel"), py::arg("call"),
+           py::arg("first"), "One agreement exchange of a joined rank: (ok, joined, "
+           "first_active, last_joiner)")
+      .def_property_readonly("joined", &PyEngine::joined,
+                             "Ranks that joined in the running call's agreement")
       .def("credit", &PyEngine::credit, py::arg("stats"), py::arg("collective"),
            py::arg("algorithm"), "Count the running call as (collective, algorithm)")
       .def("add_bytes", &PyEngine::add_bytes, py::arg("sent"), py::arg("received"))

@@ -2,10 +2,17 @@
 // with this rank's own; a difference, or a partner's report of one, sets `bad`, which then
 // travels in every later header. The comparisons form a hypercube over the ranks, so after
 // the last step every rank knows whether any two ranks differed.
+//
+// A partial result that holds no active rank's data (only joined ranks so far) is the
+// reduction's identity: meeting one folds nothing, and a joined partial meeting an active
+// one takes its digest, size, type and data. Both sides of a swap thus hold the same bits,
+// and the active ranks' data is folded in the same order as without joined ranks.
 #include "runtime/agree.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -14,11 +21,16 @@
 namespace collectives {
 namespace {
 
+constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
+
 struct Header {
   int64_t digest;
   int64_t nbytes;
-  int64_t bad;
-  int64_t reserved;
+  int32_t bad;
+  int32_t joined;        // joined ranks folded into this partial result
+  int32_t dtype, op;     // the payload's, so that a joined rank can fold it later
+  int32_t first_active;  // lowest active rank folded in; kNone: none yet
+  int32_t last_joiner;   // highest rank folded in whose role is `joining`; -1: none
 };
 constexpr int64_t kHeader = sizeof(Header);
 
@@ -36,14 +48,22 @@ class Exchange {
  public:
   Exchange(MPI_Comm comm, int tag, int64_t digest, int64_t count, DType dtype, ReduceOp op,
            int64_t capacity, double first_wait, const OnWait& on_wait, Bytes& mine,
-           Bytes& theirs)
+           Bytes& theirs, int rank, Role role)
       : comm_(comm), tag_(tag), digest_(digest), count_(count),
         nbytes_(count * dtype_size(dtype)), capacity_(capacity), dtype_(dtype), op_(op),
-        first_wait_(first_wait), on_wait_(on_wait), mine_(&mine), theirs_(&theirs) {}
+        first_wait_(first_wait), on_wait_(on_wait), mine_(&mine), theirs_(&theirs),
+        joined_(role == Role::active ? 0 : 1),
+        first_active_(role == Role::active ? rank : kNone),
+        last_joiner_(role == Role::joining ? rank : -1) {
+    if (role != Role::active) nbytes_ = count_ = 0;
+  }
 
   unsigned char* payload() { return mine_->data() + kHeader; }
   bool bad() const { return bad_; }
   int64_t sent() const { return sent_; }
+  int joined() const { return joined_; }
+  int first_active() const { return first_active_; }
+  int last_joiner() const { return last_joiner_; }
 
   // Swap partial results with peer and fold (the lower rank's data first).
   void swap_with(int peer, bool peer_lower) {
@@ -90,7 +110,8 @@ class Exchange {
   }
 
   void post_send(int peer, MPI_Request* req) {
-    Header head{digest_, nbytes_, bad_ ? 1 : 0, 0};
+    Header head{digest_, nbytes_, bad_ ? 1 : 0, joined_, static_cast<int32_t>(dtype_),
+                static_cast<int32_t>(op_), first_active_, last_joiner_};
     std::memcpy(mine_->data(), &head, kHeader);
     check(MPI_Isend(mine_->data(), static_cast<int>(kHeader + nbytes_), MPI_BYTE, peer, tag_,
                     comm_, req),
@@ -103,10 +124,32 @@ class Exchange {
     MPI_Get_count(&st, MPI_BYTE, &got);
     Header head{};
     if (got >= kHeader) std::memcpy(&head, theirs_->data(), kHeader);
-    if (got < kHeader || head.bad || head.digest != digest_ || head.nbytes != nbytes_ ||
-        got != kHeader + head.nbytes)
-      bad_ = true;
+    if (got < kHeader || head.bad || got != kHeader + head.nbytes) bad_ = true;
     if (bad_) return;
+    const bool i_active = first_active_ != kNone, they_active = head.first_active != kNone;
+    if (how == Absorb::take) {  // the finished result: every count is in it already
+      joined_ = head.joined;
+      first_active_ = head.first_active;
+      last_joiner_ = head.last_joiner;
+    } else {
+      joined_ += head.joined;
+      first_active_ = std::min(first_active_, head.first_active);
+      last_joiner_ = std::max(last_joiner_, head.last_joiner);
+    }
+    if (!they_active) return;  // the identity: nothing to fold
+    if (!i_active) {           // take the active ranks' call and data
+      digest_ = head.digest;
+      nbytes_ = head.nbytes;
+      dtype_ = static_cast<DType>(head.dtype);
+      op_ = static_cast<ReduceOp>(head.op);
+      count_ = nbytes_ / dtype_size(dtype_);
+      std::swap(mine_, theirs_);
+      return;
+    }
+    if (head.digest != digest_ || head.nbytes != nbytes_) {
+      bad_ = true;
+      return;
+    }
     unsigned char* their_payload = theirs_->data() + kHeader;
     if (how == Absorb::fold_higher) {
       const void* srcs[2] = {payload(), their_payload};
@@ -156,6 +199,7 @@ class Exchange {
   const OnWait& on_wait_;
   Bytes* mine_;    // header + this rank's partial result
   Bytes* theirs_;  // receive space: header + capacity
+  int32_t joined_, first_active_, last_joiner_;
   bool bad_ = false;
   int64_t sent_ = 0;
 };
@@ -164,8 +208,8 @@ class Exchange {
 
 AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* send, void* out,
                            int64_t count, DType dtype, ReduceOp op, int64_t capacity,
-                           double first_wait, const OnWait& on_wait) {
-  const int64_t nbytes = count * dtype_size(dtype);
+                           double first_wait, const OnWait& on_wait, Role role) {
+  const int64_t nbytes = role == Role::active ? count * dtype_size(dtype) : 0;
   if (nbytes > capacity)
     throw std::invalid_argument("payload of " + std::to_string(nbytes) +
                                 " bytes exceeds the capacity of " + std::to_string(capacity));
@@ -183,7 +227,8 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
   if (a.size() < need) a.resize(need);
   if (b.size() < need) b.resize(need);
 
-  Exchange ex(comm, tag, digest, count, dtype, op, capacity, first_wait, on_wait, a, b);
+  Exchange ex(comm, tag, digest, count, dtype, op, capacity, first_wait, on_wait, a, b, rank,
+              role);
   if (nbytes) std::memcpy(ex.payload(), send, nbytes);
   int p = 1;
   while (p * 2 <= n) p *= 2;
@@ -200,7 +245,8 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
     if (rank < 2 * e) ex.send_result(rank - 1);
   }
   if (!ex.bad() && nbytes) std::memcpy(out, ex.payload(), nbytes);
-  return {!ex.bad(), ex.sent()};
+  const int first = ex.first_active() == kNone ? n : ex.first_active();
+  return {!ex.bad(), ex.sent(), ex.joined(), first, ex.last_joiner()};
 }
 
 }  // namespace collectives

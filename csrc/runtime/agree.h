@@ -21,19 +21,29 @@ namespace collectives {
 // be called next, or throws to give up (the pending receive is cancelled first).
 using OnWait = std::function<double(double seconds)>;
 
+// How this rank takes part: making a call, or standing in for a rank that has run out of
+// work (join): a joined rank contributes no data (the identity of the reduction), adopts
+// the digest, size and type of the active ranks' payload as it meets them, and learns how
+// many ranks have joined and which is the lowest active one.
+enum class Role { active, joined, joining };  // joining: this rank's first join exchange
+
 struct AgreeResult {
-  bool ok;               // every rank passed the same digest and payload size
+  bool ok;               // every active rank passed the same digest and payload size
   int64_t payload_sent;  // payload bytes this rank sent (headers not counted); when ok,
                          // also the bytes it received
+  int joined;            // ranks that took part as joined
+  int first_active;      // lowest active rank (the size of comm if none)
+  int last_joiner;       // highest rank whose role was `joining` (-1 if none)
 };
 
 // Recursive doubling over `comm` of {digest, payload}. When ok, out holds the reduction of
-// every rank's payload (count elements of dtype; lower ranks' data folded first, so every
-// rank gets the same bits); otherwise out is untouched. Every rank returns the same ok.
-// Payloads of any rank are at most `capacity` bytes (the receive size). Not thread-safe per
-// communicator: callers serialize, as with any MPI collective.
+// every active rank's payload (count elements of dtype; lower ranks' data folded first, so
+// every rank gets the same bits); otherwise out is untouched. Every rank returns the same
+// result. Payloads of any rank are at most `capacity` bytes (the receive size). Not
+// thread-safe per communicator: callers serialize, as with any MPI collective.
 AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* send, void* out,
                            int64_t count, DType dtype, ReduceOp op, int64_t capacity,
-                           double first_wait, const OnWait& on_wait);
+                           double first_wait, const OnWait& on_wait,
+                           Role role = Role::active);
 
 }  // namespace collectives

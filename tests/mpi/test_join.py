@@ -1,0 +1,161 @@
+"""join(): ranks with fewer steps join early; the others' reductions complete over the ranks
+still active (Average divides by them), on every algorithm, riding in the agreement or not;
+other collectives raise on every rank; DistributedOptimizer ends with identical replicas."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_equal, assert_same_on_all_ranks, cast_like, make_input, reference_reduce
+
+import collectives as C
+from collectives import algorithms, topology
+from optim import DistributedOptimizer, broadcast_parameters
+
+
+def _steps(r: int) -> int:
+    """Rank r makes this many calls before joining: every rank a different number."""
+    return 1 + r
+
+
+def _active(step: int, n: int) -> list[int]:
+    return [q for q in range(n) if _steps(q) > step]
+
+
+@pytest.mark.parametrize("algo", list(C.ALGORITHMS))
+@pytest.mark.parametrize("count", [0, 1, 5, 3000, 70000])
+def test_uneven_allreduces_then_join(comm, algo, count):
+    r, n = comm.Get_rank(), comm.Get_size()
+    try:
+        algorithms.check(algo, topology.get())
+    except ValueError:
+        pytest.skip(f"{algo} cannot run on this layout")
+    for step in range(_steps(r)):
+        active = _active(step, n)
+        for op in (C.Sum, C.Average, C.Max):
+            for dtype in ("float32", "int32", "bfloat16"):
+                inputs = [make_input(dtype, (count,), 1000 * step + q) for q in range(n)]
+                x = torch.from_numpy(inputs[r].copy()).to(getattr(torch, dtype)) \
+                    if dtype == "bfloat16" else inputs[r]
+                got = C.allreduce(x, op=op, algorithm=algo)
+                if dtype == "bfloat16":
+                    got = got.to(torch.float64).numpy()
+                expected = reference_reduce([inputs[q] for q in active], op, dtype, len(active))
+                if op is C.Average and dtype != "int32":
+                    expected = cast_like(reference_reduce([inputs[q] for q in active], C.Sum,
+                                                          "float64", 1) / len(active), dtype)
+                tol = dict(rtol=1e-2) if dtype == "bfloat16" and op is C.Average else None
+                if tol:
+                    np.testing.assert_allclose(got, expected, **tol)
+                else:
+                    assert_equal(got, expected, f"step {step} {op} {dtype}")
+    assert C.join() == n - 1
+    assert_same_on_all_ranks(comm, C.allreduce(np.arange(5.0)), "usable after join")
+
+
+def test_grouped_and_compressed_allreduce_with_joined_ranks(comm):
+    r, n = comm.Get_rank(), comm.Get_size()
+    for step in range(_steps(r)):
+        active = _active(step, n)
+        k = float(sum(q + 1 for q in active))
+        a, b = C.grouped_allreduce([np.full(3, r + 1.0), np.full((70000,), r + 1.0)], op=C.Sum)
+        assert_equal(a, np.full(3, k), "grouped small")
+        assert_equal(b, np.full(70000, k), "grouped large")
+        for compression in (C.Compression.fp16, C.Compression.int8):
+            got = C.allreduce(np.full(5000, r + 1.0, np.float32), compression=compression)
+            np.testing.assert_allclose(got, k / len(active), rtol=1e-2)
+        h = C.allreduce_async(torch.full((40000,), r + 1.0), op=C.Average)
+        assert torch.allclose(C.synchronize(h), torch.full((40000,), k / len(active)))
+    C.join()
+
+
+def test_other_collectives_raise_on_every_rank_while_some_have_joined(comm):
+    r, n = comm.Get_rank(), comm.Get_size()
+    if n == 1:
+        pytest.skip("needs a rank that has not joined")
+    if r == 0:
+        with pytest.raises(C.MismatchError, match=r"allgather: 1 of \d+ rank has joined; until "
+                                                  "every rank has joined, only allreduce"):
+            C.join()
+    else:
+        with pytest.raises(C.MismatchError, match=r"allgather: 1 of \d+ rank has joined"):
+            C.allgather(np.ones(2))
+    # a mismatch among the others names them, and the joined rank
+    if n > 2:
+        if r == 0:
+            with pytest.raises(C.MismatchError, match=r"dtype mismatch: .*\(rank 0 in join\(\)\)"):
+                C.join()
+        else:
+            with pytest.raises(C.MismatchError, match=r"dtype mismatch"):
+                C.allreduce(np.ones(2, np.float32 if r == 1 else np.float64))
+    assert_equal(C.allreduce(np.ones(2), op=C.Sum), np.full(2, float(n)), "usable after")
+
+
+def test_join_with_async_work_in_flight_raises(comm):
+    """Rank 0 submits late, so every other rank's async call is still in flight when it
+    calls join(): a clear error, and the library stays usable."""
+    r, n = comm.Get_rank(), comm.Get_size()
+    if n == 1:
+        pytest.skip("needs a rank to wait for")
+    if r == 0:
+        time.sleep(0.3)
+    h = C.allreduce_async(np.ones(1 << 16, np.float32), op=C.Sum)
+    if r != 0:
+        with pytest.raises(RuntimeError, match=r"join: collectives submitted before it are "
+                                               r"still in flight .* synchronize\(\) them"):
+            C.join()
+    assert_equal(C.synchronize(h), np.full(1 << 16, float(n), np.float32), "async result")
+    assert len(set(comm.allgather(C.join()))) == 1  # every rank can join now
+
+
+def test_join_with_nothing_left_returns_a_rank(comm):
+    last = C.join()
+    assert 0 <= last < comm.Get_size()
+    assert len(set(comm.allgather(last))) == 1
+
+
+def test_distributed_optimizer_with_uneven_batches(comm):
+    """Rank r trains on 2 + r batches, then joins; the last rank to join has the replica
+    a single process computes (each step averaging the gradients of the ranks still
+    active); after broadcasting from it, every replica is that one."""
+    r, n = comm.Get_rank(), comm.Get_size()
+
+    def batch(q: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + q)
+        return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+
+    def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, opt = model_and_opt()
+    dist = DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    for step in range(2 + r):
+        dist.zero_grad()
+        x, y = batch(r, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        dist.step()
+    last = C.join()
+    assert last == n - 1
+    broadcast_parameters(model.state_dict(), root_rank=last)
+
+    ref, ref_opt = model_and_opt()  # one process holding every rank's batches
+    for step in range(2 + n - 1):
+        active = [q for q in range(n) if 2 + q > step]
+        grads = []
+        for q in active:
+            ref.zero_grad()
+            x, y = batch(q, step)
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for i, p in enumerate(ref.parameters()):
+            p.grad = sum(g[i] for g in grads) / len(active)
+        ref_opt.step()
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-6)
+    assert_same_on_all_ranks(comm, mine.numpy(), "replicas")
