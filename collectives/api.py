@@ -33,14 +33,15 @@ _INT64 = CODES["int64"]
 
 
 def _run(topo: topology.Topology, collective: str, prepare: Callable[..., tuple[Call, Job]],
-         *args: Any) -> Any:
-    return ENGINE.run(topo, *calls.prepare(topo, collective, prepare, *args))
+         *args: Any, name: str | None = None) -> Any:
+    return ENGINE.run(topo, *calls.prepare(topo, collective, prepare, *args, name=name))
 
 
 def _submit(topo: topology.Topology, collective: str,
-            prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Handle:
+            prepare: Callable[..., tuple[Call, Job]], *args: Any,
+            name: str | None = None) -> Handle:
     """An async call; one whose arguments are bad on this rank also raises here at once."""
-    call, job = calls.prepare(topo, collective, prepare, *args)
+    call, job = calls.prepare(topo, collective, prepare, *args, name=name)
     handle = ENGINE.submit(topo, call, job)
     if call.algorithm == calls.INVALID:
         job.move()  # raises this rank's error; the queued call keeps the ranks in step
@@ -118,80 +119,143 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     return tensor if inplace else torch.from_numpy(out)
 
 
+def _check_factor(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _scaling(prescale_factor: object, postscale_factor: object) -> tuple[tuple, float, float]:
+    """The agreed fields of a reduction's scale factors (none at 1.0) and the factors."""
+    pre = _check_factor("prescale_factor", prescale_factor)
+    post = _check_factor("postscale_factor", postscale_factor)
+    fields = ((("prescale_factor", pre),) if pre != 1 else ()) + \
+        ((("postscale_factor", post),) if post != 1 else ())
+    return fields, pre, post
+
+
+def _scale(src: np.ndarray, dst: np.ndarray, dtype: str, factor: float) -> None:
+    """dst = src * factor, one pass (dst may be src), as Horovod scales: in the dtype for
+    float32 and float64, in float32 for the half types, in float64 for integers (the
+    product truncated toward zero)."""
+    if dtype in ("float32", "float64"):
+        np.multiply(src, src.dtype.type(factor), out=dst)
+    elif dtype in FLOATING:
+        store_float(dst, dtype, host_float(src, dtype).astype(np.float32) * np.float32(factor))
+    else:
+        dst[...] = (src * factor).astype(dst.dtype)
+
+
 def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compression: Any,
-               inplace: bool) -> tuple[Call, Job]:
+               inplace: bool, prescale_factor: Any = 1.0,
+               postscale_factor: Any = 1.0) -> tuple[Call, Job]:
     op = check_op(op)
     _check_algorithm(algorithm)
     compressor = check_compression(compression)
+    scaling, pre, post = _scaling(prescale_factor, postscale_factor)
     buf = wrap(x, "x")  # type check now, in the caller's thread
     if compressor is not Compression.none and buf.dtype in FLOATING:
-        return _compressed(topo, buf, op, algorithm, compressor, inplace)
-    call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
+        return _compressed(topo, buf, op, algorithm, compressor, inplace, scaling, pre, post)
+    if scaling:
+        fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
+                  ("algorithm", algorithm), ("compression", "none")) + scaling
+        algo = calls.concrete(topo, "allreduce", algorithm, buf.nbytes)
+        call = calls.reduction(topo, "allreduce", fields, buf.dtype, buf.nbytes, op, algo)
+    else:
+        call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
     out = buf if inplace else buf.empty(buf.shape)
+    send = buf.flat
+    if pre != 1:  # scaled on the way into the result buffer: no separate copy
+        _scale(buf.flat, out.flat, buf.dtype, pre)
+        send = out.flat
+
+    def finish() -> Any:
+        if post != 1:
+            _scale(out.flat, out.flat, out.dtype, post)
+        return _finish(buf, out)
+
     if call.rides:  # the data rides in the agreement
-        if not buf.staged and buf.dtype != "bfloat16":
+        if not scaling and not buf.staged and buf.dtype != "bfloat16":
             topo.fast[(op, x.dtype, x.shape, algorithm)] = call
-        return call, Job(lambda: _finish(buf, out), buf.flat, out.flat, buf.flat.size,
-                         call.dtype_code, call.op_code, call.divisor)
+        return call, Job(finish, send, out.flat, buf.flat.size, call.dtype_code, call.op_code,
+                         call.divisor)
 
     def move() -> Any:
-        algorithms.reduce(call.algorithm, topo, buf.flat, out.flat, op, buf.dtype)
-        return _finish(buf, out)
+        algorithms.reduce(call.algorithm, topo, send, out.flat, op, buf.dtype)
+        return finish()
 
     return call, Job(move)
 
 
 def _compressed(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: str,
-                compressor: Any, inplace: bool) -> tuple[Call, Job]:
+                compressor: Any, inplace: bool, scaling: tuple, pre: float,
+                post: float) -> tuple[Call, Job]:
     """A floating allreduce under a compressor (compression.py), counted under its name."""
     compressor.check_op(op)
     fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
-              ("algorithm", algorithm), ("compression", compressor.name))
+              ("algorithm", algorithm), ("compression", compressor.name)) + scaling
     call = calls.describe(topo, "allreduce", fields, compressor.name)
     out = buf if inplace else buf.empty(buf.shape)
 
     def move() -> Any:
-        store_float(out.flat, out.dtype,
-                    compressor.allreduce(topo, host_float(buf.flat, buf.dtype), op, algorithm))
+        values = host_float(buf.flat, buf.dtype)
+        if pre != 1:
+            values = values * values.dtype.type(pre)
+        reduced = compressor.allreduce(topo, values, op, algorithm)
+        if post != 1:
+            reduced *= reduced.dtype.type(post)
+        store_float(out.flat, out.dtype, reduced)
         return _finish(buf, out)
 
     return call, Job(move)
 
 
 def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-              compression: Any = None, *, comm: Any = None,
-        process_set: Any = None) -> Any:
-    """Reduce x over all ranks; a new array of x's type, dtype, shape and device."""
+              compression: Any = None, *, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: str | None = None, comm: Any = None,
+              process_set: Any = None) -> Any:
+    """Reduce x over all ranks; a new array of x's type, dtype, shape and device.
+    prescale_factor multiplies every rank's x before the reduction, postscale_factor the
+    result (as Horovod's); name labels the call in mismatch and stall messages and the
+    timeline (every rank must pass the same)."""
     topo = _target(comm, process_set)
-    if compression is None:
+    if compression is None and name is None and prescale_factor == 1 == postscale_factor:
         out = _fast(topo, x, op, algorithm, False)
         if out is not None:
             return out
-    return _run(topo, "allreduce", _allreduce, x, op, algorithm, compression, False)
+    return _run(topo, "allreduce", _allreduce, x, op, algorithm, compression, False,
+                prescale_factor, postscale_factor, name=name)
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-               compression: Any = None, *, comm: Any = None,
-        process_set: Any = None) -> Any:
+               compression: Any = None, *, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, name: str | None = None, comm: Any = None,
+               process_set: Any = None) -> Any:
     """Reduce x over all ranks in place; returns x."""
     topo = _target(comm, process_set)
-    if compression is None and _fast(topo, x, op, algorithm, True) is not None:
+    if compression is None and name is None and prescale_factor == 1 == postscale_factor \
+            and _fast(topo, x, op, algorithm, True) is not None:
         return x
-    return _run(topo, "allreduce", _allreduce, x, op, algorithm, compression, True)
+    return _run(topo, "allreduce", _allreduce, x, op, algorithm, compression, True,
+                prescale_factor, postscale_factor, name=name)
 
 
 def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                    compression: Any = None, *, comm: Any = None,
-        process_set: Any = None) -> Handle:
+                    compression: Any = None, *, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, name: str | None = None,
+                    comm: Any = None, process_set: Any = None) -> Handle:
     topo = _target(comm, process_set)
-    return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, False)
+    return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, False,
+                   prescale_factor, postscale_factor, name=name)
 
 
 def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                     compression: Any = None, *, comm: Any = None,
-        process_set: Any = None) -> Handle:
+                     compression: Any = None, *, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, name: str | None = None,
+                     comm: Any = None, process_set: Any = None) -> Handle:
     topo = _target(comm, process_set)
-    return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, True)
+    return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, True,
+                   prescale_factor, postscale_factor, name=name)
 
 
 # --------------------------------------------------------------------- grouped allreduce
@@ -239,10 +303,7 @@ def _host_group(tensors: list, inplace: bool) -> _Group | None:
 def _wrapped_group(tensors: list, inplace: bool) -> _Group:
     """The group through wrap(): any array type, staged where needed."""
     bufs = [wrap(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
-    dtypes = sorted({b.dtype for b in bufs})
-    if len(dtypes) > 1:
-        raise TypeError(f"tensors: one dtype per group, got {dtypes}")
-    dtype = dtypes[0] if dtypes else "float32"
+    dtype = _one_dtype(bufs)
     packed = kernels.pack([_packable(b.flat) for b in bufs]) if bufs else np.empty(0)
     outs = bufs if inplace else [b.empty(b.shape) for b in bufs]
 
@@ -255,25 +316,33 @@ def _wrapped_group(tensors: list, inplace: bool) -> _Group:
 
 
 def _grouped_allreduce(topo: topology.Topology, tensors: Any, op: Any, algorithm: Any,
-                       compression: Any, inplace: bool) -> tuple[Call, Job]:
+                       compression: Any, inplace: bool, prescale_factor: Any = 1.0,
+                       postscale_factor: Any = 1.0) -> tuple[Call, Job]:
     op = check_op(op)
     _check_algorithm(algorithm)
     compressor = check_compression(compression)
-    if not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"tensors: expected a list or tuple of arrays, got "
-                        f"{type(tensors).__name__}")
+    scaling, pre, post = _scaling(prescale_factor, postscale_factor)
+    _check_list(tensors)
     group = tensors and _host_group(tensors, inplace) or _wrapped_group(tensors, inplace)
     dtype, packed = group.dtype, group.packed
     compressed = compressor is not Compression.none and dtype in FLOATING
     fields = (("op", op.name), ("dtype", dtype), ("shapes", group.shapes),
-              ("algorithm", algorithm), ("compression", compressor.name))
+              ("algorithm", algorithm), ("compression", compressor.name)) + scaling
     if compressed:
         call = calls.describe(topo, "grouped_allreduce", fields, compressor.name)
     else:
         algo = calls.concrete(topo, "allreduce", algorithm, packed.nbytes)
         call = calls.reduction(topo, "grouped_allreduce", fields, dtype, packed.nbytes, op, algo)
+    if pre != 1:  # packed is our own copy
+        _scale(packed, packed, dtype, pre)
+
+    def finish(reduced: np.ndarray) -> list:
+        if post != 1:
+            _scale(reduced, reduced, dtype, post)
+        return group.finish(reduced)
+
     if call.rides:
-        return call, Job(lambda: group.finish(packed), packed, packed, packed.size,
+        return call, Job(lambda: finish(packed), packed, packed, packed.size,
                          call.dtype_code, call.op_code, call.divisor)
 
     def move() -> list:
@@ -284,47 +353,57 @@ def _grouped_allreduce(topo: topology.Topology, tensors: Any, op: Any, algorithm
         else:
             reduced = packed
             algorithms.reduce(call.algorithm, topo, packed, reduced, op, dtype)
-        return group.finish(reduced)
+        return finish(reduced)
 
     return call, Job(move)
 
 
+def _check_list(tensors: Any) -> None:
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors: expected a list or tuple of arrays, got "
+                        f"{type(tensors).__name__}")
+
+
 def grouped_allreduce(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                      compression: Any = None, *, comm: Any = None,
-        process_set: Any = None) -> list:
+                      compression: Any = None, *, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, name: str | None = None,
+                      comm: Any = None, process_set: Any = None) -> list:
     """allreduce of every tensor of the list in one call: one agreement and one fused
     message (the tensors packed by one C++ call). The tensors share one dtype and may differ
     in shape and type; returns a list of new arrays like them."""
     topo = _target(comm, process_set)
     return _run(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                compression, False)
+                compression, False, prescale_factor, postscale_factor, name=name)
 
 
 def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                       compression: Any = None, *, comm: Any = None,
-        process_set: Any = None) -> list:
+                       compression: Any = None, *, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, name: str | None = None,
+                       comm: Any = None, process_set: Any = None) -> list:
     """grouped_allreduce in place; returns the tensors."""
     topo = _target(comm, process_set)
     return _run(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                compression, True)
+                compression, True, prescale_factor, postscale_factor, name=name)
 
 
 def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                             algorithm: str = "auto", compression: Any = None, *,
-                            comm: Any = None,
-        process_set: Any = None) -> Handle:
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            name: str | None = None, comm: Any = None,
+                            process_set: Any = None) -> Handle:
     topo = _target(comm, process_set)
     return _submit(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                   compression, False)
+                   compression, False, prescale_factor, postscale_factor, name=name)
 
 
 def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
                              algorithm: str = "auto", compression: Any = None, *,
-                             comm: Any = None,
-        process_set: Any = None) -> Handle:
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             name: str | None = None, comm: Any = None,
+                             process_set: Any = None) -> Handle:
     topo = _target(comm, process_set)
     return _submit(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                   compression, True)
+                   compression, True, prescale_factor, postscale_factor, name=name)
 
 
 # ----------------------------------------------------------------------------- allgather
@@ -355,57 +434,200 @@ def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, J
     return call, Job(move, rows, rows, n, _INT64, int(ReduceOp.Sum), 1)
 
 
-def allgather(x: Any, algorithm: str = "auto", *, comm: Any = None,
-        process_set: Any = None) -> Any:
+def allgather(x: Any, algorithm: str = "auto", *, name: str | None = None,
+              comm: Any = None, process_set: Any = None) -> Any:
     """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
     topo = _target(comm, process_set)
-    return _run(topo, "allgather", _allgather, x, algorithm)
+    return _run(topo, "allgather", _allgather, x, algorithm, name=name)
 
 
-def allgather_async(x: Any, algorithm: str = "auto", *, comm: Any = None,
-        process_set: Any = None) -> Handle:
+def allgather_async(x: Any, algorithm: str = "auto", *, name: str | None = None,
+                    comm: Any = None, process_set: Any = None) -> Handle:
     topo = _target(comm, process_set)
-    return _submit(topo, "allgather", _allgather, x, algorithm)
+    return _submit(topo, "allgather", _allgather, x, algorithm, name=name)
+
+
+def _one_dtype(bufs: list[Buffer]) -> str:
+    """The dtype every buffer of a group shares (float32 for an empty group)."""
+    dtypes = sorted({b.dtype for b in bufs})
+    if len(dtypes) > 1:
+        raise TypeError(f"tensors: one dtype per group, got {dtypes}")
+    return dtypes[0] if dtypes else "float32"
+
+
+def _grouped_allgather(topo: topology.Topology, tensors: Any,
+                       algorithm: Any) -> tuple[Call, Job]:
+    _check_algorithm(algorithm)
+    _check_list(tensors)
+    bufs = [wrap(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    for i, b in enumerate(bufs):
+        _need_dim0(b, f"tensors[{i}]")
+    dtype = _one_dtype(bufs)
+    n, k = topo.size, len(bufs)
+    fields = (("dtype", dtype), ("row_shapes", tuple(b.shape[1:] for b in bufs)),
+              ("algorithm", algorithm))
+    call = calls.describe(topo, "grouped_allgather", fields, algorithm)
+    rows = np.zeros(n * k, np.int64)  # row q: rank q's dim 0 of each tensor
+    rows[topo.rank * k:(topo.rank + 1) * k] = [b.shape[0] for b in bufs]
+    carried = rows.nbytes <= PIGGYBACK_BYTES
+
+    def move() -> list:
+        mine = rows[topo.rank * k:(topo.rank + 1) * k].tolist()
+        everyone = (rows if carried else np.array(topo.comm.allgather(mine), np.int64)
+                    ).reshape(n, k)
+        elems = np.array([_row_elems(b.shape) for b in bufs], np.int64)
+        sizes = everyone * elems  # elements of tensor i from rank q
+        send = np.concatenate([b.flat for b in bufs]) if bufs else np.empty(0, STORAGE[dtype])
+        recv = np.empty(int(sizes.sum()), STORAGE[dtype])
+        algo = calls.concrete(topo, "allgather", algorithm, recv.nbytes)
+        ENGINE.native.credit(topo.stats, "grouped_allgather", algo)
+        algorithms.allgather(algo, topo, send, recv, sizes.sum(axis=1).tolist())
+        starts = np.concatenate([[0], np.cumsum(sizes.reshape(-1))])  # rank-major order
+        outs = []
+        for i, b in enumerate(bufs):
+            out = b.empty((int(everyone[:, i].sum()),) + b.shape[1:])
+            pieces = [recv[starts[q * k + i]:starts[q * k + i + 1]] for q in range(n)]
+            np.concatenate(pieces, out=out.flat)
+            outs.append(out.result())
+        return outs
+
+    if not carried:  # very large groups: the rows travel in a plain allgather
+        return call, Job(move)
+    return call, Job(move, rows, rows, n * k, _INT64, int(ReduceOp.Sum), 1)
+
+
+def grouped_allgather(tensors: list, algorithm: str = "auto", *, name: str | None = None,
+                      comm: Any = None, process_set: Any = None) -> list:
+    """allgather of every tensor of the list in one call: one agreement (carrying every
+    tensor's dim 0 from every rank) and one fused message. One dtype per group."""
+    topo = _target(comm, process_set)
+    return _run(topo, "grouped_allgather", _grouped_allgather, tensors, algorithm, name=name)
+
+
+def grouped_allgather_async(tensors: list, algorithm: str = "auto", *, name: str | None = None,
+                            comm: Any = None, process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
+    return _submit(topo, "grouped_allgather", _grouped_allgather, tensors, algorithm,
+                   name=name)
 
 
 # ------------------------------------------------------------------------- reducescatter
 
-def _reducescatter(topo: topology.Topology, x: Any, op: Any,
-                   algorithm: Any) -> tuple[Call, Job]:
+def _reducescatter(topo: topology.Topology, x: Any, op: Any, algorithm: Any,
+                   prescale_factor: Any = 1.0, postscale_factor: Any = 1.0
+                   ) -> tuple[Call, Job]:
     op = check_op(op)
     _check_algorithm(algorithm)
+    scaling, pre, post = _scaling(prescale_factor, postscale_factor)
     buf = wrap(x, "x")
     _need_dim0(buf, "x")
     fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
-              ("algorithm", algorithm))
+              ("algorithm", algorithm)) + scaling
     call = calls.describe(topo, "reducescatter", fields,
                           calls.concrete(topo, "reducescatter", algorithm, buf.nbytes))
+    send = buf.flat
+    if pre != 1:  # a scaled copy: x is the caller's
+        send = np.empty_like(buf.flat)
+        _scale(buf.flat, send, buf.dtype, pre)
 
     def move() -> Any:
         rows = _rows_split(buf.shape[0], topo.size)
         elems = _row_elems(buf.shape)
         out = buf.empty((rows[topo.rank],) + buf.shape[1:])
-        algorithms.reducescatter(call.algorithm, topo, buf.flat, out.flat,
-                               [r * elems for r in rows], kernel_op(op), buf.dtype)
+        algorithms.reducescatter(call.algorithm, topo, send, out.flat,
+                                 [r * elems for r in rows], kernel_op(op), buf.dtype)
         algorithms.average(out.flat, buf.dtype, op, topo.size)
+        if post != 1:
+            _scale(out.flat, out.flat, buf.dtype, post)
         return out.result()
 
     return call, Job(move)
 
 
 def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
-                  comm: Any = None,
-        process_set: Any = None) -> Any:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  name: str | None = None, comm: Any = None, process_set: Any = None) -> Any:
     """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
     topo = _target(comm, process_set)
-    return _run(topo, "reducescatter", _reducescatter, x, op, algorithm)
+    return _run(topo, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
+                postscale_factor, name=name)
 
 
 def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
-                        comm: Any = None,
-        process_set: Any = None) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        name: str | None = None, comm: Any = None,
+                        process_set: Any = None) -> Handle:
     topo = _target(comm, process_set)
-    return _submit(topo, "reducescatter", _reducescatter, x, op, algorithm)
+    return _submit(topo, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
+                   postscale_factor, name=name)
+
+
+def _grouped_reducescatter(topo: topology.Topology, tensors: Any, op: Any, algorithm: Any,
+                           prescale_factor: Any = 1.0, postscale_factor: Any = 1.0
+                           ) -> tuple[Call, Job]:
+    op = check_op(op)
+    _check_algorithm(algorithm)
+    scaling, pre, post = _scaling(prescale_factor, postscale_factor)
+    _check_list(tensors)
+    bufs = [wrap(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    for i, b in enumerate(bufs):
+        _need_dim0(b, f"tensors[{i}]")
+    dtype = _one_dtype(bufs)
+    nbytes = sum(b.nbytes for b in bufs)
+    fields = (("op", op.name), ("dtype", dtype), ("shapes", tuple(b.shape for b in bufs)),
+              ("algorithm", algorithm)) + scaling
+    call = calls.describe(topo, "grouped_reducescatter", fields,
+                          calls.concrete(topo, "reducescatter", algorithm, nbytes))
+    n, r = topo.size, topo.rank
+    rows = [_rows_split(b.shape[0], n) for b in bufs]
+    elems = [_row_elems(b.shape) for b in bufs]
+    # the send buffer ordered by destination: rank j's rows of every tensor, then j + 1's
+    pieces = []
+    for j in range(n):
+        for b, split, e in zip(bufs, rows, elems):
+            start = sum(split[:j]) * e
+            pieces.append(b.flat[start:start + split[j] * e])
+    send = np.concatenate(pieces) if pieces else np.empty(0, STORAGE[dtype])
+    if pre != 1:
+        _scale(send, send, dtype, pre)
+    counts = [sum(split[j] * e for split, e in zip(rows, elems)) for j in range(n)]
+
+    def move() -> list:
+        recv = np.empty(counts[r], STORAGE[dtype])
+        algorithms.reducescatter(call.algorithm, topo, send, recv, counts, kernel_op(op),
+                                 dtype)
+        algorithms.average(recv, dtype, op, n)
+        if post != 1:
+            _scale(recv, recv, dtype, post)
+        outs, at = [], 0
+        for b, split, e in zip(bufs, rows, elems):
+            out = b.empty((split[r],) + b.shape[1:])
+            out.flat[...] = recv[at:at + split[r] * e]
+            at += split[r] * e
+            outs.append(out.result())
+        return outs
+
+    return call, Job(move)
+
+
+def grouped_reducescatter(tensors: list, op: ReduceOp = ReduceOp.Average,
+                          algorithm: str = "auto", *, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0, name: str | None = None,
+                          comm: Any = None, process_set: Any = None) -> list:
+    """reducescatter of every tensor of the list in one call: one agreement and one fused
+    reducescatter (each tensor split by Horovod's row rule). One dtype per group."""
+    topo = _target(comm, process_set)
+    return _run(topo, "grouped_reducescatter", _grouped_reducescatter, tensors, op, algorithm,
+                prescale_factor, postscale_factor, name=name)
+
+
+def grouped_reducescatter_async(tensors: list, op: ReduceOp = ReduceOp.Average,
+                                algorithm: str = "auto", *, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0, name: str | None = None,
+                                comm: Any = None, process_set: Any = None) -> Handle:
+    topo = _target(comm, process_set)
+    return _submit(topo, "grouped_reducescatter", _grouped_reducescatter, tensors, op,
+                   algorithm, prescale_factor, postscale_factor, name=name)
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -430,36 +652,36 @@ def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
     return call, Job(move)
 
 
-def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None,
-        process_set: Any = None) -> Any:
+def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
+              comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's x on every rank, as a new array."""
     topo = _target(comm, process_set)
     return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, False,
-                process_sets.job_ranks(process_set))
+                process_sets.job_ranks(process_set), name=name)
 
 
-def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, comm: Any = None,
-        process_set: Any = None) -> Any:
+def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
+               comm: Any = None, process_set: Any = None) -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
     topo = _target(comm, process_set)
     return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, True,
-                process_sets.job_ranks(process_set))
+                process_sets.job_ranks(process_set), name=name)
 
 
 def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
-                    comm: Any = None,
-        process_set: Any = None) -> Handle:
+                    name: str | None = None, comm: Any = None,
+                    process_set: Any = None) -> Handle:
     topo = _target(comm, process_set)
     return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, False,
-                process_sets.job_ranks(process_set))
+                process_sets.job_ranks(process_set), name=name)
 
 
 def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
-                     comm: Any = None,
-        process_set: Any = None) -> Handle:
+                     name: str | None = None, comm: Any = None,
+                     process_set: Any = None) -> Handle:
     topo = _target(comm, process_set)
     return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, True,
-                process_sets.job_ranks(process_set))
+                process_sets.job_ranks(process_set), name=name)
 
 
 def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
@@ -484,12 +706,44 @@ def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
     return call, Job(move)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, *, comm: Any = None,
-        process_set: Any = None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
+                     comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's picklable obj on every rank."""
     topo = _target(comm, process_set)
     return _run(topo, "broadcast_object", _broadcast_object, obj, root_rank,
-                process_sets.job_ranks(process_set))
+                process_sets.job_ranks(process_set), name=name)
+
+
+def _allgather_object(topo: topology.Topology, obj: Any) -> tuple[Call, Job]:
+    try:
+        payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    except Exception as exc:  # any pickling failure: reported on every rank
+        raise ValueError(f"obj: cannot be pickled ({type(exc).__name__}: {exc})") from exc
+    n = topo.size
+    call = calls.describe(topo, "allgather_object", (), "auto")
+    sizes = np.zeros(n, np.int64)  # every rank's pickle size, gathered by the agreement
+    sizes[topo.rank] = payload.size
+    carried = sizes.nbytes <= PIGGYBACK_BYTES
+
+    def move() -> list:
+        everyone = sizes if carried else np.array(topo.comm.allgather(payload.size), np.int64)
+        recv = np.empty(int(everyone.sum()), np.uint8)
+        algo = calls.concrete(topo, "allgather", "auto", recv.nbytes)
+        ENGINE.native.credit(topo.stats, "allgather_object", algo)
+        algorithms.allgather(algo, topo, payload, recv, everyone.tolist())
+        starts = np.concatenate([[0], np.cumsum(everyone)])
+        return [pickle.loads(recv[starts[q]:starts[q + 1]].tobytes()) for q in range(n)]
+
+    if not carried:
+        return call, Job(move)
+    return call, Job(move, sizes, sizes, n, _INT64, int(ReduceOp.Sum), 1)
+
+
+def allgather_object(obj: Any, *, name: str | None = None, comm: Any = None,
+                     process_set: Any = None) -> list:
+    """Every rank's picklable obj, as a list in rank order."""
+    topo = _target(comm, process_set)
+    return _run(topo, "allgather_object", _allgather_object, obj, name=name)
 
 
 # ------------------------------------------------------------------------------ alltoall
@@ -547,20 +801,20 @@ def _alltoall(topo: topology.Topology, x: Any, splits: Any,
     return call, Job(move, matrix, matrix, n * n, _INT64, int(ReduceOp.Sum), 1)
 
 
-def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, comm: Any = None,
-        process_set: Any = None) -> Any:
+def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, name: str | None = None,
+             comm: Any = None, process_set: Any = None) -> Any:
     """Rank r sends rows splits[j] of x's dim 0 (in order) to rank j; splits None: an even
     split. Returns the rows received, in rank order, and, when splits is given, the number
     received from each rank (int32, as Horovod does)."""
     topo = _target(comm, process_set)
-    return _run(topo, "alltoall", _alltoall, x, splits, algorithm)
+    return _run(topo, "alltoall", _alltoall, x, splits, algorithm, name=name)
 
 
 def alltoall_async(x: Any, splits: Any = None, algorithm: str = "auto", *,
-                   comm: Any = None,
-        process_set: Any = None) -> Handle:
+                   name: str | None = None, comm: Any = None,
+                   process_set: Any = None) -> Handle:
     topo = _target(comm, process_set)
-    return _submit(topo, "alltoall", _alltoall, x, splits, algorithm)
+    return _submit(topo, "alltoall", _alltoall, x, splits, algorithm, name=name)
 
 
 # ------------------------------------------------------------------------------- barrier
@@ -569,14 +823,14 @@ def _barrier(topo: topology.Topology) -> tuple[Call, Job]:
     return calls.describe(topo, "barrier", (), "agreement"), Job(None)
 
 
-def barrier(*, comm: Any = None,
-        process_set: Any = None) -> None:
+def barrier(*, name: str | None = None,
+            comm: Any = None, process_set: Any = None) -> None:
     """Return once every rank has called barrier. It is the agreement exchange itself: a
     recursive doubling in which no rank finishes before hearing, directly or through its
     partners, from every other; so it is checked (a rank in another collective raises
     MismatchError everywhere) and stall-watched like any call, in ceil(log2 n) steps."""
     topo = _target(comm, process_set)
-    _run(topo, "barrier", _barrier)
+    _run(topo, "barrier", _barrier, name=name)
 
 
 # ------------------------------------------------------------------------------- handles

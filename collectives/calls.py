@@ -106,15 +106,32 @@ def riding(algo: str, nbytes: int) -> bool:
 
 
 def prepare(topo: Topology, collective: str, make: Callable[..., tuple[Call, Job]],
-            *args: Any) -> tuple[Call, Job]:
-    """make(topo, *args): a call's description and job. If one of its argument checks
-    fails on this rank, the call still takes part in the agreement, carrying the error:
-    every rank raises in this same call (this rank its own TypeError / ValueError, the
-    others a MismatchError naming it), and the next call finds every rank in step."""
+            *args: Any, name: str | None = None) -> tuple[Call, Job]:
+    """make(topo, *args): a call's description and job, with the caller's name for it
+    (agreed like the other fields) if given. If one of its argument checks fails on this
+    rank, the call still takes part in the agreement, carrying the error: every rank raises
+    in this same call (this rank its own TypeError / ValueError, the others a
+    MismatchError naming it), and the next call finds every rank in step."""
     try:
-        return make(topo, *args)
+        call, job = make(topo, *args)
+        return (call if name is None else named(topo, call, name)), job
     except (TypeError, ValueError) as exc:
         return invalid(topo, collective, exc), Job(functools.partial(_reraise, exc))
+
+
+def named(topo: Topology, call: Call, name: object) -> Call:
+    """call with ("name", name) among its fields: shown in mismatch and stall messages and
+    the timeline, and agreed (ranks naming one call differently get a MismatchError)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a str, got {type(name).__name__}")
+    key = ("named", call.collective, call.fields, call.algorithm, name)
+    found = topo.calls.get(key)
+    if found is None:
+        fields = call.fields + (("name", name),)
+        found = _remember(topo, key, call._replace(
+            fields=fields, small=None,
+            native=_native(topo, call.collective, fields, call.algorithm)))
+    return found
 
 
 def _reraise(exc: BaseException) -> None:

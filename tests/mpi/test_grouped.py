@@ -93,3 +93,66 @@ def test_mixed_and_non_contiguous_groups(comm):
         assert_equal(to_numpy(g), e, "mixed")
     C.grouped_allreduce_(xs, op=C.Sum)
     assert_equal(xs[0], expected[0], "in place, non-contiguous")
+
+
+def _skip_unrunnable(algo: str) -> None:
+    from collectives import algorithms, topology
+
+    try:
+        algorithms.check(algo, topology.get())
+    except ValueError:
+        pytest.skip(f"{algo} cannot run on this layout")
+
+
+@pytest.mark.parametrize("algo", list(C.ALGORITHMS))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int64"])
+def test_grouped_allgather_matches_per_tensor_allgathers(comm, algo, dtype):
+    """Every tensor's dim 0 differs per rank (0 rows included); one call gathers all."""
+    _skip_unrunnable(algo)
+    r, n = comm.Get_rank(), comm.Get_size()
+    row_shapes = [(), (3,), (2, 2), (0,)]
+    data = [make_input(dtype, ((r + k) % 3,) + s, seed=17 * r + k)
+            for k, s in enumerate(row_shapes)]
+    framework = "torch" if dtype == "bfloat16" else ("numpy" if r % 2 else "torch")
+    got = C.grouped_allgather([to_framework(d, dtype, framework) for d in data], algorithm=algo)
+    for k, (g, d) in enumerate(zip(got, data)):
+        expected = np.concatenate(comm.allgather(d))
+        assert_equal(to_numpy(g), expected, f"tensor {k}")
+        assert type(g) is (np.ndarray if framework == "numpy" else torch.Tensor)
+    h = C.grouped_allgather_async([np.full((r + 1, 2), r, np.int32)])
+    assert_equal(C.synchronize(h)[0],
+                 np.concatenate([np.full((q + 1, 2), q, np.int32) for q in range(n)]), "async")
+    assert C.grouped_allgather([]) == []
+
+
+@pytest.mark.parametrize("algo", list(C.ALGORITHMS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_grouped_reducescatter_matches_per_tensor_reducescatters(comm, algo, dtype):
+    _skip_unrunnable(algo)
+    r, n = comm.Get_rank(), comm.Get_size()
+    shapes = [(2 * n + 1, 3), (n,), (1,), (0, 4), (5 * n - 1,)]
+    for op in (C.Sum, C.Average, C.Min):
+        data = [make_input(dtype, s, seed=13 * r + k + int(op)) for k, s in enumerate(shapes)]
+        framework = "torch" if dtype == "bfloat16" else ("numpy" if r % 2 else "torch")
+        got = C.grouped_reducescatter([to_framework(d, dtype, framework) for d in data], op=op,
+                                      algorithm=algo)
+        for k, (g, d) in enumerate(zip(got, data)):
+            full = reference_reduce(comm.allgather(d), op, dtype, n)
+            base, extra = divmod(d.shape[0], n)
+            start = r * base + min(r, extra)
+            stop = start + base + (1 if r < extra else 0)
+            assert_equal(to_numpy(g), full[start:stop], f"{op} tensor {k}")
+    h = C.grouped_reducescatter_async([np.ones((n, 2), np.float64)], op=C.Sum)
+    assert_equal(C.synchronize(h)[0], np.full((1, 2), float(n)), "async")
+
+
+def test_grouped_gather_and_scatter_errors_are_raised_everywhere(comm):
+    r, n = comm.Get_rank(), comm.Get_size()
+    with pytest.raises(TypeError, match="tensors: one dtype per group"):
+        C.grouped_allgather([np.ones(2, np.float32), np.ones(2, np.float64)])
+    with pytest.raises(ValueError, match=r"tensors\[1\]: needs at least one dimension"):
+        C.grouped_reducescatter([np.ones(2), np.array(1.0)])
+    if n > 1:
+        with pytest.raises(C.MismatchError, match="grouped_allgather row_shapes mismatch"):
+            C.grouped_allgather([np.ones((1, r + 1))])
+    assert_same_on_all_ranks(comm, C.grouped_allgather([np.arange(3.0)])[0], "usable after")
