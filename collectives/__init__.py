@@ -51,6 +51,7 @@ from .process_sets import (
     shutdown,
 )
 from .stats import stats
+from .timeline import start_timeline, stop_timeline
 from .topology import cross_rank, cross_size, local_rank, local_size, rank, size
 from .watchdog import StallError
 
@@ -65,5 +66,6 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "join", "local_rank",
     "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
-    "remove_process_set", "shutdown", "size", "stats", "synchronize",
+    "remove_process_set", "shutdown", "size", "start_timeline", "stats", "stop_timeline",
+    "synchronize",
 ]

@@ -32,16 +32,15 @@ ALGORITHMS = algorithms.ALGORITHMS
 _INT64 = CODES["int64"]
 
 
-def _run(topo: topology.Topology, collective: str, prepare: Callable[..., tuple[Call, Job]],
-         *args: Any, name: str | None = None) -> Any:
-    return ENGINE.run(topo, *calls.prepare(topo, collective, prepare, *args, name=name))
+def _run(topo: topology.Topology, name: str | None, collective: str,
+         prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Any:
+    return ENGINE.run(topo, *calls.prepare(topo, name, collective, prepare, args))
 
 
-def _submit(topo: topology.Topology, collective: str,
-            prepare: Callable[..., tuple[Call, Job]], *args: Any,
-            name: str | None = None) -> Handle:
+def _submit(topo: topology.Topology, name: str | None, collective: str,
+            prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Handle:
     """An async call; one whose arguments are bad on this rank also raises here at once."""
-    call, job = calls.prepare(topo, collective, prepare, *args, name=name)
+    call, job = calls.prepare(topo, name, collective, prepare, args)
     handle = ENGINE.submit(topo, call, job)
     if call.algorithm == calls.INVALID:
         job.move()  # raises this rank's error; the queued call keeps the ranks in step
@@ -67,13 +66,6 @@ def _row_elems(shape: tuple) -> int:
 def _need_dim0(buf: Buffer, name: str) -> None:
     if len(buf.shape) == 0:
         raise ValueError(f"{name}: needs at least one dimension (rows on dim 0), got a scalar")
-
-
-def _target(comm: Any, process_set: Any) -> topology.Topology:
-    """The communicator a call runs over: comm's, process_set's, or the job's."""
-    if process_set is None:
-        return topology.of(comm)
-    return process_sets.resolve(comm, process_set)
 
 
 def _check_root(root_rank: object, topo: topology.Topology, ranks: list[int] | None) -> int:
@@ -152,31 +144,50 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
     op = check_op(op)
     _check_algorithm(algorithm)
     compressor = check_compression(compression)
-    scaling, pre, post = _scaling(prescale_factor, postscale_factor)
     buf = wrap(x, "x")  # type check now, in the caller's thread
+    if prescale_factor != 1 or postscale_factor != 1:
+        return _scaled(topo, buf, op, algorithm, compressor, inplace, prescale_factor,
+                       postscale_factor)
+    if compressor is not Compression.none and buf.dtype in FLOATING:
+        return _compressed(topo, buf, op, algorithm, compressor, inplace)
+    call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
+    out = buf if inplace else buf.empty(buf.shape)
+    if call.rides:  # the data rides in the agreement
+        if not buf.staged and buf.dtype != "bfloat16":
+            topo.fast[(op, x.dtype, x.shape, algorithm)] = call
+        return call, Job(lambda: _finish(buf, out), buf.flat, out.flat, buf.flat.size,
+                         call.dtype_code, call.op_code, call.divisor)
+
+    def move() -> Any:
+        algorithms.reduce(call.algorithm, topo, buf.flat, out.flat, op, buf.dtype)
+        return _finish(buf, out)
+
+    return call, Job(move)
+
+
+def _scaled(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: str,
+            compressor: Any, inplace: bool, prescale_factor: Any,
+            postscale_factor: Any) -> tuple[Call, Job]:
+    """An allreduce with scale factors: agreed like its other fields; x scaled on the way
+    into the result buffer (no separate copy), the result scaled after the reduction."""
+    scaling, pre, post = _scaling(prescale_factor, postscale_factor)
     if compressor is not Compression.none and buf.dtype in FLOATING:
         return _compressed(topo, buf, op, algorithm, compressor, inplace, scaling, pre, post)
-    if scaling:
-        fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
-                  ("algorithm", algorithm), ("compression", "none")) + scaling
-        algo = calls.concrete(topo, "allreduce", algorithm, buf.nbytes)
-        call = calls.reduction(topo, "allreduce", fields, buf.dtype, buf.nbytes, op, algo)
-    else:
-        call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
+    fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
+              ("algorithm", algorithm), ("compression", "none")) + scaling
+    algo = calls.concrete(topo, "allreduce", algorithm, buf.nbytes)
+    call = calls.reduction(topo, "allreduce", fields, buf.dtype, buf.nbytes, op, algo)
     out = buf if inplace else buf.empty(buf.shape)
-    send = buf.flat
-    if pre != 1:  # scaled on the way into the result buffer: no separate copy
+    if pre != 1:
         _scale(buf.flat, out.flat, buf.dtype, pre)
-        send = out.flat
+    send = out.flat if pre != 1 else buf.flat
 
     def finish() -> Any:
         if post != 1:
             _scale(out.flat, out.flat, out.dtype, post)
         return _finish(buf, out)
 
-    if call.rides:  # the data rides in the agreement
-        if not scaling and not buf.staged and buf.dtype != "bfloat16":
-            topo.fast[(op, x.dtype, x.shape, algorithm)] = call
+    if call.rides:
         return call, Job(finish, send, out.flat, buf.flat.size, call.dtype_code, call.op_code,
                          call.divisor)
 
@@ -188,8 +199,8 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
 
 
 def _compressed(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: str,
-                compressor: Any, inplace: bool, scaling: tuple, pre: float,
-                post: float) -> tuple[Call, Job]:
+                compressor: Any, inplace: bool, scaling: tuple = (), pre: float = 1.0,
+                post: float = 1.0) -> tuple[Call, Job]:
     """A floating allreduce under a compressor (compression.py), counted under its name."""
     compressor.check_op(op)
     fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
@@ -218,13 +229,13 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
     prescale_factor multiplies every rank's x before the reduction, postscale_factor the
     result (as Horovod's); name labels the call in mismatch and stall messages and the
     timeline (every rank must pass the same)."""
-    topo = _target(comm, process_set)
-    if compression is None and name is None and prescale_factor == 1 == postscale_factor:
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    if compression is None and name is None and prescale_factor == 1 and postscale_factor == 1:
         out = _fast(topo, x, op, algorithm, False)
         if out is not None:
             return out
-    return _run(topo, "allreduce", _allreduce, x, op, algorithm, compression, False,
-                prescale_factor, postscale_factor, name=name)
+    return _run(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
+                prescale_factor, postscale_factor)
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -232,30 +243,30 @@ def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                postscale_factor: float = 1.0, name: str | None = None, comm: Any = None,
                process_set: Any = None) -> Any:
     """Reduce x over all ranks in place; returns x."""
-    topo = _target(comm, process_set)
-    if compression is None and name is None and prescale_factor == 1 == postscale_factor \
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    if compression is None and name is None and prescale_factor == 1 and postscale_factor == 1 \
             and _fast(topo, x, op, algorithm, True) is not None:
         return x
-    return _run(topo, "allreduce", _allreduce, x, op, algorithm, compression, True,
-                prescale_factor, postscale_factor, name=name)
+    return _run(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
+                prescale_factor, postscale_factor)
 
 
 def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                     compression: Any = None, *, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, name: str | None = None,
                     comm: Any = None, process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, False,
-                   prescale_factor, postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
+                   prescale_factor, postscale_factor)
 
 
 def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                      compression: Any = None, *, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, name: str | None = None,
                      comm: Any = None, process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "allreduce", _allreduce, x, op, algorithm, compression, True,
-                   prescale_factor, postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
+                   prescale_factor, postscale_factor)
 
 
 # --------------------------------------------------------------------- grouped allreduce
@@ -371,9 +382,9 @@ def grouped_allreduce(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm:
     """allreduce of every tensor of the list in one call: one agreement and one fused
     message (the tensors packed by one C++ call). The tensors share one dtype and may differ
     in shape and type; returns a list of new arrays like them."""
-    topo = _target(comm, process_set)
-    return _run(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                compression, False, prescale_factor, postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
+                compression, False, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -381,9 +392,9 @@ def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm
                        postscale_factor: float = 1.0, name: str | None = None,
                        comm: Any = None, process_set: Any = None) -> list:
     """grouped_allreduce in place; returns the tensors."""
-    topo = _target(comm, process_set)
-    return _run(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                compression, True, prescale_factor, postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
+                compression, True, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -391,9 +402,9 @@ def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             name: str | None = None, comm: Any = None,
                             process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                   compression, False, prescale_factor, postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
+                   compression, False, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -401,9 +412,9 @@ def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              name: str | None = None, comm: Any = None,
                              process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                   compression, True, prescale_factor, postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
+                   compression, True, prescale_factor, postscale_factor)
 
 
 # ----------------------------------------------------------------------------- allgather
@@ -437,14 +448,14 @@ def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, J
 def allgather(x: Any, algorithm: str = "auto", *, name: str | None = None,
               comm: Any = None, process_set: Any = None) -> Any:
     """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
-    topo = _target(comm, process_set)
-    return _run(topo, "allgather", _allgather, x, algorithm, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "allgather", _allgather, x, algorithm)
 
 
 def allgather_async(x: Any, algorithm: str = "auto", *, name: str | None = None,
                     comm: Any = None, process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "allgather", _allgather, x, algorithm, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "allgather", _allgather, x, algorithm)
 
 
 def _one_dtype(bufs: list[Buffer]) -> str:
@@ -500,15 +511,14 @@ def grouped_allgather(tensors: list, algorithm: str = "auto", *, name: str | Non
                       comm: Any = None, process_set: Any = None) -> list:
     """allgather of every tensor of the list in one call: one agreement (carrying every
     tensor's dim 0 from every rank) and one fused message. One dtype per group."""
-    topo = _target(comm, process_set)
-    return _run(topo, "grouped_allgather", _grouped_allgather, tensors, algorithm, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "grouped_allgather", _grouped_allgather, tensors, algorithm)
 
 
 def grouped_allgather_async(tensors: list, algorithm: str = "auto", *, name: str | None = None,
                             comm: Any = None, process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "grouped_allgather", _grouped_allgather, tensors, algorithm,
-                   name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "grouped_allgather", _grouped_allgather, tensors, algorithm)
 
 
 # ------------------------------------------------------------------------- reducescatter
@@ -548,18 +558,18 @@ def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "aut
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   name: str | None = None, comm: Any = None, process_set: Any = None) -> Any:
     """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
-    topo = _target(comm, process_set)
-    return _run(topo, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
-                postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
+                postscale_factor)
 
 
 def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         name: str | None = None, comm: Any = None,
                         process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
-                   postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
+                   postscale_factor)
 
 
 def _grouped_reducescatter(topo: topology.Topology, tensors: Any, op: Any, algorithm: Any,
@@ -616,18 +626,18 @@ def grouped_reducescatter(tensors: list, op: ReduceOp = ReduceOp.Average,
                           comm: Any = None, process_set: Any = None) -> list:
     """reducescatter of every tensor of the list in one call: one agreement and one fused
     reducescatter (each tensor split by Horovod's row rule). One dtype per group."""
-    topo = _target(comm, process_set)
-    return _run(topo, "grouped_reducescatter", _grouped_reducescatter, tensors, op, algorithm,
-                prescale_factor, postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "grouped_reducescatter", _grouped_reducescatter, tensors, op, algorithm,
+                prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                                 algorithm: str = "auto", *, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0, name: str | None = None,
                                 comm: Any = None, process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "grouped_reducescatter", _grouped_reducescatter, tensors, op,
-                   algorithm, prescale_factor, postscale_factor, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "grouped_reducescatter", _grouped_reducescatter, tensors, op,
+                   algorithm, prescale_factor, postscale_factor)
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -655,33 +665,33 @@ def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
 def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
               comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's x on every rank, as a new array."""
-    topo = _target(comm, process_set)
-    return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, False,
-                process_sets.job_ranks(process_set), name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, False,
+                process_sets.job_ranks(process_set))
 
 
 def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
                comm: Any = None, process_set: Any = None) -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
-    topo = _target(comm, process_set)
-    return _run(topo, "broadcast", _broadcast, x, root_rank, algorithm, True,
-                process_sets.job_ranks(process_set), name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, True,
+                process_sets.job_ranks(process_set))
 
 
 def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                     name: str | None = None, comm: Any = None,
                     process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, False,
-                process_sets.job_ranks(process_set), name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, False,
+                process_sets.job_ranks(process_set))
 
 
 def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                      name: str | None = None, comm: Any = None,
                      process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "broadcast", _broadcast, x, root_rank, algorithm, True,
-                process_sets.job_ranks(process_set), name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, True,
+                process_sets.job_ranks(process_set))
 
 
 def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
@@ -709,9 +719,9 @@ def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
 def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
                      comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's picklable obj on every rank."""
-    topo = _target(comm, process_set)
-    return _run(topo, "broadcast_object", _broadcast_object, obj, root_rank,
-                process_sets.job_ranks(process_set), name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "broadcast_object", _broadcast_object, obj, root_rank,
+                process_sets.job_ranks(process_set))
 
 
 def _allgather_object(topo: topology.Topology, obj: Any) -> tuple[Call, Job]:
@@ -742,8 +752,8 @@ def _allgather_object(topo: topology.Topology, obj: Any) -> tuple[Call, Job]:
 def allgather_object(obj: Any, *, name: str | None = None, comm: Any = None,
                      process_set: Any = None) -> list:
     """Every rank's picklable obj, as a list in rank order."""
-    topo = _target(comm, process_set)
-    return _run(topo, "allgather_object", _allgather_object, obj, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "allgather_object", _allgather_object, obj)
 
 
 # ------------------------------------------------------------------------------ alltoall
@@ -806,15 +816,15 @@ def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, name: str |
     """Rank r sends rows splits[j] of x's dim 0 (in order) to rank j; splits None: an even
     split. Returns the rows received, in rank order, and, when splits is given, the number
     received from each rank (int32, as Horovod does)."""
-    topo = _target(comm, process_set)
-    return _run(topo, "alltoall", _alltoall, x, splits, algorithm, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _run(topo, name, "alltoall", _alltoall, x, splits, algorithm)
 
 
 def alltoall_async(x: Any, splits: Any = None, algorithm: str = "auto", *,
                    name: str | None = None, comm: Any = None,
                    process_set: Any = None) -> Handle:
-    topo = _target(comm, process_set)
-    return _submit(topo, "alltoall", _alltoall, x, splits, algorithm, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    return _submit(topo, name, "alltoall", _alltoall, x, splits, algorithm)
 
 
 # ------------------------------------------------------------------------------- barrier
@@ -829,8 +839,8 @@ def barrier(*, name: str | None = None,
     recursive doubling in which no rank finishes before hearing, directly or through its
     partners, from every other; so it is checked (a rank in another collective raises
     MismatchError everywhere) and stall-watched like any call, in ceil(log2 n) steps."""
-    topo = _target(comm, process_set)
-    _run(topo, "barrier", _barrier, name=name)
+    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    _run(topo, name, "barrier", _barrier)
 
 
 # ------------------------------------------------------------------------------- handles

@@ -105,16 +105,18 @@ def riding(algo: str, nbytes: int) -> bool:
     return algo == "tree" and nbytes <= PIGGYBACK_BYTES
 
 
-def prepare(topo: Topology, collective: str, make: Callable[..., tuple[Call, Job]],
-            *args: Any, name: str | None = None) -> tuple[Call, Job]:
+def prepare(topo: Topology, name: str | None, collective: str,
+            make: Callable[..., tuple[Call, Job]], args: tuple) -> tuple[Call, Job]:
     """make(topo, *args): a call's description and job, with the caller's name for it
     (agreed like the other fields) if given. If one of its argument checks fails on this
     rank, the call still takes part in the agreement, carrying the error: every rank raises
     in this same call (this rank its own TypeError / ValueError, the others a
     MismatchError naming it), and the next call finds every rank in step."""
     try:
+        if name is None:
+            return make(topo, *args)
         call, job = make(topo, *args)
-        return (call if name is None else named(topo, call, name)), job
+        return named(topo, call, name), job
     except (TypeError, ValueError) as exc:
         return invalid(topo, collective, exc), Job(functools.partial(_reraise, exc))
 

@@ -26,14 +26,27 @@ class Config:
     #: process-group timeout: long enough for a rank's evaluation or checkpoint between
     #: collectives, short enough that a lost rank ends the job instead of hanging it.
     stall_timeout_s: float | None = 1800.0
+    #: Chrome-trace JSON the job writes its timeline to (collectives/timeline.py), from
+    #: init to shutdown; None = no timeline unless start_timeline() is called.
+    timeline: str | None = None
+    #: Mark each call's start in the timeline (Horovod's mark_cycles).
+    timeline_mark_cycles: bool = False
 
 
 def _parse(field: dataclasses.Field, text: str):
     kind = str(field.type).replace(" | None", "")
     try:
-        return {"int": int, "float": float, "str": str}[kind](text)
+        return {"int": int, "float": float, "str": str, "bool": _bool}[kind](text)
     except ValueError:
         raise ValueError(f"COLLECTIVES_{field.name.upper()}={text!r}: expected {kind}") from None
+
+
+def _bool(text: str) -> bool:
+    value = {"1": True, "true": True, "yes": True, "on": True,
+             "0": False, "false": False, "no": False, "off": False}.get(text.strip().lower())
+    if value is None:
+        raise ValueError(text)
+    return value
 
 
 def from_env(environ: dict[str, str] | None = None) -> Config:

@@ -50,10 +50,11 @@ class Job(NamedTuple):
 class Handle:
     """An in-flight collective: pass it to synchronize() for the result, poll() to ask."""
 
-    __slots__ = ("name", "_done", "_result", "_error")
+    __slots__ = ("name", "queued", "_done", "_result", "_error")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, queued: float = -1.0):
         self.name = name
+        self.queued = queued  # when it was submitted, for the timeline (-1: not recorded)
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
@@ -94,14 +95,15 @@ class Engine:
 
     def submit(self, topo: Topology, call: Call, job: Job) -> Handle:
         """Queue the call behind everything submitted before; returns at once."""
-        handle = Handle(call.collective)
+        native = self.native
+        handle = Handle(call.collective, native.clock() if native.tracing else -1.0)
         if self._thread is None:
             with self._start:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="collectives-engine",
                                                     daemon=True)
                     self._thread.start()
-        self.native.push((handle, topo, call, job))
+        native.push((handle, topo, call, job))
         return handle
 
     def _loop(self) -> None:
@@ -109,14 +111,14 @@ class Engine:
         while True:
             handle, topo, call, job = native.next()  # claimed for this item
             try:
-                handle._run(functools.partial(_execute, native, topo, call, job))
+                handle._run(functools.partial(_execute, native, topo, call, job, handle.queued))
             finally:
                 native.release()
 
 
-def _execute(native: Any, topo: Topology, call: Call, job: Job) -> Any:
+def _execute(native: Any, topo: Topology, call: Call, job: Job, queued: float = -1.0) -> Any:
     return native.execute(topo.channel, call.native, job.send, job.out, job.count,
-                          job.dtype_code, job.op_code, job.divisor, job.move)
+                          job.dtype_code, job.op_code, job.divisor, job.move, queued)
 
 
 ENGINE = Engine()

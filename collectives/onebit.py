@@ -205,8 +205,8 @@ def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
     block of this many elements within each chunk (finer, for 4/block_size more bytes per
     element). comm: the mpi4py communicator to run over (default: the job's)."""
     topo = topology.of(comm)
-    return ENGINE.run(topo, *calls.prepare(topo, "compressed_allreduce", _prepare, x,
-                                           worker_error, server_error, block_size))
+    return ENGINE.run(topo, *calls.prepare(topo, None, "compressed_allreduce", _prepare,
+                                           (x, worker_error, server_error, block_size)))
 
 
 def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: Any,

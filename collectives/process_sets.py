@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import calls, topology
+from . import calls, timeline, topology
 from .engine import ENGINE, Job
 
 
@@ -122,7 +122,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     job = _sync_global()
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    return ENGINE.run(job, *calls.prepare(job, "add_process_set", _add, process_set))
+    return ENGINE.run(job, *calls.prepare(job, None, "add_process_set", _add, (process_set,)))
 
 
 def _remove(job: topology.Topology, process_set: Any) -> tuple[calls.Call, Job]:
@@ -150,7 +150,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set and free its communicator; collective over the whole job.
     Returns whether it was removed (the global set never is)."""
     job = _sync_global()
-    return ENGINE.run(job, *calls.prepare(job, "remove_process_set", _remove, process_set))
+    return ENGINE.run(job, *calls.prepare(job, None, "remove_process_set", _remove,
+                                           (process_set,)))
 
 
 def process_sets() -> list[ProcessSet]:
@@ -180,17 +181,23 @@ def job_ranks(process_set: Any) -> list[int] | None:
 
 def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None,
          process_sets: Sequence[ProcessSet | Sequence[int]] | None = None) -> None:
-    """Initialize the library (topology.init) and register process_sets, in order, as
-    add_process_set would (collective: every rank passes the same sets)."""
-    topology.init(comm, ranks_per_node)
+    """Initialize the library (topology.init), register process_sets, in order, as
+    add_process_set would (collective: every rank passes the same sets), and start the
+    timeline if COLLECTIVES_TIMELINE names a file."""
+    started = topology.initialized()
+    job = topology.init(comm, ranks_per_node)
     _sync_global()
     for process_set in process_sets or ():
         add_process_set(process_set)
+    if not started and job.config.timeline and not timeline.active():
+        timeline.start_timeline(job.config.timeline, job.config.timeline_mark_cycles)
 
 
 def shutdown() -> None:
-    """Free every registered set's communicator, then the job's (topology.shutdown); a
-    later call initializes again."""
+    """Write the timeline if one is being recorded, free every registered set's
+    communicator, then the job's (topology.shutdown); a later call initializes again."""
+    if timeline.active():
+        timeline.stop_timeline()
     for process_set in _registered.values():
         if process_set._comm is not None:
             process_set._comm.Free()

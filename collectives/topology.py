@@ -137,6 +137,11 @@ def _abort_on_uncaught_exceptions() -> None:
     sys.excepthook = hook
 
 
+def initialized() -> bool:
+    """Whether init() has run (and shutdown() has not since)."""
+    return _topology is not None
+
+
 def get() -> Topology:
     """The topology, initializing with defaults on first use."""
     return _topology if _topology is not None else init()

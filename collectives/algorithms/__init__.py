@@ -90,7 +90,8 @@ def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: Re
     """recv = op over every rank's send (send may be recv), Average included: the data
     moves as a Sum and is divided once at the end."""
     allreduce(algo, topo, send, recv, kernel_op(op), dtype)
-    average(recv, dtype, op, contributors(topo))
+    if op is ReduceOp.Average:
+        average(recv, dtype, op, contributors(topo))
 
 
 def contributors(topo: Topology) -> int:

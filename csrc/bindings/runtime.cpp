@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -53,7 +54,7 @@ struct PyStats {
 // call to joined ranks (collectives/join.py), called with (joined, first_active).
 struct Call {
   int64_t digest;
-  std::string collective, detail;
+  std::string collective, detail, algorithm;
   Counter* counter;
   py::object stats;  // keeps *counter alive
   py::function mismatch;
@@ -99,6 +100,19 @@ class AgreeChannel {
   py::function on_wait_;
 };
 
+// One call as the timeline shows it (collectives/timeline.py): steady-clock seconds of
+// its submission (-1: run at once, never queued), start, agreement done, data moved, end.
+struct TraceEvent {
+  std::string collective, detail, algorithm;
+  double queued, start, agreed, moved, end;
+  int64_t bytes;
+};
+
+double clock_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // The engine (engine.h) holding Python objects in its queue: a pushed item is referenced
 // until next() hands it back.
 class PyEngine {
@@ -123,8 +137,9 @@ class PyEngine {
   // move() (None: no data phase), and the call's stats. Returns move()'s result.
   py::object execute(AgreeChannel& channel, Call& call, const void* send, void* out,
                      int64_t count, DType dtype, ReduceOp op, int64_t divisor,
-                     py::handle move) {
+                     py::handle move, double queued = -1) {
     check_usable();
+    const double start = tracing_ ? clock_s() : 0;
     Record& record = engine_.record();
     record.enter(call.collective, call.detail);
     credit_ = call.counter;
@@ -142,6 +157,7 @@ class PyEngine {
       throw std::logic_error("the mismatch callback returned");
     }
     engine_.add_bytes(r.payload_sent, r.payload_sent);
+    const double agreed = tracing_ ? clock_s() : 0;
     if (r.joined) {
       joined_ = r.joined;
       call.on_joined(r.joined, r.first_active);  // raises if the call cannot run with them
@@ -157,7 +173,24 @@ class PyEngine {
     credit_->calls += 1;
     credit_->sent += after.first - before.first;
     credit_->received += after.second - before.second;
+    if (tracing_) {
+      const double end = clock_s();
+      trace_.push_back({call.collective, call.detail, call.algorithm, queued, start, agreed,
+                        move.is_none() ? agreed : end, end, after.first - before.first});
+    }
     return result;
+  }
+
+  // The timeline's recording (collectives/timeline.py): on/off, and the events so far.
+  void trace(bool on) { tracing_ = on; }
+  bool tracing() const { return tracing_; }
+  py::list take_trace() {
+    py::list out;
+    for (const TraceEvent& e : trace_)
+      out.append(py::make_tuple(e.collective, e.detail, e.algorithm, e.queued, e.start,
+                                e.agreed, e.moved, e.end, e.bytes));
+    trace_.clear();
+    return out;
   }
 
   // One agreement exchange of a rank inside join() (first: its first one), under the stall
@@ -182,14 +215,14 @@ class PyEngine {
 
   py::object py_execute(AgreeChannel& channel, Call& call, py::handle send, py::handle out,
                         int64_t count, int dtype_code, int op_code, int64_t divisor,
-                        py::handle move) {
+                        py::handle move, double queued) {
     const DType dtype = check::dtype(dtype_code);
     const ReduceOp op = check::op(op_code);
     check::count(count);
     if (divisor < 1) throw py::value_error("divisor: must be >= 1");
     const void* src = check::ptr(send, "send", dtype, false, count);
     void* dst = check::ptr(out, "out", dtype, true, count);
-    return execute(channel, call, src, dst, count, dtype, op, divisor, move);
+    return execute(channel, call, src, dst, count, dtype, op, divisor, move, queued);
   }
 
   // The running call's bytes count for (collective, algorithm) on stats instead of the
@@ -219,6 +252,8 @@ class PyEngine {
   Engine engine_;
   Counter* credit_ = nullptr;  // the running call's counter
   int joined_ = 0;             // the running call's joined ranks
+  bool tracing_ = false;       // the timeline records calls
+  std::vector<TraceEvent> trace_;
 };
 
 // A small allreduce that rides in its own agreement exchange, with everything derived from
@@ -305,8 +340,8 @@ void bind_runtime(py::module_& m) {
                        py::function on_joined) {
              Counter* c = stats.cast<PyStats&>().stats.counter(collective, algorithm);
              return Call{digest,           std::move(collective), std::move(detail),
-                         c,                std::move(stats),      std::move(mismatch),
-                         std::move(on_joined)};
+                         algorithm,        c,                     std::move(stats),
+                         std::move(mismatch), std::move(on_joined)};
            }),
            py::arg("digest"), py::arg("collective"), py::arg("detail"), py::arg("stats"),
            py::arg("algorithm"), py::arg("mismatch"), py::arg("on_joined"))
@@ -327,8 +362,15 @@ void bind_runtime(py::module_& m) {
       .def("release", &PyEngine::release, "End the claim")
       .def("execute", &PyEngine::py_execute, py::arg("channel"), py::arg("call"),
            py::arg("send"), py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-           py::arg("divisor"), py::arg("move"),
-           "One claimed call: record, agreement (with payload), move(), stats")
+           py::arg("divisor"), py::arg("move"), py::arg("queued") = -1.0,
+           "One claimed call: record, agreement (with payload), move(), stats; queued: "
+           "when it was submitted (steady clock, s), for the timeline")
+      .def_property("tracing", &PyEngine::tracing, &PyEngine::trace,
+                    "Whether calls are recorded for the timeline")
+      .def("take_trace", &PyEngine::take_trace,
+           "[(collective, detail, algorithm, queued, start, agreed, moved, end, bytes)] "
+           "recorded since the last take, oldest first")
+      .def_static("clock", &clock_s, "The steady clock the timeline uses, in seconds")
       .def("join_step", &PyEngine::join_step, py::arg("channel"), py::arg("call"),
            py::arg("first"), "One agreement exchange of a joined rank: (ok, joined, "
            "first_active, last_joiner)")
