@@ -13,6 +13,8 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -53,6 +55,7 @@ struct PyStats {
 // the Python function that raises MismatchError on every rank, and the one that hands the
 // call to joined ranks (collectives/join.py), called with (joined, first_active).
 struct Call {
+  int64_t id;  // unique in the process (the timeline's key)
   int64_t digest;
   std::string collective, detail, algorithm;
   Counter* counter;
@@ -100,10 +103,11 @@ class AgreeChannel {
   py::function on_wait_;
 };
 
-// One call as the timeline shows it (collectives/timeline.py): steady-clock seconds of
-// its submission (-1: run at once, never queued), start, agreement done, data moved, end.
+// One call as the timeline shows it (collectives/timeline.py): which described call
+// (an index into the recorded calls' texts), steady-clock seconds of its submission (-1:
+// run at once, never queued), start, agreement done, data moved, end, and bytes sent.
 struct TraceEvent {
-  std::string collective, detail, algorithm;
+  size_t call;
   double queued, start, agreed, moved, end;
   int64_t bytes;
 };
@@ -175,7 +179,10 @@ class PyEngine {
     credit_->received += after.second - before.second;
     if (tracing_) {
       const double end = clock_s();
-      trace_.push_back({call.collective, call.detail, call.algorithm, queued, start, agreed,
+      // each described call's texts are copied once per recording, not once per call
+      const auto found = traced_calls_.try_emplace(call.id, traced_texts_.size());
+      if (found.second) traced_texts_.push_back({call.collective, call.detail, call.algorithm});
+      trace_.push_back({found.first->second, queued, start, agreed,
                         move.is_none() ? agreed : end, end, after.first - before.first});
     }
     return result;
@@ -186,10 +193,14 @@ class PyEngine {
   bool tracing() const { return tracing_; }
   py::list take_trace() {
     py::list out;
-    for (const TraceEvent& e : trace_)
-      out.append(py::make_tuple(e.collective, e.detail, e.algorithm, e.queued, e.start,
-                                e.agreed, e.moved, e.end, e.bytes));
+    for (const TraceEvent& e : trace_) {
+      const auto& [collective, detail, algorithm] = traced_texts_[e.call];
+      out.append(py::make_tuple(collective, detail, algorithm, e.queued, e.start, e.agreed,
+                                e.moved, e.end, e.bytes));
+    }
     trace_.clear();
+    traced_calls_.clear();
+    traced_texts_.clear();
     return out;
   }
 
@@ -254,6 +265,8 @@ class PyEngine {
   int joined_ = 0;             // the running call's joined ranks
   bool tracing_ = false;       // the timeline records calls
   std::vector<TraceEvent> trace_;
+  std::unordered_map<int64_t, size_t> traced_calls_;  // Call::id -> index in traced_texts_
+  std::vector<std::tuple<std::string, std::string, std::string>> traced_texts_;
 };
 
 // A small allreduce that rides in its own agreement exchange, with everything derived from
@@ -339,9 +352,10 @@ void bind_runtime(py::module_& m) {
                        py::object stats, const std::string& algorithm, py::function mismatch,
                        py::function on_joined) {
              Counter* c = stats.cast<PyStats&>().stats.counter(collective, algorithm);
-             return Call{digest,           std::move(collective), std::move(detail),
-                         algorithm,        c,                     std::move(stats),
-                         std::move(mismatch), std::move(on_joined)};
+             static int64_t next_id = 0;
+             return Call{next_id++,        digest,           std::move(collective),
+                         std::move(detail), algorithm,       c,
+                         std::move(stats), std::move(mismatch), std::move(on_joined)};
            }),
            py::arg("digest"), py::arg("collective"), py::arg("detail"), py::arg("stats"),
            py::arg("algorithm"), py::arg("mismatch"), py::arg("on_joined"))
