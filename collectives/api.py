@@ -6,6 +6,7 @@ takes `comm`: an mpi4py communicator to run over (default: the job's, from init)
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -60,7 +61,7 @@ def _rows_split(rows: int, n: int) -> list[int]:
 
 
 def _row_elems(shape: tuple) -> int:
-    return int(np.prod(shape[1:], dtype=np.int64))
+    return math.prod(shape[1:])
 
 
 def _need_dim0(buf: Buffer, name: str) -> None:
@@ -792,18 +793,18 @@ def _alltoall(topo: topology.Topology, x: Any, splits: Any,
 
     def move() -> Any:
         everyone = (matrix if carried else np.array(topo.comm.allgather(mine), np.int64)
-                    ).reshape(n, n)
-        received = everyone[:, r]
+                    ).reshape(-1).tolist()  # Python ints: cheaper than NumPy's at this size
+        received = everyone[r::n]
         elems = _row_elems(buf.shape)
-        out = buf.empty((int(received.sum()),) + buf.shape[1:])
-        per_rank = int(everyone.sum()) * elems * buf.flat.itemsize // n  # agreed: auto's size
+        out = buf.empty((sum(received),) + buf.shape[1:])
+        per_rank = sum(everyone) * elems * buf.flat.itemsize // n  # agreed: auto's size
         algo = calls.concrete(topo, "alltoall", algorithm, per_rank)
         ENGINE.native.credit(topo.stats, "alltoall", algo)
         algorithms.alltoall(algo, topo, buf.flat, out.flat, [c * elems for c in mine],
-                            [int(c) * elems for c in received])
+                            [c * elems for c in received])
         if splits is None:
             return out.result()
-        got = received.astype(np.int32)
+        got = np.array(received, np.int32)
         return out.result(), (torch.from_numpy(got) if buf.kind == "torch" else got)
 
     if not carried:  # very large jobs: the splits travel in a plain allgather

@@ -7,11 +7,14 @@ through host memory: the algorithms hand only host buffers to MPI."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
+from . import config
 from .dtypes import NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
+from .kernels import _C
 
 try:
     import torch
@@ -40,11 +43,16 @@ class Buffer:
         return self.flat.nbytes
 
     def empty(self, shape: tuple) -> Buffer:
-        """A new buffer of the caller's kind, dtype and device with this shape."""
+        """A new buffer of the caller's kind, dtype and device with this shape (host memory
+        from the result pool: host_empty)."""
         if self.kind == "numpy":
-            return wrap(np.empty(shape, dtype=self.flat.dtype), "out")
+            return wrap(host_empty(shape, self.flat.dtype), "out")
         if self.kind == "torch":
-            return wrap(torch.empty(shape, dtype=self.orig.dtype, device=self.orig.device), "out")
+            if self.orig.device.type != "cpu":
+                return wrap(torch.empty(shape, dtype=self.orig.dtype, device=self.orig.device),
+                            "out")
+            host = torch.from_numpy(host_empty(shape, self.flat.dtype))
+            return wrap(host.view(torch.bfloat16) if self.dtype == "bfloat16" else host, "out")
         return wrap(cupy.empty(shape, dtype=self.orig.dtype), "out")
 
     def result(self) -> Any:
@@ -72,6 +80,34 @@ class Buffer:
                 self.orig.copy_(self.result())
         else:
             self.orig[...] = cupy.asarray(self.flat.reshape(self.shape))
+
+
+#: Host results of at least this many bytes come from the result pool.
+POOL_MIN_BYTES = 256 << 10
+
+
+def host_empty(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """An uninitialized host array for a collective's result. From POOL_MIN_BYTES up its
+    memory comes from the result pool (csrc/runtime/pool.h): a block of the same size
+    dropped by an earlier result, already faulted in, instead of fresh pages whose first
+    touch costs a fault and the kernel's zeroing each (a quarter of a 64 MiB alltoall).
+    Smaller ones come from malloc, which reuses them by itself."""
+    count = math.prod(shape)
+    nbytes = count * np.dtype(dtype).itemsize
+    if nbytes < POOL_MIN_BYTES:
+        return np.empty(shape, dtype)
+    if not _pool_ready:
+        _make_pool()
+    return np.frombuffer(_C.pooled(nbytes), dtype, count).reshape(shape)
+
+
+_pool_ready = False
+
+
+def _make_pool() -> None:
+    global _pool_ready
+    _C.set_pool_capacity(config.get().result_pool_bytes)
+    _pool_ready = True
 
 
 def host_float(flat: np.ndarray, dtype: str) -> np.ndarray:

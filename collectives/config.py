@@ -26,6 +26,9 @@ class Config:
     #: process-group timeout: long enough for a rank's evaluation or checkpoint between
     #: collectives, short enough that a lost rank ends the job instead of hanging it.
     stall_timeout_s: float | None = 1800.0
+    #: Bytes of result memory kept for reuse by later results of the same size
+    #: (collectives/buffers.py, host_empty); 0 = every result gets fresh memory.
+    result_pool_bytes: int = 1 << 30
     #: Chrome-trace JSON the job writes its timeline to (collectives/timeline.py), from
     #: init to shutdown; None = no timeline unless start_timeline() is called.
     timeline: str | None = None

@@ -8,4 +8,5 @@ PYBIND11_MODULE(_C, m) {
   bind_kernels(m);
   bind_runtime(m);
   bind_shm(m);
+  bind_pool(m);
 }

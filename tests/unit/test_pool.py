@@ -1,0 +1,57 @@
+"""The result pool: large host results reuse the memory of dropped ones of the same size;
+small ones and a full pool fall back to fresh memory; every kind of result is writable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from collectives.buffers import POOL_MIN_BYTES, host_empty, wrap
+from collectives.kernels import _C
+
+
+def test_a_dropped_block_is_reused_by_the_next_result_of_its_size():
+    a = host_empty((POOL_MIN_BYTES // 4,), np.float32)
+    a[:] = 7
+    address = a.ctypes.data
+    del a
+    assert _C.pool_cached() >= POOL_MIN_BYTES
+    b = host_empty((POOL_MIN_BYTES // 8, 2), np.float32)  # same bytes, other shape
+    assert b.ctypes.data == address and b.flags.writeable and b.shape == (POOL_MIN_BYTES // 8, 2)
+    c = host_empty((POOL_MIN_BYTES // 4,), np.float32)  # b still alive: another block
+    assert c.ctypes.data != address
+
+
+def test_small_results_come_from_malloc():
+    small = host_empty((16,), np.float64)
+    assert small.base is None and small.flags.owndata
+
+
+def test_buffer_empty_gives_pooled_results_of_the_callers_kind():
+    for x in (np.zeros(POOL_MIN_BYTES, np.uint8), torch.zeros(POOL_MIN_BYTES // 2,
+                                                              dtype=torch.bfloat16)):
+        out = wrap(x).empty(tuple(x.shape))
+        out.flat[...] = 1
+        result = out.result()
+        assert type(result) is type(x) and result.dtype == x.dtype
+        assert result.shape == x.shape
+
+
+def test_the_pool_keeps_at_most_its_capacity():
+    """COLLECTIVES_RESULT_POOL_BYTES bounds what waits: of two dropped blocks that would
+    exceed it, the second is freed."""
+    code = (
+        "import numpy as np\n"
+        "from collectives.buffers import POOL_MIN_BYTES, host_empty\n"
+        "from collectives.kernels import _C\n"
+        "a, b = (host_empty((POOL_MIN_BYTES,), np.uint8) for _ in range(2))\n"
+        "del a, b\n"
+        "print(_C.pool_cached() // POOL_MIN_BYTES)\n")
+    env = dict(os.environ, COLLECTIVES_RESULT_POOL_BYTES=str(POOL_MIN_BYTES * 3 // 2))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.split() == ["1"]
