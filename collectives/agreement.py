@@ -1,6 +1,6 @@
 """Ranks agree on what they are about to do before any data moves.
 
-Every collective starts with a recursive-doubling exchange of a 32-byte header holding a
+Every collective starts with a recursive-doubling exchange of a 40-byte header holding a
 digest of (collective, op, dtype, shape, algorithm, ...) (csrc/runtime/agree.cpp, run by the
 engine for every call): equal digests
 everywhere mean every rank made the same call. Small payloads ride in the same messages: an
@@ -92,7 +92,7 @@ _TAG = 20
 
 
 def channel(comm: MPI.Comm, watchdog: Watchdog) -> _C.AgreeChannel:
-    """comm's agreement exchange in C++ (csrc/runtime/agree.h): messages of a 32-byte header
+    """comm's agreement exchange in C++ (csrc/runtime/agree.h): messages of a 40-byte header
     and up to PIGGYBACK_BYTES of payload; a long wait calls the watchdog."""
     return _C.AgreeChannel(comm, _TAG, PIGGYBACK_BYTES, watchdog.first_deadline,
                            watchdog.on_wait)

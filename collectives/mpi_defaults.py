@@ -5,9 +5,9 @@ once MPI is initialized (a script that initialized MPI before importing collecti
 Open MPI's defaults). Other MPI libraries ignore these variables.
 
 btl_sm_eager_limit = 8 KiB. Every collective starts with the agreement exchange, whose
-messages are a 32-byte header plus, for an allreduce of up to 64 KiB, its data. Open MPI's
+messages are a 40-byte header plus, for an allreduce of up to 64 KiB, its data. Open MPI's
 shared-memory transport sends up to 4 KiB (its header included) eagerly and anything larger
-by rendezvous, an extra round trip: a 4 KiB allreduce's 4,128-byte message took 10-11 us at
+by rendezvous, an extra round trip: a 4 KiB allreduce's message (4 KiB and the header) took 10-11 us at
 np 2 on the development VM, against 5-6 us with an 8 KiB limit (MPI_Allreduce: 4-6 us).
 The cost is larger preallocated fragments (at most 512 per process, 4 MiB).
 

@@ -2,7 +2,7 @@
 //
 // Before any collective moves data, ranks check that they called the same collective with
 // the same arguments (a 64-bit digest of them). The check is a recursive-doubling exchange
-// of a 32-byte header (MPICH's fold for non-powers of two), and a small allreduce rides in
+// of a 40-byte header (MPICH's fold for non-powers of two), and a small allreduce rides in
 // the same messages: its payload follows the header and is folded at every step, so a
 // small allreduce with checks on costs no extra round trip.
 #pragma once
