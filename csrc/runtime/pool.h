@@ -5,7 +5,7 @@
 // 64 MiB that is ~2.5 ms, a quarter of the alltoall itself. Training loops ask for the same
 // sizes every step, so blocks come back here when Python drops the array and the next call
 // of that size reuses one, already faulted in. Blocks are matched by exact size (rounded up
-// to 4 KiB); at most `capacity` bytes wait here, beyond that a returned block is freed.
+// to 4 KiB, or to 2 MiB huge pages from 4 MiB); at most `capacity` bytes wait here, beyond that a returned block is freed.
 #pragma once
 
 #include <cstddef>
@@ -19,12 +19,18 @@ class Pool {
   explicit Pool(size_t capacity) : capacity_(capacity) {}
   ~Pool();
 
-  // A 64-byte aligned block of round(bytes) bytes: a cached one if any, else new.
+  // A page-aligned block of round(bytes) bytes: a cached one if any, else new.
   void* take(size_t bytes);
   // Hand back a block from take(bytes) (any thread).
   void give(void* block, size_t bytes);
   size_t cached() const;
-  static size_t round(size_t bytes) { return (bytes + 4095) / 4096 * 4096; }
+  // Sizes are whole pages; from kHugeFrom up, whole huge pages.
+  static size_t round(size_t bytes) {
+    const size_t unit = bytes >= kHugeFrom ? kHugePage : 4096;
+    return (bytes + unit - 1) / unit * unit;
+  }
+  static constexpr size_t kHugePage = size_t{2} << 20;
+  static constexpr size_t kHugeFrom = size_t{4} << 20;
 
  private:
   mutable std::mutex mu_;
