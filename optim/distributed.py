@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import math
 import threading
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -77,6 +78,7 @@ class _Reduction:
     prescale: float = 1.0
     postscale: float = 1.0
     process_set: Any = None
+    sparse_as_dense: bool = False
 
 
 class _Bucket:
@@ -101,6 +103,12 @@ class _Bucket:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                if not how.sparse_as_dense:
+                    raise ValueError("a parameter's gradient is sparse (e.g. nn.Embedding("
+                                     "sparse=True)); pass sparse_as_dense=True to reduce it "
+                                     "as a dense tensor")
+                p.grad = p.grad.to_dense()
         self.grads = [p.grad for p in self.params]
         _pack(self.grads, self.buffer, how.prescale)
         self.handle = C.allreduce_async_(self.buffer, op=how.op, algorithm=how.algorithm,
@@ -114,23 +122,72 @@ class _Bucket:
         self.grads, self.handle, self.ready = [], None, 0
 
 
-def _make_buckets(params: list[torch.Tensor], threshold: int) -> list[_Bucket]:
-    """params (in backward order) grouped into buckets of one dtype and device holding at
-    most `threshold` bytes (a larger parameter gets a bucket of its own), in the order
-    their first gradient arrives."""
-    groups: list[list[torch.Tensor]] = []
-    sizes: list[int] = []
-    open_group: dict[tuple, int] = {}  # (dtype, device) -> index of the group being filled
+def _make_buckets(params: list[torch.Tensor], threshold: int,
+                  groups: list[list[torch.Tensor]] | None = None,
+                  num_groups: int = 0) -> list[_Bucket]:
+    """params (in backward order) grouped into buckets of one dtype and device, in the
+    order their first gradient arrives: with num_groups, that many runs of about equal
+    length (Horovod's num_groups); the parameters of each of `groups` together; the others
+    in buckets of at most `threshold` bytes (a larger parameter gets a bucket of its own)."""
+    if num_groups:
+        base, extra = divmod(len(params), num_groups)
+        runs, start = [], 0
+        for k in range(num_groups):
+            stop = start + base + (1 if k < extra else 0)
+            runs.append(params[start:stop])
+            start = stop
+        return [_Bucket(b) for run in runs for b in _by_kind(run) if b]
+    member = {id(p): k for k, group in enumerate(groups or []) for p in group}
+    chosen: dict[int, list[torch.Tensor]] = {}
     for p in params:
+        if id(p) in member:
+            chosen.setdefault(member[id(p)], []).append(p)
+    buckets = [b for k in chosen for b in _by_kind(chosen[k])]
+    open_group: dict[tuple, int] = {}  # (dtype, device) -> index of the bucket being filled
+    sizes = [0] * len(buckets)
+    for p in params:
+        if id(p) in member:
+            continue
         key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
         i = open_group.get(key)
         if i is None or sizes[i] + nbytes > threshold:
-            i = open_group[key] = len(groups)
-            groups.append([])
+            i = open_group[key] = len(buckets)
+            buckets.append([])
             sizes.append(0)
-        groups[i].append(p)
+        buckets[i].append(p)
         sizes[i] += nbytes
-    return [_Bucket(g) for g in groups]
+    return [_Bucket(b) for b in buckets]
+
+
+def _by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """params split by (dtype, device), each part in the given order."""
+    parts: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        parts.setdefault((p.dtype, p.device), []).append(p)
+    return list(parts.values())
+
+
+def _check_groups(groups: Any, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """groups as lists of the optimizer's parameters, each in at most one group."""
+    if groups is None:
+        return []
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    seen: set[int] = set()
+    out = []
+    try:
+        for k, group in enumerate(groups):
+            group = list(group)
+            for p in group:
+                if not isinstance(p, torch.Tensor) or id(p) not in mine:
+                    raise ValueError(f"groups[{k}]: expected the optimizer's parameters, got "
+                                     f"{type(p).__name__} not among them")
+                if id(p) in seen:
+                    raise ValueError(f"groups[{k}]: a parameter is in more than one group")
+                seen.add(id(p))
+            out.append(group)
+    except TypeError:
+        raise TypeError("groups: expected a list of lists of parameters") from None
+    return out
 
 
 # --------------------------------------------------------------------- argument checks
@@ -203,11 +260,12 @@ def _remove_hooks(handles: list) -> None:
         h.remove()
 
 
-class DistributedOptimizer:
-    """Wraps a torch optimizer (by composition) so each step uses gradients reduced over
-    all ranks (averaged by default). It behaves as the wrapped optimizer: param_groups,
-    state, state_dict/load_state_dict, zero_grad and add_param_group pass through, and
-    `.optimizer` is the wrapped one (give that to an LR scheduler).
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer so each step uses gradients reduced over all ranks (averaged
+    by default). It is a torch.optim.Optimizer sharing the wrapped one's param_groups,
+    state and defaults (the same objects), so LR schedulers, GradScaler, state_dict /
+    load_state_dict, zero_grad and add_param_group work on it as on the wrapped one, which
+    is `.optimizer`.
 
     backward_passes_per_step=k: gradients add up locally over k backward passes and are
     reduced once, during the k-th. For gradient clipping, reduce first:
@@ -216,9 +274,15 @@ class DistributedOptimizer:
     A parameter that got no gradient on a rank (unused in its forward) counts as zeros
     there, and every rank's .grad receives the reduced gradient, so all ranks step alike
     (as in Horovod; a parameter unused on every rank gets zeros where a single process
-    would leave .grad None). Parameters with requires_grad=False at construction are not
-    reduced. Every rank must construct it over the same parameters and call
-    add_param_group alike.
+    would leave .grad None). Parameters with requires_grad=False at construction, of any
+    dtype, are never reduced. Every rank must construct it over the same parameters and
+    call add_param_group alike.
+
+    Horovod's arguments: groups (lists of parameters, each reduced as one fused message;
+    the rest by fusion_threshold_bytes) or num_groups (that many equal groups of the
+    parameters), sparse_as_dense (sparse gradients, e.g. nn.Embedding(sparse=True)'s, are
+    made dense and reduced with the rest; sparse gradients are refused otherwise),
+    process_set (reduce over that set's ranks).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -226,21 +290,36 @@ class DistributedOptimizer:
                  compression: Any = C.Compression.none, backward_passes_per_step: int = 1,
                  op: C.ReduceOp = C.Average, gradient_predivide_factor: float = 1.0,
                  fusion_threshold_bytes: int = 64 << 20, algorithm: str = "auto",
-                 process_set: C.ProcessSet | None = None):
+                 process_set: C.ProcessSet | None = None, num_groups: int = 0,
+                 groups: Iterable[Iterable[torch.Tensor]] | None = None,
+                 sparse_as_dense: bool = False):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer: already a DistributedOptimizer")
         self.optimizer = optimizer
+        self._wrapping = True  # Optimizer.__init__ lists the groups: they are there already
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._wrapping = False
+        self._num_groups = _check_int("num_groups", num_groups, 0)
+        self._groups = _check_groups(groups, optimizer)
+        if self._groups and self._num_groups:
+            raise ValueError("groups, num_groups: pass one or the other")
+        if not isinstance(sparse_as_dense, bool):
+            raise TypeError(f"sparse_as_dense: expected a bool, got {type(sparse_as_dense).__name__}")
         self._passes = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
         self._threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
-        self._how = _check_reduction(op, gradient_predivide_factor, algorithm, compression,
-                                     process_set)
+        self._how = dataclasses.replace(
+            _check_reduction(op, gradient_predivide_factor, algorithm, compression, process_set),
+            sparse_as_dense=sparse_as_dense)
         self._user_names = None if named_parameters is None else _user_names(named_parameters)
         self._names: dict[int, str] = {}  # id(param) -> name, for error messages
         self._buckets: list[_Bucket] = []
         self._next = 0  # index of the first bucket not launched this step
         self._counts: dict[int, int] = {}  # id(param) -> backward passes since the last reduction
         self._synchronized = False
+        self._synchronized_by_user = False  # synchronize() called since the last step()
         self._skip = False
         self._lock = threading.Lock()
         self._hooks: list = []
@@ -248,18 +327,25 @@ class DistributedOptimizer:
         for index in range(len(optimizer.param_groups)):
             self._add_group(index)
 
-    # ---- the wrapped optimizer's face
+    # ---- the wrapped optimizer's face: its param_groups and state, whatever replaces them
+    # (its load_state_dict builds new ones), read and written through
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        if not self._wrapping:
+            self.optimizer.param_groups = value
 
     @property
     def state(self) -> Any:
         return self.optimizer.state
 
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
+    @state.setter
+    def state(self, value: Any) -> None:
+        if not self._wrapping:
+            self.optimizer.state = value
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
@@ -269,6 +355,8 @@ class DistributedOptimizer:
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its parameters get buckets after the others."""
+        if self._wrapping:
+            return  # Optimizer.__init__ listing the wrapped optimizer's own groups
         self.optimizer.add_param_group(param_group)
         self._add_group(len(self.optimizer.param_groups) - 1)
 
@@ -292,12 +380,17 @@ class DistributedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         if not self._skip:
-            self.synchronize()
+            if self._synchronized_by_user:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): if the gradients changed since "
+                              "(e.g. clipped), wrap step() in `with "
+                              "optimizer.skip_synchronize():`", stacklevel=2)
+            self._synchronize()
         elif self._next or self._counts:
             raise RuntimeError("step() inside skip_synchronize() with gradients not yet "
                                "reduced: call synchronize() before the with block")
         self.optimizer.step()
-        self._synchronized = False
+        self._synchronized = self._synchronized_by_user = False
         return loss
 
     def synchronize(self) -> None:
@@ -305,6 +398,10 @@ class DistributedOptimizer:
 
         Buckets still waiting are launched, in order, with zeros for parameters that got
         no gradient (unused in forward): every rank reduces every bucket every step."""
+        self._synchronize()
+        self._synchronized_by_user = True
+
+    def _synchronize(self) -> None:
         with self._lock:
             if self._synchronized:
                 return
@@ -331,10 +428,11 @@ class DistributedOptimizer:
         """Name the group's parameters, bucket them and hook them."""
         trainable = []
         for i, p in enumerate(self.optimizer.param_groups[index]["params"]):
-            self._names[id(p)] = self._name(p, f"param_groups[{index}][{i}]")
             if p.requires_grad:
+                self._names[id(p)] = self._name(p, f"param_groups[{index}][{i}]")
                 trainable.append(p)
-        buckets = _make_buckets(list(reversed(trainable)), self._threshold)
+        buckets = _make_buckets(list(reversed(trainable)), self._threshold, self._groups,
+                                self._num_groups)
         owner = weakref.ref(self)
         for bucket in buckets:
             for p in bucket.params:
