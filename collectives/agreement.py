@@ -23,8 +23,9 @@ if TYPE_CHECKING:
     from .watchdog import Watchdog
 
 
-class MismatchError(ValueError):
-    """Ranks called a collective with different arguments (raised on every rank)."""
+class MismatchError(ValueError, RuntimeError):
+    """Ranks called a collective with different arguments (raised on every rank). A
+    ValueError (the arguments) and a RuntimeError (what Horovod raises for it)."""
 
 
 @functools.lru_cache(maxsize=4096)

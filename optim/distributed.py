@@ -260,7 +260,66 @@ def _remove_hooks(handles: list) -> None:
         h.remove()
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class WrappedOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer that is a view of another (`.optimizer`): its param_groups,
+    state and defaults are the wrapped one's objects, read and written through (the
+    wrapped one's load_state_dict builds new ones), so LR schedulers, GradScaler,
+    state_dict / load_state_dict and add_param_group act on the wrapped optimizer.
+    Subclasses add what happens around its step()."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, "
+                            f"got {type(optimizer).__name__}")
+        if isinstance(optimizer, WrappedOptimizer):
+            raise TypeError(f"optimizer: already a {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._wrapping = True  # Optimizer.__init__ lists the groups: they are there already
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._wrapping = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        if not self._wrapping:
+            self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if not self._wrapping:
+            self.optimizer.state = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer (then _added(its index))."""
+        if self._wrapping:
+            return  # Optimizer.__init__ listing the wrapped optimizer's own groups
+        self.optimizer.add_param_group(param_group)
+        self._added(len(self.optimizer.param_groups) - 1)
+
+    def _added(self, index: int) -> None:
+        """A group was added at index."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+
+class DistributedOptimizer(WrappedOptimizer):
     """Wraps a torch optimizer so each step uses gradients reduced over all ranks (averaged
     by default). It is a torch.optim.Optimizer sharing the wrapped one's param_groups,
     state and defaults (the same objects), so LR schedulers, GradScaler, state_dict /
@@ -293,15 +352,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  process_set: C.ProcessSet | None = None, num_groups: int = 0,
                  groups: Iterable[Iterable[torch.Tensor]] | None = None,
                  sparse_as_dense: bool = False):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, "
-                            f"got {type(optimizer).__name__}")
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("optimizer: already a DistributedOptimizer")
-        self.optimizer = optimizer
-        self._wrapping = True  # Optimizer.__init__ lists the groups: they are there already
-        super().__init__(optimizer.param_groups, optimizer.defaults)
-        self._wrapping = False
+        super().__init__(optimizer)
         self._num_groups = _check_int("num_groups", num_groups, 0)
         self._groups = _check_groups(groups, optimizer)
         if self._groups and self._num_groups:
@@ -327,38 +378,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for index in range(len(optimizer.param_groups)):
             self._add_group(index)
 
-    # ---- the wrapped optimizer's face: its param_groups and state, whatever replaces them
-    # (its load_state_dict builds new ones), read and written through
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        if not self._wrapping:
-            self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        if not self._wrapping:
-            self.optimizer.state = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer; its parameters get buckets after the others."""
-        if self._wrapping:
-            return  # Optimizer.__init__ listing the wrapped optimizer's own groups
-        self.optimizer.add_param_group(param_group)
-        self._add_group(len(self.optimizer.param_groups) - 1)
+    # ---- the wrapped optimizer's face (WrappedOptimizer), with buckets for added groups
+    def _added(self, index: int) -> None:
+        self._add_group(index)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients and any partly accumulated backward passes."""
@@ -368,9 +390,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                "synchronize() first")
         self._reset_counts()
         self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.optimizer!r})"
 
     # ---- reduction
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
