@@ -35,6 +35,7 @@ from collectives.process_sets import (
 from collectives.timeline import start_timeline, stop_timeline
 from optim import adasum as _optim_adasum
 from optim import distributed as _optim
+from optim.sync_batch_norm import SyncBatchNorm
 
 Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
                                    ReduceOp.Product)
@@ -52,7 +53,7 @@ class HostsUpdatedInterrupt(RuntimeError):
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
-    "HostsUpdatedInterrupt", "Max", "Min", "Product", "ProcessSet", "Sum",
+    "HostsUpdatedInterrupt", "Max", "Min", "Product", "ProcessSet", "Sum", "SyncBatchNorm",
     "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
