@@ -45,6 +45,9 @@ class SyncBatchNorm(_BatchNorm):
         total = horovod.allreduce(local, op=horovod.Sum, process_set=self.process_set or
                                   horovod.global_process_set)
         count, channels = total[0], x.shape[1]
+        if count.item() <= 1:  # as BatchNorm: every rank sees the same global count
+            raise ValueError(f"input: expected more than 1 value per channel when training, "
+                             f"got {int(count.item())} over all ranks")
         mean = total[1:1 + channels] / count
         var = total[1 + channels:] / count - mean * mean  # biased, as normalization uses
         if self.training and self.track_running_stats:

@@ -12,7 +12,7 @@ import collectives.horovod as hvd
 
 def _global_batch(n: int, shape: tuple, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn((q + 1,) + shape, generator=g) * (q + 1) + q for q in range(n)]
+    return [torch.randn((q + 2,) + shape, generator=g) * (q + 1) + q for q in range(n)]
 
 
 @pytest.mark.parametrize("shape, reference", [((3,), nn.BatchNorm1d), ((3, 4), nn.BatchNorm1d),
@@ -33,9 +33,9 @@ def test_matches_batch_norm_on_the_global_batch(comm, shape, reference):
         whole = torch.cat(parts).requires_grad_()
         y_ref = ref(whole)
         (y_ref * torch.cat(weights)).sum().backward()
-        start = sum(q + 1 for q in range(r))
-        torch.testing.assert_close(y, y_ref[start:start + r + 1], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(x.grad, whole.grad[start:start + r + 1], rtol=1e-4, atol=1e-5)
+        start = sum(q + 2 for q in range(r))
+        torch.testing.assert_close(y, y_ref[start:start + r + 2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, whole.grad[start:start + r + 2], rtol=1e-4, atol=1e-5)
         for mine, theirs in ((sync.weight, ref.weight), (sync.bias, ref.bias)):
             total = hvd.allreduce(mine.grad, op=hvd.Sum)  # each rank holds its share
             torch.testing.assert_close(total, theirs.grad, rtol=1e-4, atol=1e-5)
@@ -48,6 +48,9 @@ def test_matches_batch_norm_on_the_global_batch(comm, shape, reference):
     torch.testing.assert_close(sync(probe), ref(probe))
 
 
-def test_bad_input():
+def test_bad_input(comm):
     with pytest.raises(ValueError, match="input: expected at least 2 dimensions"):
         hvd.SyncBatchNorm(3)(torch.ones(3))
+    one = torch.ones(1 if comm.Get_rank() == 0 else 0, 3)  # one sample in the whole batch
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        hvd.SyncBatchNorm(3)(one)
