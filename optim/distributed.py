@@ -84,7 +84,7 @@ class _Reduction:
 class _Bucket:
     """Gradients of one dtype and device reduced together through one flat buffer."""
 
-    __slots__ = ("params", "buffer", "ready", "grads", "handle")
+    __slots__ = ("params", "buffer", "ready", "grads", "handle", "sparse")
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
@@ -93,6 +93,7 @@ class _Bucket:
         self.ready = 0  # parameters whose gradient is complete for this step
         self.grads: list[torch.Tensor] = []  # the .grad tensors packed at launch
         self.handle: C.Handle | None = None
+        self.sparse: list[tuple] = []  # (param, indices handle, values handle) this step
 
     def complete(self) -> bool:
         return self.ready == len(self.params)
@@ -100,26 +101,42 @@ class _Bucket:
     def launch(self, how: _Reduction) -> None:
         """Pack the gradients and start their allreduce. A parameter that got no gradient
         this step contributes zeros (and receives the reduced gradient as its .grad)."""
+        dense = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse:
-                if not how.sparse_as_dense:
-                    raise ValueError("a parameter's gradient is sparse (e.g. nn.Embedding("
-                                     "sparse=True)); pass sparse_as_dense=True to reduce it "
-                                     "as a dense tensor")
+            if not p.grad.is_sparse:
+                dense.append(p.grad)
+            elif how.sparse_as_dense:
                 p.grad = p.grad.to_dense()
-        self.grads = [p.grad for p in self.params]
-        _pack(self.grads, self.buffer, how.prescale)
+                dense.append(p.grad)
+            else:  # Horovod's sparse allreduce: every rank's entries, gathered
+                grad = p.grad.coalesce()
+                self.sparse.append((p, *(C.allgather_async(t, process_set=how.process_set)
+                                         for t in (grad.indices().t().contiguous(),
+                                                   grad.values() * how.prescale))))
+        self.grads = dense
+        _pack(dense, self.buffer, how.prescale)  # a prefix when some are sparse
         self.handle = C.allreduce_async_(self.buffer, op=how.op, algorithm=how.algorithm,
                                          compression=how.compression,
                                          process_set=how.process_set)
 
     def finish(self, how: _Reduction) -> None:
-        """Wait for the allreduce and write the reduced gradients back into .grad."""
+        """Wait for the reductions and write the reduced gradients back into .grad (a
+        sparse gradient stays sparse: the sum of every rank's entries, coalesced)."""
         C.synchronize(self.handle)
         _unpack(self.buffer, self.grads, how.postscale)
-        self.grads, self.handle, self.ready = [], None, 0
+        for p, indices, values in self.sparse:
+            scale = how.postscale / (_set_size(how.process_set) if how.op is C.Average else 1)
+            p.grad = torch.sparse_coo_tensor(C.synchronize(indices).t(),
+                                             C.synchronize(values) * scale, p.grad.shape,
+                                             check_invariants=False).coalesce()  # valid:
+            # every rank's indices of a coalesced gradient of this shape
+        self.grads, self.sparse, self.handle, self.ready = [], [], None, 0
+
+
+def _set_size(process_set: Any) -> int:
+    return C.size() if process_set is None else process_set.size()
 
 
 def _make_buckets(params: list[torch.Tensor], threshold: int,
@@ -340,8 +357,9 @@ class DistributedOptimizer(WrappedOptimizer):
     Horovod's arguments: groups (lists of parameters, each reduced as one fused message;
     the rest by fusion_threshold_bytes) or num_groups (that many equal groups of the
     parameters), sparse_as_dense (sparse gradients, e.g. nn.Embedding(sparse=True)'s, are
-    made dense and reduced with the rest; sparse gradients are refused otherwise),
-    process_set (reduce over that set's ranks).
+    made dense and reduced with the rest; otherwise every rank's indices and values are
+    allgathered and summed into a sparse gradient, as Horovod does), process_set (reduce
+    over that set's ranks).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
