@@ -31,6 +31,7 @@ _TABLE = (
     DType("uint8", 5, np.dtype(np.uint8), False),
     DType("int32", 6, np.dtype(np.int32), False),
     DType("int64", 7, np.dtype(np.int64), False),
+    DType("int16", 8, np.dtype(np.int16), False),
 )
 
 #: every supported dtype name, in code order

@@ -65,6 +65,7 @@ __all__ = [
     "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
     "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async",
     "start_timeline", "stop_timeline", "synchronize",
 ]
 
@@ -316,6 +317,37 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     return _named(name, lambda: _C.grouped_allreduce_async_(
         list(tensors), op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))
+
+
+class _SparseHandle(Handle):
+    """Horovod's sparse allreduce in flight: the allgathers of indices and values."""
+
+    __slots__ = ("_parts", "_shape", "_scale")
+
+    def __init__(self, indices: Handle, values: Handle, shape: torch.Size, scale: float):
+        super().__init__("sparse_allreduce")
+        self._parts, self._shape, self._scale = (indices, values), shape, scale
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._parts)
+
+    def wait(self) -> torch.Tensor:
+        indices, values = (h.wait() for h in self._parts)
+        return torch.sparse_coo_tensor(indices.t(), values * self._scale, self._shape,
+                                       check_invariants=False).coalesce()
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> Handle:
+    """The sum (op=Sum) or average (Average) of every rank's sparse tensor, as Horovod
+    computes it: every rank's indices and values allgathered, then coalesced."""
+    if op not in (Sum, Average):
+        raise ValueError(f"op: sparse allreduce supports Sum and Average, got {op!r}")
+    grad = tensor.coalesce()
+    n = _topology_of(process_set).size
+    parts = [_C.allgather_async(t, process_set=_set(process_set))
+             for t in (grad.indices().t().contiguous(), grad.values())]
+    handle = _SparseHandle(*parts, tensor.shape, 1.0 / n if op == Average else 1.0)
+    return _named(name, lambda: handle)
 
 
 # ------------------------------------------------------------------------------ allgather

@@ -3,9 +3,10 @@ and the fallback.
 
 Native MPI types and ops are used where MPI has them; float16 and bfloat16 (which MPI does
 not define) travel as 16-bit integers with a user-defined op that calls our kernels. So do
-int8 and uint8: Open MPI's AVX reduction saturates 8-bit sums on overflow where C and NumPy
-wrap (open-mpi/ompi#8045, closed as wontfix), so its native 8-bit Sum disagrees with every
-other algorithm. And so do float Min/Max: MPI's MIN/MAX drop a NaN depending on operand
+int8, uint8 and int16: Open MPI's AVX reduction saturates 8- and 16-bit sums on overflow
+where C and NumPy wrap (open-mpi/ompi#8045, closed as wontfix; int16 measured here: sums
+out of range came back saturated), so its native narrow Sum disagrees with every other
+algorithm. And so do float Min/Max: MPI's MIN/MAX drop a NaN depending on operand
 order, where ours propagate it (as numpy.minimum), so `auto` switching algorithms by size
 never changes an answer.
 Average is a Sum here too: the caller divides once.

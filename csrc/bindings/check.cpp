@@ -26,6 +26,7 @@ const char* format_letters(DType t) {
     case DType::u8: return "B";
     case DType::i32: return "il";
     case DType::i64: return "lq";
+    case DType::i16: return "h";
   }
   return "";
 }
@@ -67,7 +68,7 @@ bool has_format(const Py_buffer& b, DType t) {
 }  // namespace
 
 DType dtype(int code) {
-  if (code < 0 || code > static_cast<int>(DType::i64))
+  if (code < 0 || code > static_cast<int>(DType::i16))
     throw py::value_error("dtype: unknown dtype code " + std::to_string(code));
   return static_cast<DType>(code);
 }
@@ -79,8 +80,8 @@ ReduceOp op(int code) {
 }
 
 const char* dtype_name(DType t) {
-  static const char* const names[] = {"float16", "bfloat16", "float32", "float64",
-                                      "int8",    "uint8",    "int32",   "int64"};
+  static const char* const names[] = {"float16", "bfloat16", "float32", "float64", "int8",
+                                      "uint8",   "int32",    "int64",   "int16"};
   return names[static_cast<int>(t)];
 }
 

@@ -13,7 +13,9 @@
 namespace collectives {
 
 // Codes are part of the Python interface (collectives/dtypes.py keeps the same table).
-enum class DType : int { f16 = 0, bf16 = 1, f32 = 2, f64 = 3, i8 = 4, u8 = 5, i32 = 6, i64 = 7 };
+enum class DType : int {
+  f16 = 0, bf16 = 1, f32 = 2, f64 = 3, i8 = 4, u8 = 5, i32 = 6, i64 = 7, i16 = 8
+};
 
 inline uint32_t float_bits(float f) {
   uint32_t u;
@@ -74,6 +76,7 @@ inline int64_t dtype_size(DType t) {
   switch (t) {
     case DType::f16:
     case DType::bf16:
+    case DType::i16:
       return 2;
     case DType::f32:
     case DType::i32:

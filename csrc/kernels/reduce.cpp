@@ -155,6 +155,7 @@ void reduce_many(void* dst, const void* const* srcs, int nsrc, int64_t count, DT
     case DType::u8: return fold_op<Plain<uint8_t>>(dst, srcs, nsrc, count, op);
     case DType::i32: return fold_op<Plain<int32_t>>(dst, srcs, nsrc, count, op);
     case DType::i64: return fold_op<Plain<int64_t>>(dst, srcs, nsrc, count, op);
+    case DType::i16: return fold_op<Plain<int16_t>>(dst, srcs, nsrc, count, op);
   }
 }
 
@@ -168,6 +169,7 @@ void divide(void* buf, int64_t count, DType dtype, int64_t divisor) {
     case DType::u8: return divide_as<Plain<uint8_t>>(buf, count, divisor);
     case DType::i32: return divide_as<Plain<int32_t>>(buf, count, divisor);
     case DType::i64: return divide_as<Plain<int64_t>>(buf, count, divisor);
+    case DType::i16: return divide_as<Plain<int16_t>>(buf, count, divisor);
   }
 }
 

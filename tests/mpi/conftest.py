@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import collectives as C
 
-DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "int16"]
 OPS = [C.Sum, C.Average, C.Min, C.Max, C.Product]
 
 

@@ -15,7 +15,7 @@ from collectives import _C, dtypes
 HEADER = Path(__file__).resolve().parents[2] / "csrc" / "kernels" / "dtypes.h"
 #: enumerator of csrc/kernels/dtypes.h -> our name
 CPP_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
-             "i8": "int8", "u8": "uint8", "i32": "int32", "i64": "int64"}
+             "i8": "int8", "u8": "uint8", "i32": "int32", "i64": "int64", "i16": "int16"}
 
 
 def test_codes_are_the_cpp_enum():
@@ -33,7 +33,7 @@ def test_storage_is_what_the_kernels_read():
         _C.divide(np.zeros(1, storage), 1, dtypes.CODES[name], 1)
         with pytest.raises(ValueError, match="holds 0 elements, need 1"):
             _C.divide(np.zeros(0, storage), 1, dtypes.CODES[name], 1)
-        other = np.int8 if storage.itemsize > 1 else np.int16
+        other = np.int8 if storage.itemsize > 1 else np.uint16
         with pytest.raises(TypeError, match=f"expected {name} elements"):
             _C.divide(np.zeros(4, other), 1, dtypes.CODES[name], 1)
 
@@ -47,7 +47,7 @@ def test_numpy_names():
         expected = None if name == "bfloat16" else name
         assert dtypes.numpy_dtype_name(np.dtype(name) if expected else np.dtype(np.uint16)) \
             == expected
-    for other in (np.bool_, np.complex64, np.dtype(">f4"), np.uint16, np.int16):
+    for other in (np.bool_, np.complex64, np.dtype(">f4"), np.uint16, np.uint32):
         assert dtypes.numpy_dtype_name(np.dtype(other)) is None
 
 
@@ -55,7 +55,7 @@ def test_torch_names():
     for name in dtypes.NAMES:
         assert dtypes.torch_dtype_name(getattr(torch, name)) == name
         assert dtypes.torch_dtype(name) is getattr(torch, name)
-    for other in (torch.bool, torch.int16, torch.complex64, np.dtype(np.float32), "float32"):
+    for other in (torch.bool, torch.uint32, torch.complex64, np.dtype(np.float32), "float32"):
         assert dtypes.torch_dtype_name(other) is None
     with pytest.raises(ValueError, match="dtype"):
         dtypes.torch_dtype("bool")

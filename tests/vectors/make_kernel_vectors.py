@@ -87,7 +87,9 @@ def onebit_accumulate(acc, bits, scales, count, block_size) -> np.ndarray:
 
 
 # dtype names as in collectives/dtypes.py; bfloat16 travels as its uint16 bits
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64",
+          "int16")
+INTEGERS = ("int8", "uint8", "int32", "int64", "int16")
 OPS = ("Sum", "Min", "Max", "Product")
 
 
@@ -268,7 +270,7 @@ def _accumulate_case(rng, name: str, n: int, block: int | None, chunks: int) -> 
 def _specials(dtype: str) -> np.ndarray:
     """Values whose every pairing a reduction must get right: signed zeros, ones, extremes,
     infinities and NaNs (floats); 0, ±1, ±2 and the range ends (integers: they wrap)."""
-    if dtype in ("int8", "uint8", "int32", "int64"):
+    if dtype in INTEGERS:
         info = np.iinfo(dtype)
         return np.array([0, 1, -1, 2, -2, info.min, info.max]).astype(dtype)
     big = {"float16": 65504.0, "bfloat16": 3.3895e38, "float32": 3.4028235e38,
@@ -287,7 +289,7 @@ def _to(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def random_values(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
     """Values spread over a dtype's whole range, a quarter of them small integers."""
-    if dtype in ("int8", "uint8", "int32", "int64"):
+    if dtype in INTEGERS:
         info = np.iinfo(dtype)
         return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
     exp = {"float16": (-8, 5), "bfloat16": (-38, 38), "float32": (-38, 38),
