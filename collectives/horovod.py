@@ -331,6 +331,10 @@ class _SparseHandle(Handle):
     def done(self) -> bool:
         return all(h.done() for h in self._parts)
 
+    def __call__(self) -> torch.Tensor:
+        """Horovod's sparse handle is a function returning the result."""
+        return synchronize(self)
+
     def wait(self) -> torch.Tensor:
         indices, values = (h.wait() for h in self._parts)
         return torch.sparse_coo_tensor(indices.t(), values * self._scale, self._shape,
@@ -563,8 +567,14 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set) -> N
 def broadcast_optimizer_state(optimizer, root_rank, model=None,
                               process_set=global_process_set) -> None:
     """root_rank's optimizer state and hyper-parameters on every rank. model: Horovod's,
-    not needed here (state an optimizer creates lazily arrives by load_state_dict)."""
+    not needed here (state an optimizer creates lazily arrives by load_state_dict). As
+    Horovod's (which takes a zero-gradient step), it leaves every trainable parameter
+    without a gradient with a zero one."""
     _optim.broadcast_optimizer_state(optimizer, root_rank, process_set=_set(process_set))
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovod's name)
