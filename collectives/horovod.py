@@ -175,6 +175,15 @@ def _set(process_set: Any) -> Any:
     return None if process_set is global_process_set else process_set
 
 
+def _as_horovod(op: Any, postscale: Any, process_set: Any) -> tuple[Any, Any]:
+    """Horovod's Average: a Sum scaled by postscale / size, the set's whole size even while
+    some ranks have joined (they count as zeros), and integers scaled in float64 and
+    truncated; so Average travels as that Sum."""
+    if op is not Average:
+        return op, postscale
+    return Sum, postscale / _topology_of(process_set).size
+
+
 _lock = threading.Lock()
 _in_flight: dict[str, Handle] = {}  # names of async calls not yet synchronized
 
@@ -217,6 +226,7 @@ def _grad(tensor: Any) -> bool:
 def _reduce(tensor, op, name, compression, prescale, postscale, process_set):
     if op == Adasum:
         return _adasum.allreduce(tensor, name=name, process_set=_set(process_set))
+    op, postscale = _as_horovod(op, postscale, process_set)
     return _C.allreduce(tensor, op=op, compression=compression, prescale_factor=prescale,
                         postscale_factor=postscale, name=name, process_set=_set(process_set))
 
@@ -247,7 +257,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op = _op(average, op)
+    op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
     return _named(name, lambda: _C.allreduce_async(
         tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
         name=name, process_set=_set(process_set)))
@@ -262,7 +272,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op = _op(average, op)
+    op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
     return _named(name, lambda: _C.allreduce_async_(
         tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
         name=name, process_set=_set(process_set)))
@@ -272,6 +282,7 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, compression, prescale, postscale, process_set, *tensors):
         ctx.args = (op, prescale, postscale, process_set)
+        op, postscale = _as_horovod(op, postscale, process_set)
         return tuple(_C.grouped_allreduce(list(tensors), op=op, compression=compression,
                                           prescale_factor=prescale, postscale_factor=postscale,
                                           name=name, process_set=_set(process_set)))
@@ -291,6 +302,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     if any(_grad(t) for t in tensors):
         return list(_GroupedAllreduce.apply(op, name, compression, prescale_factor,
                                             postscale_factor, process_set, *tensors))
+    op, postscale_factor = _as_horovod(op, postscale_factor, process_set)
     return _C.grouped_allreduce(list(tensors), op=op, compression=compression,
                                 prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, name=name,
@@ -299,7 +311,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op = _op(average, op)
+    op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
     return _named(name, lambda: _C.grouped_allreduce_async(
         list(tensors), op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))
@@ -313,7 +325,7 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op = _op(average, op)
+    op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
     return _named(name, lambda: _C.grouped_allreduce_async_(
         list(tensors), op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))
@@ -364,8 +376,9 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        """This rank's rows of the sum of every rank's gradient of the result."""
-        summed = allreduce(grad, op=Sum, process_set=ctx.process_set)
+        """This rank's rows of the average of every rank's gradient of the result
+        (Horovod's convention: gradients are averaged over the ranks)."""
+        summed = allreduce(grad, op=Average, process_set=ctx.process_set)
         rows = _C.allgather(torch.tensor([ctx.rows]), process_set=_set(ctx.process_set))
         me = _topology_of(ctx.process_set).rank
         start = int(rows[:me].sum())
@@ -388,7 +401,27 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
                                                    process_set=_set(process_set)))
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        return tuple(_C.grouped_allgather(list(tensors), name=name,
+                                          process_set=_set(process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        """Each tensor's rows of the average of every rank's gradient (as _Allgather)."""
+        averaged = grouped_allreduce(list(grads), op=Average, process_set=ctx.process_set)
+        rows = _C.allgather(torch.tensor([ctx.rows]), process_set=_set(ctx.process_set))
+        starts = rows[:_topology_of(ctx.process_set).rank].sum(0).tolist()
+        return (None, None, *(a.narrow(0, start, count)
+                              for a, start, count in zip(averaged, starts, ctx.rows)))
+
+
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
+    """allgather of every tensor of the list in one call (differentiable)."""
+    if any(_grad(t) for t in tensors):
+        return list(_GroupedAllgather.apply(name, process_set, *tensors))
     return _C.grouped_allgather(list(tensors), name=name, process_set=_set(process_set))
 
 
@@ -412,8 +445,8 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        """The sum of every rank's gradient on the root; zeros elsewhere."""
-        summed = allreduce(grad, op=Sum, process_set=ctx.process_set)
+        """The average of every rank's gradient on the root; zeros elsewhere (Horovod's)."""
+        summed = allreduce(grad, op=Average, process_set=ctx.process_set)
         if rank() != ctx.root_rank:
             summed = torch.zeros_like(summed)
         return summed, None, None, None
@@ -503,11 +536,12 @@ class _Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        """Every rank's part of the gradient, gathered (and scaled as the forward was)."""
+        """Every rank's part of the gradient, gathered; scaled by the factors and, for Sum,
+        by the number of ranks (Horovod's convention: gradients are averaged)."""
         op, prescale, postscale, process_set = ctx.args
-        full = _C.allgather(grad.contiguous(), process_set=_set(process_set))
-        scale = prescale * postscale / (_topology_of(process_set).size if op == Average else 1)
-        return full * scale, None, None, None, None, None
+        scale = prescale * postscale * (_topology_of(process_set).size if op == Sum else 1)
+        return (_C.allgather((grad * scale).contiguous(), process_set=_set(process_set)),
+                None, None, None, None, None)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
@@ -530,11 +564,31 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
         name=name, process_set=_set(process_set)))
 
 
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, name, prescale, postscale, process_set, *tensors):
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(_C.grouped_reducescatter(list(tensors), op=op, prescale_factor=prescale,
+                                              postscale_factor=postscale, name=name,
+                                              process_set=_set(process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        """As _Reducescatter's, for every tensor in one grouped allgather."""
+        op, prescale, postscale, process_set = ctx.args
+        scale = prescale * postscale * (_topology_of(process_set).size if op == Sum else 1)
+        return (None,) * 5 + tuple(_C.grouped_allgather(
+            [(g * scale).contiguous() for g in grads], process_set=_set(process_set)))
+
+
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> list:
     if compression is not Compression.none:
         raise ValueError("compression: grouped_reducescatter supports Compression.none only")
+    if any(_grad(t) for t in tensors):
+        return list(_GroupedReducescatter.apply(op, name, prescale_factor, postscale_factor,
+                                                process_set, *tensors))
     return _C.grouped_reducescatter(list(tensors), op=op, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor, name=name,
                                     process_set=_set(process_set))

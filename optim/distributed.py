@@ -93,7 +93,9 @@ class _Bucket:
         self.ready = 0  # parameters whose gradient is complete for this step
         self.grads: list[torch.Tensor] = []  # the .grad tensors packed at launch
         self.handle: C.Handle | None = None
-        self.sparse: list[tuple] = []  # (param, indices handle, values handle) this step
+        # (param, indices handle, values handle) of this step's sparse gradients; the
+        # handles are None for those reduced dense (sparse_as_dense)
+        self.sparse: list[tuple] = []
 
     def complete(self) -> bool:
         return self.ready == len(self.params)
@@ -107,7 +109,8 @@ class _Bucket:
                 p.grad = torch.zeros_like(p)
             if not p.grad.is_sparse:
                 dense.append(p.grad)
-            elif how.sparse_as_dense:
+            elif how.sparse_as_dense:  # reduced dense, handed back sparse (finish)
+                self.sparse.append((p, None, None))
                 p.grad = p.grad.to_dense()
                 dense.append(p.grad)
             else:  # Horovod's sparse allreduce: every rank's entries, gathered
@@ -127,6 +130,9 @@ class _Bucket:
         C.synchronize(self.handle)
         _unpack(self.buffer, self.grads, how.postscale)
         for p, indices, values in self.sparse:
+            if indices is None:  # sparse_as_dense
+                p.grad = p.grad.to_sparse()
+                continue
             scale = how.postscale / (_set_size(how.process_set) if how.op is C.Average else 1)
             p.grad = torch.sparse_coo_tensor(C.synchronize(indices).t(),
                                              C.synchronize(values) * scale, p.grad.shape,

@@ -84,12 +84,14 @@ def test_gradients(comm):
     x.grad = None
     _ones_grad(hvd.allreduce(x))
     assert torch.allclose(x.grad, torch.ones(4))
+    # Horovod's convention from here: the gradients of allgather, broadcast and
+    # reducescatter are averaged over the ranks
     g = torch.ones(r + 1, 2, requires_grad=True)
     _ones_grad(hvd.allgather(g))
-    assert torch.equal(g.grad, torch.full((r + 1, 2), float(n)))
+    assert torch.equal(g.grad, torch.ones(r + 1, 2))
     b = torch.ones(3, requires_grad=True)
     _ones_grad(hvd.broadcast(b, root_rank=0))
-    assert torch.equal(b.grad, torch.full((3,), float(n) if r == 0 else 0.0))
+    assert torch.equal(b.grad, torch.full((3,), 1.0 if r == 0 else 0.0))
     t = torch.arange(2.0 * n, requires_grad=True)
     out, got = hvd.alltoall(t, splits=[2] * n)
     (out * (r + 1)).sum().backward()  # row j of rank r went to rank j
@@ -97,7 +99,13 @@ def test_gradients(comm):
     assert got.tolist() == [2] * n
     s = torch.ones(2 * n, 3, requires_grad=True)
     _ones_grad(hvd.reducescatter(s, op=hvd.Sum))
-    assert torch.equal(s.grad, torch.ones(2 * n, 3))
+    assert torch.equal(s.grad, torch.full((2 * n, 3), float(n)))
+    parts = [torch.ones(r + 1, requires_grad=True), torch.ones(2, 2, requires_grad=True)]
+    sum(o.sum() for o in hvd.grouped_allgather(parts)).backward()
+    assert torch.equal(parts[0].grad, torch.ones(r + 1))
+    rs = [torch.ones(n, requires_grad=True)]
+    hvd.grouped_reducescatter(rs, op=hvd.Average)[0].sum().backward()
+    assert torch.equal(rs[0].grad, torch.ones(n))
     gs = [torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)]
     sum(o.sum() for o in hvd.grouped_allreduce(gs, op=hvd.Sum)).backward()
     assert torch.equal(gs[1].grad, torch.full((3,), float(n)))
@@ -130,8 +138,9 @@ def test_the_rest_of_the_api(comm, tmp_path):
         sched.step()
     assert dist.param_groups[0]["lr"] == 0.0025
     assert_same_on_all_ranks(comm, model.weight.detach().numpy(), "replicas")
-    for step in range(1 + r):
-        hvd.allreduce(torch.ones(2), name=f"uneven.{step}")
+    for step in range(1 + r):  # Horovod's join: the joined ranks count as zeros in Average
+        got = hvd.allreduce(torch.ones(2), name=f"uneven.{step}")
+        assert torch.allclose(got, torch.full((2,), (n - step) / n))
     assert hvd.join() == n - 1
 
 
