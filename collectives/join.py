@@ -9,7 +9,8 @@ are and which active rank is lowest; that rank sends the call's signature to all
 (agreement.share_with_joined), and each joined rank runs its part of the data movement with
 an identity buffer (below) when the data did not already ride in the exchange. The exchange
 in which every rank is joined ends join() everywhere. Only reductions may run meanwhile: any
-other call raises MismatchError on every rank, joined ones included (agreement.JOINABLE).
+other call raises MismatchError on the ranks that made it (agreement.JOINABLE), and the
+joined ranks wait on, as in Horovod; so do they when the others' calls disagree.
 
 Cost: nothing while no rank has joined (the counts ride in the agreement header); while
 some have, one broadcast of the call's signature per call."""
@@ -82,12 +83,18 @@ def join(*, comm: Any = None, process_set: Any = None) -> int:
         while True:
             ok, joined, first_active, last = native.join_step(topo.channel, call.native, first)
             first = False
-            if not ok:
-                agreement.raise_mismatch(topo.comm, "join", ())
+            if not ok:  # the others disagree among themselves: they raise, this rank waits on
+                try:
+                    agreement.raise_mismatch(topo.comm, "join", ())
+                except agreement.MismatchError:
+                    continue
             if joined == topo.size:
                 return last
             collective, fields = topo.comm.bcast(None, root=first_active)
-            agreement.check_joinable(collective, fields, joined, topo.size)
+            try:
+                agreement.check_joinable(collective, fields, joined, topo.size)
+            except agreement.MismatchError:
+                continue  # the others raise it; this rank waits on, as in Horovod
             _contribute(topo, collective, fields)
     finally:
         native.release()
