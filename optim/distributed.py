@@ -406,6 +406,13 @@ class DistributedOptimizer(WrappedOptimizer):
     def _added(self, index: int) -> None:
         self._add_group(index)
 
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Each reduced parameter's name (Horovod's attribute of the same name): from
+        named_parameters, else its place, `param_groups[i][j]`, the same on every rank."""
+        return {p: self._names[id(p)] for group in self.param_groups for p in group["params"]
+                if id(p) in self._names}
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients and any partly accumulated backward passes."""
         if self._next:
