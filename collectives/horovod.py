@@ -217,6 +217,11 @@ def poll(handle: Handle) -> bool:
     return _C.poll(handle)
 
 
+def _no_adasum(op: Any, collective: str) -> None:
+    if op == Adasum:  # a RuntimeError, as Horovod's
+        raise NotImplementedError(f"op: {collective} does not support Adasum")
+
+
 def _grad(tensor: Any) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
 
@@ -547,6 +552,7 @@ class _Reducescatter(torch.autograd.Function):
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """This rank's rows of the reduction over all ranks (differentiable)."""
+    _no_adasum(op, "reducescatter")
     if compression is not Compression.none:
         raise ValueError("compression: reducescatter supports Compression.none only")
     if _grad(tensor):
@@ -559,6 +565,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    _no_adasum(op, "reducescatter")
     return _named(name, lambda: _C.reducescatter_async(
         tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
         name=name, process_set=_set(process_set)))
@@ -584,6 +591,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> list:
+    _no_adasum(op, "reducescatter")
     if compression is not Compression.none:
         raise ValueError("compression: grouped_reducescatter supports Compression.none only")
     if any(_grad(t) for t in tensors):
@@ -597,6 +605,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 def grouped_reducescatter_async(tensors, name=None, op=Average,
                                 process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0) -> Handle:
+    _no_adasum(op, "reducescatter")
     return _named(name, lambda: _C.grouped_reducescatter_async(
         list(tensors), op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))

@@ -365,7 +365,8 @@ class DistributedOptimizer(WrappedOptimizer):
     parameters), sparse_as_dense (sparse gradients, e.g. nn.Embedding(sparse=True)'s, are
     made dense and reduced with the rest; otherwise every rank's indices and values are
     allgathered and summed into a sparse gradient, as Horovod does), process_set (reduce
-    over that set's ranks).
+    over that set's ranks; on a rank outside the set it is the wrapped optimizer as it
+    is, as in Horovod).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -388,6 +389,8 @@ class DistributedOptimizer(WrappedOptimizer):
         self._how = dataclasses.replace(
             _check_reduction(op, gradient_predivide_factor, algorithm, compression, process_set),
             sparse_as_dense=sparse_as_dense)
+        # a rank outside process_set reduces nothing: it steps on its own gradients
+        self._member = process_set is None or process_set.included()
         self._user_names = None if named_parameters is None else _user_names(named_parameters)
         self._names: dict[int, str] = {}  # id(param) -> name, for error messages
         self._buckets: list[_Bucket] = []
@@ -476,6 +479,8 @@ class DistributedOptimizer(WrappedOptimizer):
     # ---- internals
     def _add_group(self, index: int) -> None:
         """Name the group's parameters, bucket them and hook them."""
+        if not self._member:
+            return
         trainable = []
         for i, p in enumerate(self.optimizer.param_groups[index]["params"]):
             if p.requires_grad:

@@ -192,3 +192,27 @@ def test_adasum_optimizer_combines_the_steps(comm):
     np.testing.assert_allclose(model.weight.detach().numpy().reshape(-1), expected, rtol=1e-5,
                                atol=1e-7)
     assert_same_on_all_ranks(comm, model.weight.detach().numpy(), "replicas")
+
+
+def test_an_optimizer_outside_its_process_set_steps_alone(comm):
+    r, n = comm.Get_rank(), comm.Get_size()
+    evens = hvd.add_process_set(list(range(0, n, 2)))
+    try:
+        torch.manual_seed(r)
+        model = torch.nn.Linear(3, 1)
+        start = model.weight.detach().clone()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       process_set=evens)
+        model(torch.randn(4, 3) + r).sum().backward()
+        local = model.weight.grad.clone()
+        opt.step()
+        if not evens.included():  # Horovod's rule: not reduced, a plain local step
+            assert torch.allclose(model.weight, start - 0.1 * local)
+    finally:
+        hvd.remove_process_set(evens)
+
+
+def test_reducescatter_refuses_adasum():
+    with pytest.raises(RuntimeError, match="reducescatter does not support Adasum"):
+        hvd.reducescatter(torch.ones(4), op=hvd.Adasum)
