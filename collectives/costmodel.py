@@ -70,6 +70,12 @@ class Layout:
             return p.alpha_intra, p.beta_intra
         return p.alpha_inter, p.beta_inter
 
+    def message(self, p: Params) -> tuple[float, float]:
+        """(seconds per message, seconds per byte) of an algorithm step driven from Python:
+        the link's latency plus our per-message overhead, and its inverse bandwidth."""
+        alpha, beta = self.link(p)
+        return alpha + p.overhead, beta
+
 
 def log2_steps(n: int) -> int:
     """ceil(log2 n) for n > 1, else 0: the steps of a binomial tree or of Bruck's algorithm."""

@@ -39,5 +39,5 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     n = layout.size
     if n <= 1:
         return 0.0
-    alpha, beta = layout.link(p)
-    return (n - 1) * (alpha + p.overhead) + (n - 1) / n * nbytes * beta
+    step, beta = layout.message(p)
+    return (n - 1) * step + (n - 1) / n * nbytes * beta

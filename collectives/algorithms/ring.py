@@ -143,8 +143,7 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     n, m = layout.size, nbytes
     if n <= 1:
         return 0.0
-    alpha, beta = layout.link(p)
-    step = alpha + p.overhead
+    step, beta = layout.message(p)
     share = (n - 1) / n * m
     if collective == "allreduce":
         return 2 * (n - 1) * step + 2 * share * beta + share * p.gamma

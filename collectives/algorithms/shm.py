@@ -249,10 +249,10 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
         return math.inf
     if layout.size <= 1:
         return 0.0
-    alpha, _ = layout.link(p)
+    step, _ = layout.message(p)
     passes = 3 if collective == "allreduce" else 2
     chunks = max(1, nbytes // SLOT_BYTES)
-    return 3 * chunks * (alpha + p.overhead) + passes * nbytes * p.gamma
+    return 3 * chunks * step + passes * nbytes * p.gamma
 
 
 # ------------------------------------------------------------------------------- plumbing

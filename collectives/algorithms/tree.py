@@ -185,8 +185,7 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     n, m = layout.size, nbytes
     if n <= 1:
         return 0.0
-    alpha, beta = layout.link(p)
-    step = alpha + p.overhead
+    step, beta = layout.message(p)
     pow2, extra = _fold_shape(n)
     d = doubling_steps(n)
     if collective == "allreduce":
