@@ -230,6 +230,7 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
     prescale_factor multiplies every rank's x before the reduction, postscale_factor the
     result (as Horovod's); name labels the call in mismatch and stall messages and the
     timeline (every rank must pass the same)."""
+    # inline: the small-allreduce fast entry's path
     topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
     if compression is None and name is None and prescale_factor == 1 and postscale_factor == 1:
         out = _fast(topo, x, op, algorithm, False)
@@ -244,6 +245,7 @@ def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                postscale_factor: float = 1.0, name: str | None = None, comm: Any = None,
                process_set: Any = None) -> Any:
     """Reduce x over all ranks in place; returns x."""
+    # inline: the small-allreduce fast entry's path
     topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
     if compression is None and name is None and prescale_factor == 1 and postscale_factor == 1 \
             and _fast(topo, x, op, algorithm, True) is not None:
@@ -256,7 +258,7 @@ def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "a
                     compression: Any = None, *, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, name: str | None = None,
                     comm: Any = None, process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
                    prescale_factor, postscale_factor)
 
@@ -265,7 +267,7 @@ def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "
                      compression: Any = None, *, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, name: str | None = None,
                      comm: Any = None, process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
                    prescale_factor, postscale_factor)
 
@@ -383,7 +385,7 @@ def grouped_allreduce(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm:
     """allreduce of every tensor of the list in one call: one agreement and one fused
     message (the tensors packed by one C++ call). The tensors share one dtype and may differ
     in shape and type; returns a list of new arrays like them."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
                 compression, False, prescale_factor, postscale_factor)
 
@@ -393,7 +395,7 @@ def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm
                        postscale_factor: float = 1.0, name: str | None = None,
                        comm: Any = None, process_set: Any = None) -> list:
     """grouped_allreduce in place; returns the tensors."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
                 compression, True, prescale_factor, postscale_factor)
 
@@ -403,7 +405,7 @@ def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             name: str | None = None, comm: Any = None,
                             process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
                    compression, False, prescale_factor, postscale_factor)
 
@@ -413,7 +415,7 @@ def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              name: str | None = None, comm: Any = None,
                              process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
                    compression, True, prescale_factor, postscale_factor)
 
@@ -449,13 +451,13 @@ def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, J
 def allgather(x: Any, algorithm: str = "auto", *, name: str | None = None,
               comm: Any = None, process_set: Any = None) -> Any:
     """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "allgather", _allgather, x, algorithm)
 
 
 def allgather_async(x: Any, algorithm: str = "auto", *, name: str | None = None,
                     comm: Any = None, process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "allgather", _allgather, x, algorithm)
 
 
@@ -512,13 +514,13 @@ def grouped_allgather(tensors: list, algorithm: str = "auto", *, name: str | Non
                       comm: Any = None, process_set: Any = None) -> list:
     """allgather of every tensor of the list in one call: one agreement (carrying every
     tensor's dim 0 from every rank) and one fused message. One dtype per group."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "grouped_allgather", _grouped_allgather, tensors, algorithm)
 
 
 def grouped_allgather_async(tensors: list, algorithm: str = "auto", *, name: str | None = None,
                             comm: Any = None, process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "grouped_allgather", _grouped_allgather, tensors, algorithm)
 
 
@@ -559,7 +561,7 @@ def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "aut
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   name: str | None = None, comm: Any = None, process_set: Any = None) -> Any:
     """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
                 postscale_factor)
 
@@ -568,7 +570,7 @@ def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str 
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         name: str | None = None, comm: Any = None,
                         process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
                    postscale_factor)
 
@@ -627,7 +629,7 @@ def grouped_reducescatter(tensors: list, op: ReduceOp = ReduceOp.Average,
                           comm: Any = None, process_set: Any = None) -> list:
     """reducescatter of every tensor of the list in one call: one agreement and one fused
     reducescatter (each tensor split by Horovod's row rule). One dtype per group."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "grouped_reducescatter", _grouped_reducescatter, tensors, op, algorithm,
                 prescale_factor, postscale_factor)
 
@@ -636,7 +638,7 @@ def grouped_reducescatter_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                                 algorithm: str = "auto", *, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0, name: str | None = None,
                                 comm: Any = None, process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "grouped_reducescatter", _grouped_reducescatter, tensors, op,
                    algorithm, prescale_factor, postscale_factor)
 
@@ -666,7 +668,7 @@ def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
 def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
               comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's x on every rank, as a new array."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, False,
                 process_sets.job_ranks(process_set))
 
@@ -674,7 +676,7 @@ def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str 
 def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
                comm: Any = None, process_set: Any = None) -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, True,
                 process_sets.job_ranks(process_set))
 
@@ -682,7 +684,7 @@ def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str
 def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                     name: str | None = None, comm: Any = None,
                     process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, False,
                 process_sets.job_ranks(process_set))
 
@@ -690,7 +692,7 @@ def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
 def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                      name: str | None = None, comm: Any = None,
                      process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, True,
                 process_sets.job_ranks(process_set))
 
@@ -720,7 +722,7 @@ def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
 def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
                      comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's picklable obj on every rank."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "broadcast_object", _broadcast_object, obj, root_rank,
                 process_sets.job_ranks(process_set))
 
@@ -753,7 +755,7 @@ def _allgather_object(topo: topology.Topology, obj: Any) -> tuple[Call, Job]:
 def allgather_object(obj: Any, *, name: str | None = None, comm: Any = None,
                      process_set: Any = None) -> list:
     """Every rank's picklable obj, as a list in rank order."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "allgather_object", _allgather_object, obj)
 
 
@@ -817,14 +819,14 @@ def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, name: str |
     """Rank r sends rows splits[j] of x's dim 0 (in order) to rank j; splits None: an even
     split. Returns the rows received, in rank order, and, when splits is given, the number
     received from each rank (int32, as Horovod does)."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _run(topo, name, "alltoall", _alltoall, x, splits, algorithm)
 
 
 def alltoall_async(x: Any, splits: Any = None, algorithm: str = "auto", *,
                    name: str | None = None, comm: Any = None,
                    process_set: Any = None) -> Handle:
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     return _submit(topo, name, "alltoall", _alltoall, x, splits, algorithm)
 
 
@@ -840,7 +842,7 @@ def barrier(*, name: str | None = None,
     recursive doubling in which no rank finishes before hearing, directly or through its
     partners, from every other; so it is checked (a rank in another collective raises
     MismatchError everywhere) and stall-watched like any call, in ceil(log2 n) steps."""
-    topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
+    topo = process_sets.resolve(comm, process_set)
     _run(topo, name, "barrier", _barrier)
 
 
