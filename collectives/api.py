@@ -422,30 +422,52 @@ def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
 
 # ----------------------------------------------------------------------------- allgather
 
+class _FromEveryRank:
+    """k ints from every rank (row counts, sizes, splits), in rank order: gathered by the
+    agreement exchange's Sum, each rank filling its own row of a zero table, when the table
+    fits in it (PIGGYBACK_BYTES); else by a plain allgather in the call's move."""
+
+    __slots__ = ("table", "mine", "topo", "carried")
+
+    def __init__(self, topo: topology.Topology, mine: list[int]):
+        k = len(mine)
+        self.table = np.zeros(topo.size * k, np.int64)
+        self.table[topo.rank * k:(topo.rank + 1) * k] = mine
+        self.mine, self.topo = mine, topo
+        self.carried = self.table.nbytes <= PIGGYBACK_BYTES
+
+    def values(self) -> np.ndarray:
+        """(ranks, k) int64: every rank's ints (in the move, after the agreement)."""
+        gathered = self.table if self.carried else \
+            np.array(self.topo.comm.allgather(self.mine), np.int64)
+        return gathered.reshape(self.topo.size, len(self.mine))
+
+    def job(self, move: Callable[[], Any]) -> Job:
+        """The call's Job: move, with the table riding in the agreement when it fits."""
+        if not self.carried:
+            return Job(move)
+        return Job(move, self.table, self.table, self.table.size, _INT64, int(ReduceOp.Sum), 1)
+
+
 def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, Job]:
     _check_algorithm(algorithm)
     buf = wrap(x, "x")
     _need_dim0(buf, "x")
-    n = topo.size
     fields = (("dtype", buf.dtype), ("row_shape", buf.shape[1:]), ("algorithm", algorithm))
     call = calls.describe(topo, "allgather", fields, algorithm)
-    rows = np.zeros(n, np.int64)  # every rank's dim 0, gathered by the agreement's Sum
-    rows[topo.rank] = buf.shape[0]
-    carried = 8 * n <= PIGGYBACK_BYTES
+    rows = _FromEveryRank(topo, [buf.shape[0]])  # every rank's dim 0
 
     def move() -> Any:
-        everyone = rows if carried else np.array(topo.comm.allgather(buf.shape[0]), np.int64)
+        everyone = rows.values()[:, 0].tolist()
         elems = _row_elems(buf.shape)
-        counts = [int(r) * elems for r in everyone]
-        out = buf.empty((int(everyone.sum()),) + buf.shape[1:])
+        counts = [r * elems for r in everyone]
+        out = buf.empty((sum(everyone),) + buf.shape[1:])
         algo = calls.concrete(topo, "allgather", algorithm, out.nbytes)
         ENGINE.native.credit(topo.stats, "allgather", algo)  # `auto` chose by the total size
         algorithms.allgather(algo, topo, buf.flat, out.flat, counts)
         return out.result()
 
-    if not carried:  # very large jobs: the rows travel in a plain allgather
-        return call, Job(move)
-    return call, Job(move, rows, rows, n, _INT64, int(ReduceOp.Sum), 1)
+    return call, rows.job(move)
 
 
 def allgather(x: Any, algorithm: str = "auto", *, name: str | None = None,
@@ -481,14 +503,10 @@ def _grouped_allgather(topo: topology.Topology, tensors: Any,
     fields = (("dtype", dtype), ("row_shapes", tuple(b.shape[1:] for b in bufs)),
               ("algorithm", algorithm))
     call = calls.describe(topo, "grouped_allgather", fields, algorithm)
-    rows = np.zeros(n * k, np.int64)  # row q: rank q's dim 0 of each tensor
-    rows[topo.rank * k:(topo.rank + 1) * k] = [b.shape[0] for b in bufs]
-    carried = rows.nbytes <= PIGGYBACK_BYTES
+    rows = _FromEveryRank(topo, [b.shape[0] for b in bufs])  # each tensor's dim 0
 
     def move() -> list:
-        mine = rows[topo.rank * k:(topo.rank + 1) * k].tolist()
-        everyone = (rows if carried else np.array(topo.comm.allgather(mine), np.int64)
-                    ).reshape(n, k)
+        everyone = rows.values()  # [q, i]: rank q's dim 0 of tensor i
         elems = np.array([_row_elems(b.shape) for b in bufs], np.int64)
         sizes = everyone * elems  # elements of tensor i from rank q
         send = np.concatenate([b.flat for b in bufs]) if bufs else np.empty(0, STORAGE[dtype])
@@ -505,9 +523,7 @@ def _grouped_allgather(topo: topology.Topology, tensors: Any,
             outs.append(out.result())
         return outs
 
-    if not carried:  # very large groups: the rows travel in a plain allgather
-        return call, Job(move)
-    return call, Job(move, rows, rows, n * k, _INT64, int(ReduceOp.Sum), 1)
+    return call, rows.job(move)
 
 
 def grouped_allgather(tensors: list, algorithm: str = "auto", *, name: str | None = None,
@@ -734,12 +750,10 @@ def _allgather_object(topo: topology.Topology, obj: Any) -> tuple[Call, Job]:
         raise ValueError(f"obj: cannot be pickled ({type(exc).__name__}: {exc})") from exc
     n = topo.size
     call = calls.describe(topo, "allgather_object", (), "auto")
-    sizes = np.zeros(n, np.int64)  # every rank's pickle size, gathered by the agreement
-    sizes[topo.rank] = payload.size
-    carried = sizes.nbytes <= PIGGYBACK_BYTES
+    sizes = _FromEveryRank(topo, [payload.size])  # every rank's pickle size
 
     def move() -> list:
-        everyone = sizes if carried else np.array(topo.comm.allgather(payload.size), np.int64)
+        everyone = sizes.values()[:, 0]
         recv = np.empty(int(everyone.sum()), np.uint8)
         algo = calls.concrete(topo, "allgather", "auto", recv.nbytes)
         ENGINE.native.credit(topo.stats, "allgather_object", algo)
@@ -747,9 +761,7 @@ def _allgather_object(topo: topology.Topology, obj: Any) -> tuple[Call, Job]:
         starts = np.concatenate([[0], np.cumsum(everyone)])
         return [pickle.loads(recv[starts[q]:starts[q + 1]].tobytes()) for q in range(n)]
 
-    if not carried:
-        return call, Job(move)
-    return call, Job(move, sizes, sizes, n, _INT64, int(ReduceOp.Sum), 1)
+    return call, sizes.job(move)
 
 
 def allgather_object(obj: Any, *, name: str | None = None, comm: Any = None,
@@ -789,17 +801,14 @@ def _alltoall(topo: topology.Topology, x: Any, splits: Any,
     mine = _check_splits(splits, buf.shape[0], n)
     fields = (("dtype", buf.dtype), ("row_shape", buf.shape[1:]), ("algorithm", algorithm))
     call = calls.describe(topo, "alltoall", fields, algorithm)
-    matrix = np.zeros(n * n, np.int64)  # row j: rank j's splits, gathered by the agreement
-    matrix[r * n:(r + 1) * n] = mine
-    carried = matrix.nbytes <= PIGGYBACK_BYTES
+    matrix = _FromEveryRank(topo, mine)  # row j: rank j's splits
 
     def move() -> Any:
-        everyone = (matrix if carried else np.array(topo.comm.allgather(mine), np.int64)
-                    ).reshape(-1).tolist()  # Python ints: cheaper than NumPy's at this size
-        received = everyone[r::n]
+        everyone = matrix.values().tolist()  # Python ints: cheaper than NumPy's at this size
+        received = [row[r] for row in everyone]
         elems = _row_elems(buf.shape)
         out = buf.empty((sum(received),) + buf.shape[1:])
-        per_rank = sum(everyone) * elems * buf.flat.itemsize // n  # agreed: auto's size
+        per_rank = sum(map(sum, everyone)) * elems * buf.flat.itemsize // n  # auto: agreed
         algo = calls.concrete(topo, "alltoall", algorithm, per_rank)
         ENGINE.native.credit(topo.stats, "alltoall", algo)
         algorithms.alltoall(algo, topo, buf.flat, out.flat, [c * elems for c in mine],
@@ -809,9 +818,7 @@ def _alltoall(topo: topology.Topology, x: Any, splits: Any,
         got = np.array(received, np.int32)
         return out.result(), (torch.from_numpy(got) if buf.kind == "torch" else got)
 
-    if not carried:  # very large jobs: the splits travel in a plain allgather
-        return call, Job(move)
-    return call, Job(move, matrix, matrix, n * n, _INT64, int(ReduceOp.Sum), 1)
+    return call, matrix.job(move)
 
 
 def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, name: str | None = None,

@@ -156,3 +156,23 @@ def test_grouped_gather_and_scatter_errors_are_raised_everywhere(comm):
         with pytest.raises(C.MismatchError, match="grouped_allgather row_shapes mismatch"):
             C.grouped_allgather([np.ones((1, r + 1))])
     assert_same_on_all_ranks(comm, C.grouped_allgather([np.arange(3.0)])[0], "usable after")
+
+
+def test_counts_too_large_for_the_agreement_travel_by_allgather(comm, monkeypatch):
+    """Row counts, sizes and splits that would not fit in the agreement exchange (very
+    large jobs) are gathered in the call's move instead: same results."""
+    import collectives.api
+
+    monkeypatch.setattr(collectives.api, "PIGGYBACK_BYTES", 0)
+    r, n = comm.Get_rank(), comm.Get_size()
+    got = C.allgather(np.full((r + 1, 2), r, np.int64))
+    assert_equal(got, np.concatenate([np.full((q + 1, 2), q, np.int64) for q in range(n)]),
+                 "allgather")
+    a, b = C.grouped_allgather([np.full(r + 1, r, np.int32), np.zeros((1, 3), np.int32)])
+    assert_equal(a, np.concatenate([np.full(q + 1, q, np.int32) for q in range(n)]), "grouped")
+    assert b.shape == (n, 3)
+    assert C.allgather_object({"r": r}) == [{"r": q} for q in range(n)]
+    rows, received = C.alltoall(np.full(n * (r + 1), r, np.int64), splits=[r + 1] * n)
+    assert_equal(rows, np.concatenate([np.full(q + 1, q, np.int64) for q in range(n)]),
+                 "alltoall")
+    assert received.tolist() == [q + 1 for q in range(n)]
