@@ -154,12 +154,6 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                                            (process_set,)))
 
 
-def process_sets() -> list[ProcessSet]:
-    """The global set and every registered set, by id."""
-    _sync_global()
-    return [global_process_set] + [_registered[k] for k in sorted(_registered)]
-
-
 def resolve(comm: Any, process_set: Any) -> topology.Topology:
     """The Topology a collective runs over, from its comm= and process_set= arguments."""
     if process_set is None or process_set is global_process_set:
