@@ -5,6 +5,8 @@
     y = C.allreduce(x, op=C.Average)        # x: NumPy array, torch tensor or CuPy array
 """
 
+import importlib.util
+
 from . import mpi_defaults  # noqa: F401  (before anything starts MPI)
 from .agreement import MismatchError
 from .api import (
@@ -54,6 +56,11 @@ from .stats import stats
 from .timeline import start_timeline, stop_timeline
 from .topology import cross_rank, cross_size, local_rank, local_size, rank, size
 from .watchdog import StallError
+
+if importlib.util.find_spec("torch") is not None:  # torch is optional
+    from . import torch_backend
+
+    torch_backend.register()
 
 __all__ = [
     "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError",

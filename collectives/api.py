@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import pickle
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -46,6 +46,20 @@ def _submit(topo: topology.Topology, name: str | None, collective: str,
     if call.algorithm == calls.INVALID:
         job.move()  # raises this rank's error; the queued call keeps the ranks in step
     return handle
+
+
+def _raise(topo: topology.Topology, error: Exception) -> NoReturn:
+    raise error
+
+
+def refuse(collective: str, error: Exception, comm: Any = None) -> NoReturn:
+    """Make the next call over comm a `collective` that failed its argument checks here
+    with error (TypeError / ValueError): it takes part in the agreement like any call, so
+    this rank raises error and the ranks making the real call raise MismatchError naming
+    it, instead of waiting for this one. For callers that check arguments of their own
+    before calling a collective (the torch.distributed backend)."""
+    _run(topology.of(comm), None, collective, _raise, error)
+    raise error  # not reached: the call raises
 
 
 def _check_algorithm(algorithm: object, known: tuple[str, ...] = ALGORITHMS) -> str:

@@ -34,6 +34,9 @@ class Config:
     timeline: str | None = None
     #: Mark each call's start in the timeline (Horovod's mark_cycles).
     timeline_mark_cycles: bool = False
+    #: The algorithm the torch.distributed backend (collectives/torch_backend.py) runs its
+    #: reductions, gathers and broadcasts with: one of collectives.ALGORITHMS.
+    algorithm: str = "auto"
 
 
 def _parse(field: dataclasses.Field, text: str):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 _NO_DATA = np.empty(0, np.uint8)
 _UINT8 = CODES["uint8"]
+_CALLBACKS = threading.Lock()  # guards every Handle's callback list
 
 
 class Job(NamedTuple):
@@ -50,7 +52,7 @@ class Job(NamedTuple):
 class Handle:
     """An in-flight collective: pass it to synchronize() for the result, poll() to ask."""
 
-    __slots__ = ("name", "queued", "_done", "_result", "_error")
+    __slots__ = ("name", "queued", "_done", "_result", "_error", "_callbacks")
 
     def __init__(self, name: str, queued: float = -1.0):
         self.name = name
@@ -58,6 +60,7 @@ class Handle:
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Handle], None]] | None = []  # None once fired
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -67,6 +70,26 @@ class Handle:
         if self._error is not None:
             raise self._error
         return self._result
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call fn(self) once the call has finished (at once if it has): on the engine's
+        thread, after the engine has let go of the call, so fn may submit async calls of its
+        own (a sync call from fn raises RuntimeError if other calls are queued). The
+        torch.distributed backend completes its work's futures this way."""
+        with _CALLBACKS:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _fire(self) -> None:
+        with _CALLBACKS:
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # the engine thread must go on; the error is still shown
+                traceback.print_exc()
 
     def _run(self, work: Callable[[], Any]) -> None:
         try:
@@ -87,6 +110,10 @@ class Engine:
         """Run the call after everything submitted before and return its result."""
         native = self.native
         if not native.try_claim():
+            if threading.current_thread() is self._thread:
+                raise RuntimeError(f"{call.collective}: a sync collective cannot run inside a "
+                                   "completion callback of an async one while other calls "
+                                   "are queued; submit it async instead")
             return self.submit(topo, call, job).wait()
         try:
             return _execute(native, topo, call, job)
@@ -114,6 +141,7 @@ class Engine:
                 handle._run(functools.partial(_execute, native, topo, call, job, handle.queued))
             finally:
                 native.release()
+            handle._fire()
 
 
 def _execute(native: Any, topo: Topology, call: Call, job: Job, queued: float = -1.0) -> Any:
