@@ -162,6 +162,7 @@ class ProcessGroup(dist.ProcessGroup):
         topo = topology.of(comm)  # collective over comm on first use
         super().__init__(topo.rank, topo.size)  # (store, rank, size) cannot be subclassed
         self._store, self._comm, self._size = store, comm, topo.size
+        self._name = self._desc = ""
         self._p2p = topo.comm.Dup()  # user messages: never confused with ours
         algorithm = config.get().algorithm
         if algorithm not in ALGORITHMS:
@@ -169,8 +170,22 @@ class ProcessGroup(dist.ProcessGroup):
                              f"got {algorithm!r}")
         self._algorithm = algorithm
 
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    # torch keeps a group's name and description in its backend objects, which a group
+    # written in Python has none of: they live here.
+    def getBackendName(self) -> str:  # noqa: N802 (torch's names, these four)
         return NAME
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
 
     def _refuse(self, collective: str, error: Exception) -> NoReturn:
         """Raise error here, and MismatchError on the ranks making the call this one could
@@ -440,7 +455,11 @@ class ProcessGroup(dist.ProcessGroup):
             return None
         job = topology.of(self._comm).comm
         comm = job.Create_group(job.Get_group().Incl(ranks))
-        return ProcessGroup(dist.PrefixStore(f"{group_name}/", self._store), comm)
+        group = ProcessGroup(dist.PrefixStore(f"{group_name}/", self._store), comm)
+        group._set_group_name(group_name)
+        if group_desc is not None:
+            group._set_group_desc(group_desc)
+        return group
 
     # ---------------------------------------------------------------------- shared
     def _run(self, opts: Any, sync: Any, submit: Any, finish: Any, *args: Any) -> dist.Work:
@@ -452,17 +471,20 @@ class ProcessGroup(dist.ProcessGroup):
         return _DONE
 
 
-def _create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroup:
-    group = ProcessGroup(store, None)
+def _create(options: Any, backend_options: Any) -> ProcessGroup:
+    """torch's creator call for the default group (extended API: it names the group)."""
+    group = ProcessGroup(options.store, None)
+    rank, size = options.group_rank, options.group_size
     if (group.rank(), group.size()) != (rank, size):
         raise ValueError(f"init_process_group: rank {rank} of {size} was asked for, but the "
                          f"MPI job runs this process as rank {group.rank()} of "
                          f"{group.size()}")
+    group._set_group_name(options.group_id)
     return group
 
 
 def register() -> None:
     """Register the backend with torch.distributed and serve env:// from MPI (idempotent)."""
     if NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(NAME, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     torch_rendezvous.install()
