@@ -40,12 +40,7 @@ def _run(topo: topology.Topology, name: str | None, collective: str,
 
 def _submit(topo: topology.Topology, name: str | None, collective: str,
             prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Handle:
-    """An async call; one whose arguments are bad on this rank also raises here at once."""
-    call, job = calls.prepare(topo, name, collective, prepare, args)
-    handle = ENGINE.submit(topo, call, job)
-    if call.algorithm == calls.INVALID:
-        job.move()  # raises this rank's error; the queued call keeps the ranks in step
-    return handle
+    return calls.submit(topo, name, collective, prepare, args)
 
 
 def _raise(topo: topology.Topology, error: Exception) -> NoReturn:

@@ -121,6 +121,17 @@ def prepare(topo: Topology, name: str | None, collective: str,
         return invalid(topo, collective, exc), Job(functools.partial(_reraise, exc))
 
 
+def submit(topo: Topology, name: str | None, collective: str,
+           make: Callable[..., tuple[Call, Job]], args: tuple) -> Any:
+    """prepare()'s call queued on the engine: its Handle. One whose arguments are bad on
+    this rank also raises here at once (the queued call keeps the ranks in step)."""
+    call, job = prepare(topo, name, collective, make, args)
+    handle = ENGINE.submit(topo, call, job)
+    if call.algorithm == INVALID:
+        job.move()
+    return handle
+
+
 def named(topo: Topology, call: Call, name: object) -> Call:
     """call with ("name", name) among its fields: shown in mismatch and stall messages and
     the timeline, and agreed (ranks naming one call differently get a MismatchError)."""

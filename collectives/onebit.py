@@ -27,6 +27,7 @@ Every message goes through collectives.p2p, so C.stats() counts them, under
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -74,7 +75,7 @@ def _check_error(error: Any, name: str, expected: int) -> Buffer:
     return buf
 
 
-def _check_block(block_size: object) -> int | None:
+def check_block(block_size: object) -> int | None:
     if block_size is None:
         return None
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
@@ -155,10 +156,33 @@ class OnebitState(NamedTuple):
     block_size: int | None
 
 
+def reduce(x: np.ndarray, state: OnebitState, n: int,
+           scatter: Callable[[np.ndarray], np.ndarray],
+           gather: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """The algorithm of the module docstring over any transport: the average over n ranks
+    of every rank's flat floating host array x, as float32, with state's error buffers
+    updated. scatter(rows) must return the rows received (row j: rank j's row for this
+    rank), gather(packet) every rank's packet as rows, in rank order."""
+    worker, server, block = state
+    out = np.empty(x.size, np.float32)
+    if not worker.size:
+        return out
+    padded = x if x.dtype == np.float32 and x.size == worker.size else np.zeros(
+        worker.size, np.float32)
+    if padded is not x:
+        padded[:x.size] = x
+    # worker: compress, then all-to-all so that rank j holds chunk j from everyone
+    received = scatter(_worker_packets(padded, worker, n, block))
+    # server: average and compress this rank's chunk, then allgather every server chunk
+    gathered = gather(_serve(received, server, block))
+    _decompress(gathered, server.size, block, out)
+    return out
+
+
 class OnebitCompressor(Compressor):
-    """1-bit signs plus scales with error feedback (the algorithm in the module docstring).
-    Average only; its state (OnebitState) is the caller's, since what one call loses the
-    next call on the same vector must send."""
+    """1-bit signs plus scales with error feedback (the algorithm in the module docstring),
+    over our own messages. Average only; its state (OnebitState) is the caller's, since
+    what one call loses the next call on the same vector must send."""
 
     name = "onebit"
     ops = (ReduceOp.Average,)
@@ -169,24 +193,18 @@ class OnebitCompressor(Compressor):
             raise ValueError("state: 1-bit compression needs the caller's OnebitState "
                              "(error buffers); use compressed_allreduce")
         comm, n = topo.comm, topo.size
-        worker, server, block = state
-        out = np.empty(x.size, np.float32)
-        if not worker.size:
-            return out
-        padded = x if x.dtype == np.float32 and x.size == worker.size else np.zeros(
-            worker.size, np.float32)
-        if padded is not x:
-            padded[:x.size] = x
-        # worker: compress, then all-to-all so that rank j holds chunk j from everyone
-        rows = _worker_packets(padded, worker, n, block)
-        received = np.empty_like(rows)
-        _exchange(comm, list(rows), received, TAG_SCATTER)
-        # server: average and compress this rank's chunk, then allgather every server chunk
-        mine = _serve(received, server, block)
-        gathered = np.empty((n, mine.size), np.uint8)
-        _exchange(comm, [mine] * n, gathered, TAG_GATHER)
-        _decompress(gathered, server.size, block, out)
-        return out
+
+        def scatter(rows: np.ndarray) -> np.ndarray:
+            received = np.empty_like(rows)
+            _exchange(comm, list(rows), received, TAG_SCATTER)
+            return received
+
+        def gather(packet: np.ndarray) -> np.ndarray:
+            gathered = np.empty((n, packet.size), np.uint8)
+            _exchange(comm, [packet] * n, gathered, TAG_GATHER)
+            return gathered
+
+        return reduce(x, state, n, scatter, gather)
 
 
 ONEBIT = OnebitCompressor()
@@ -209,10 +227,18 @@ def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
                                            (x, worker_error, server_error, block_size)))
 
 
+def compressed_allreduce_async(x: Any, worker_error: Any, server_error: Any,
+                               block_size: int | None = None, *, comm: Any = None) -> Any:
+    """compressed_allreduce queued on the engine: returns a Handle for synchronize(); the
+    error buffers must not be touched until it completes."""
+    return calls.submit(topology.of(comm), None, "compressed_allreduce", _prepare,
+                        (x, worker_error, server_error, block_size))
+
+
 def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: Any,
              block_size: Any) -> tuple[calls.Call, Job]:
     buf = _check_x(x)
-    block = _check_block(block_size)
+    block = check_block(block_size)
     padded, chunk = error_sizes(buf.flat.size, topo.size)
     worker = _check_error(worker_error, "worker_error", padded)
     server = _check_error(server_error, "server_error", chunk)

@@ -61,21 +61,25 @@ def _completed(value: Any) -> dist.Work:
 _DONE = _completed([])
 
 
-def _pending(handle: Handle, finish: Any) -> dist.Work:
-    """Work over an async call: its future gets finish(result) (or the call's error) on the
-    engine's thread once the call is done."""
-    future = Future()
+def future(handle: Handle, finish: Any = None) -> Future:
+    """A torch future of an async call: it gets the call's result, or finish(result), or
+    the call's error, on the engine's thread once the call is done."""
+    result = Future()
 
     def complete(done: Handle) -> None:
         try:
-            value = finish(done.wait())
+            value = done.wait() if finish is None else finish(done.wait())
         except BaseException as exc:
-            future.set_exception(exc)
+            result.set_exception(exc)
             return
-        future.set_result(value)
+        result.set_result(value)
 
     handle.add_done_callback(complete)
-    return _create_work_from_future(future)
+    return result
+
+
+def _pending(handle: Handle, finish: Any) -> dist.Work:
+    return _create_work_from_future(future(handle, finish))
 
 
 def _reduce_op(opts: Any) -> ReduceOp:
@@ -172,6 +176,11 @@ class ProcessGroup(dist.ProcessGroup):
 
     # torch keeps a group's name and description in its backend objects, which a group
     # written in Python has none of: they live here.
+    @property
+    def comm(self) -> MPI.Comm | None:
+        """The mpi4py communicator the group's calls run over (None: the job's)."""
+        return self._comm
+
     def getBackendName(self) -> str:  # noqa: N802 (torch's names, these four)
         return NAME
 
