@@ -7,7 +7,8 @@ operations run this library's collectives over MPI.
 `import collectives` registers it (register()) and installs the MPI rendezvous
 (torch_rendezvous.py), so the group's rank and size are the MPI job's. The default group
 runs over the job's communicator; new_group(ranks) makes an MPI sub-communicator among the
-members only (so use_local_synchronization works too).
+members only (so use_local_synchronization works too), and new_group(backend="gloo") a
+gloo group beside ours.
 
 Each operation maps onto one call of ours (reductions, gathers and broadcasts with the
 algorithm COLLECTIVES_ALGORITHM names, `auto` by default):
@@ -44,6 +45,8 @@ from .engine import Handle
 from .ops import ReduceOp
 
 NAME = "collectives"
+#: MPI_Comm_create_group's messages on the job's communicator (no other tag of ours)
+_CREATE_TAG = 7001
 
 _RedOpType = dist.ReduceOp.RedOpType
 _OPS = {_RedOpType.SUM: ReduceOp.Sum, _RedOpType.AVG: ReduceOp.Average,
@@ -453,23 +456,6 @@ class ProcessGroup(dist.ProcessGroup):
         return _Request(self._p2p.Irecv(p2p.message(_host(host, "tensor")), src, tag),
                         tensors, finish)
 
-    # --------------------------------------------------------------------- groups
-    def new_group(self, ranks: list | None, timeout: Any = None, pg_options: Any = None,
-                  group_name: str | None = None, group_desc: str | None = None
-                  ) -> ProcessGroup | None:
-        """The group of these ranks of this one (torch.distributed.new_group): an MPI
-        communicator made by the members alone; None on the other ranks."""
-        ranks = list(range(self._size)) if ranks is None else list(ranks)
-        if self.rank() not in ranks:
-            return None
-        job = topology.of(self._comm).comm
-        comm = job.Create_group(job.Get_group().Incl(ranks))
-        group = ProcessGroup(dist.PrefixStore(f"{group_name}/", self._store), comm)
-        group._set_group_name(group_name)
-        if group_desc is not None:
-            group._set_group_desc(group_desc)
-        return group
-
     # ---------------------------------------------------------------------- shared
     def _run(self, opts: Any, sync: Any, submit: Any, finish: Any, *args: Any) -> dist.Work:
         """sync(*args) inline and finish(result), or submit(*args) with finish on its
@@ -481,13 +467,21 @@ class ProcessGroup(dist.ProcessGroup):
 
 
 def _create(options: Any, backend_options: Any) -> ProcessGroup:
-    """torch's creator call for the default group (extended API: it names the group)."""
-    group = ProcessGroup(options.store, None)
-    rank, size = options.group_rank, options.group_size
-    if (group.rank(), group.size()) != (rank, size):
-        raise ValueError(f"init_process_group: rank {rank} of {size} was asked for, but the "
-                         f"MPI job runs this process as rank {group.rank()} of "
-                         f"{group.size()}")
+    """torch's creator call (extended API: it names the group and its ranks), on the
+    group's members only: the default group runs over the job's communicator, any other
+    (new_group) over one its members make alone (MPI_Comm_create_group), so
+    use_local_synchronization works too."""
+    ranks = list(options.global_ranks_in_group)
+    if not dist.is_initialized():
+        group = ProcessGroup(options.store, None)
+        if (group.rank(), group.size()) != (options.group_rank, options.group_size):
+            raise ValueError(f"init_process_group: rank {options.group_rank} of "
+                             f"{options.group_size} was asked for, but the MPI job runs this "
+                             f"process as rank {group.rank()} of {group.size()}")
+    else:
+        job = topology.get().comm
+        comm = job.Create_group(job.Get_group().Incl(ranks), _CREATE_TAG)
+        group = ProcessGroup(options.store, comm)
     group._set_group_name(options.group_id)
     return group
 

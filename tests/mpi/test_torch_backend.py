@@ -198,9 +198,12 @@ def test_subgroups(comm):
     t = torch.full((2,), float(r))
     dist.all_reduce(t, group=local)
     assert t.tolist() == [float(r)] * 2
+    gloo = dist.new_group(backend="gloo")  # another backend beside ours
+    assert dist.get_backend(gloo) == "gloo"
     t = torch.ones(1)
+    dist.all_reduce(t, group=gloo)
     dist.all_reduce(t)  # the world is in step after all that
-    assert t.item() == n
+    assert t.item() == n * n
 
 
 def test_bad_input_raises_on_the_caller_and_mismatch_elsewhere(comm):
