@@ -104,9 +104,13 @@ class FP16Compressor(TensorCompressor):
         dtype = _float_dtype(x)
         if dtype is None:
             return x, None
+        if dtype == "float32":  # our kernel: NumPy's cast is scalar, ~10x slower
+            return kernels.quantize_fp16(x), dtype
         return _cast(x, "float16"), dtype
 
     def decompress(self, x: Any, ctx: Any) -> Any:
+        if ctx == "float32":
+            return kernels.dequantize_fp16(x)
         return x if ctx is None else _cast(x, ctx)
 
 
