@@ -44,9 +44,9 @@ def run(args) -> list[dict]:
         t = torch.zeros(count)
         x = t.numpy()
         calls = {
-            "collectives": lambda: dist.all_reduce(t),
-            "gloo": lambda: dist.all_reduce(t, group=gloo),
-            "mpi-raw": lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
+            "collectives": lambda t=t: dist.all_reduce(t),
+            "gloo": lambda t=t: dist.all_reduce(t, group=gloo),
+            "mpi-raw": lambda x=x: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
         }
         iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
         for call in calls.values():

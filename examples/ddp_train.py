@@ -55,6 +55,8 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps "
                         "(0: run every epoch)")
+    parser.add_argument("--warmup-steps", type=int, default=20,
+                        help="onebit: uncompressed steps first (not timed)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -63,7 +65,8 @@ def main():
     torch.manual_seed(args.seed)
     net = DDP(model(args.hidden), gradient_as_bucket_view=True)
     if args.hook == "onebit":
-        net.register_comm_hook(ddp_hooks.OnebitHookState(warmup_steps=20), HOOKS[args.hook])
+        net.register_comm_hook(ddp_hooks.OnebitHookState(warmup_steps=args.warmup_steps),
+                               HOOKS[args.hook])
     elif args.hook != "none":
         net.register_comm_hook(None, HOOKS[args.hook])
     optimizer = torch.optim.Adam(net.parameters(), lr=args.lr, fused=True)
@@ -71,6 +74,8 @@ def main():
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, seed=args.seed)
     loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
+    # the first steps warm up allocators and DDP's buckets (and run onebit uncompressed)
+    untimed = 5 + (args.warmup_steps if args.hook == "onebit" else 0)
     steps, timed_samples, timed_seconds = 0, 0, 0.0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -81,7 +86,7 @@ def main():
             F.cross_entropy(net(x), y).backward()
             optimizer.step()
             steps += 1
-            if steps > 5:  # the first steps warm up allocators and buckets
+            if steps > untimed:
                 timed_seconds += time.perf_counter() - start
                 timed_samples += len(x) * world
             if steps == args.max_steps:

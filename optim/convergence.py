@@ -117,19 +117,22 @@ MakeOptimizer = Callable[[list, float, int], torch.optim.Optimizer]
 
 
 def train(task: str, make: MakeOptimizer, seed: int, lr: float, freeze_step: int = 40,
-          batch: int = 64, epochs: int | None = None) -> Result:
+          batch: int = 64, epochs: int | None = None,
+          wrap: Callable[[nn.Module], nn.Module] | None = None) -> Result:
     """Train `task`'s model with make's optimizer on every rank; the same result on every
-    rank."""
+    rank. wrap: what the model runs inside (DistributedDataParallel, which then averages
+    the gradients), or None."""
     spec = TASKS[task]
     x_train, y_train, x_test, y_test = spec.data()
     torch.manual_seed(seed)
     model = spec.model(x_train.shape[1], int(y_train.max()) + 1)
     opt = make(list(model.parameters()), lr, freeze_step)
+    wrapped = model if wrap is None else wrap(model)
     epochs = spec.epochs if epochs is None else epochs
     for epoch in range(epochs):
         if epoch == epochs - 1:
             sent_before = C.stats()["bytes_sent"]
-        steps = _train_epoch(model, opt, x_train, y_train, batch, seed * 1000 + epoch)
+        steps = _train_epoch(wrapped, opt, x_train, y_train, batch, seed * 1000 + epoch)
     sent = C.stats()["bytes_sent"] - sent_before
     with torch.no_grad():
         model.eval()
