@@ -10,12 +10,13 @@
           every rank's int8 bucket is allgathered and the n of them are decompressed and
           summed in rank order (compression.Int8Compressor), so every rank gets the same
           bits; about a quarter of float32's bytes per rank and peer.
-  1-bit   signs plus scales, with error feedback on the worker and the server side
-          (onebit.py: ~1/32 of float32's bytes): what one step's compression loses is
-          sent in the next, so the sum of the averaged gradients tracks the exact one. It
-          is applied to the gradients themselves (no momentum), so it suits SGD and Adam
-          alike; the first warmup_steps steps run uncompressed, as 1-bit Adam's freeze
-          steps do, while the gradients settle.
+  1-bit   signs plus a float32 scale per 32 values (OnebitHookState.block_size), with
+          error feedback on the worker and the server side (onebit.py): ~1/16 of float32's
+          bytes. What one step's compression loses is sent in the next, so the sum of the
+          averaged gradients tracks the exact one. It is applied to the gradients
+          themselves (no momentum), so it suits SGD and Adam alike; the first
+          warmup_steps steps run uncompressed, as 1-bit Adam's freeze steps do, while the
+          gradients settle.
 Every hook works on any process group. On the "collectives" backend a bucket is one async
 call of ours on the group's communicator, overlapping backward as DDP's own allreduce does;
 on another backend (gloo) the same algorithm runs over torch.distributed's collectives
@@ -92,7 +93,10 @@ def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
 
 
 class OnebitHookState:
-    """onebit_hook's state: the process group, the warm-up length, the scale block size and,
+    """onebit_hook's state: the process group, the warm-up length, the scale block size
+    (one float32 scale per block_size values, so 1 + 32 / block_size bits per value; None:
+    one per chunk, as DeepSpeed scales momentum; 32 keeps digits within 2 points of
+    uncompressed training where None loses 3, benchmarks/README.md) and,
     per bucket, this rank's error buffers with the layout they were made for (the shapes of
     the bucket's parameters, in order).
 
@@ -105,7 +109,7 @@ class OnebitHookState:
     applying them to other parameters would be wrong)."""
 
     def __init__(self, process_group: Any = None, warmup_steps: int = 10,
-                 block_size: int | None = None):
+                 block_size: int | None = 32):
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) \
                 or warmup_steps < 0:
             raise ValueError(f"warmup_steps: expected an int >= 0, got {warmup_steps!r}")
