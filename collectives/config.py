@@ -17,8 +17,12 @@ class Config:
     ranks_per_node: int | None = None
     #: Bytes per pipelined segment in the ring algorithms.
     ring_segment_bytes: int = 1 << 20
-    #: JSON written by `python -m collectives.calibrate`, read by `auto`; None = defaults.
+    #: JSON written by `python -m collectives.calibrate`, read by `auto` at init (instead of
+    #: the job's own measurement, collectives/autotune.py); None = no file.
     tuning_file: str | None = None
+    #: Whether the first job on a setup times the algorithms for `auto` (a few seconds)
+    #: and caches the times under XDG_CACHE_HOME for later jobs (collectives/autotune.py).
+    autotune: bool = True
     #: Seconds a collective may wait for other ranks before it logs who is missing.
     stall_warning_s: float = 60.0
     #: Seconds after which a waiting collective raises StallError (naming the ranks that never

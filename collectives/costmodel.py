@@ -6,17 +6,13 @@ collectives/algorithms/):
   steps x (alpha + o) + bytes on the wire x beta + bytes reduced x gamma
 with separate (alpha, beta) for links inside a node and between nodes; o is our per-message
 software overhead (zero for `mpi`, whose steps run in C and which pays one mpi_call instead).
-The parameters come from the JSON file written by `python -m collectives.calibrate` (path:
-Config.tuning_file), or the defaults below."""
+The parameters come from the tuning in force (autotune.py: the file written by `python -m
+collectives.calibrate`, or the job's own measurement), or the defaults below."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
-
-from . import config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +78,19 @@ def log2_steps(n: int) -> int:
     return max(1, math.ceil(math.log2(n))) if n > 1 else 0
 
 
+_installed: dict = {}
+
+
 def tuning() -> dict:
-    """The tuning file's contents ({} when Config.tuning_file is unset)."""
-    return _load(config.get().tuning_file)
+    """The tuning `auto` uses: what init installed (autotune.setup: the tuning file, the
+    cache, or a fresh measurement), {} before init or when there is none."""
+    return _installed
 
 
-@functools.cache
-def _load(path: str | None) -> dict:
-    if not path:
-        return {}
-    with open(path) as f:
-        return json.load(f)
+def install(tuning: dict) -> None:
+    """Make tuning the one in force (select.choose.cache_clear() after it)."""
+    global _installed
+    _installed = tuning
 
 
 def params() -> Params:

@@ -100,6 +100,14 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
         watchdog = Watchdog(comm, config.stall_warning_s, config.stall_timeout_s)
         _topology = Topology(comm, config, watchdog)
         _abort_on_uncaught_exceptions()
+        from . import autotune, costmodel, select  # they run collectives over this topology
+
+        try:
+            costmodel.install(autotune.setup(_topology))
+        except BaseException:
+            shutdown()
+            raise
+        select.choose.cache_clear()
     return _topology
 
 

@@ -19,10 +19,8 @@ MEASURED = {  # seconds at 1 KiB, 1 MiB and 2 MiB
 
 
 def use_tuning(tmp_path, monkeypatch, tuning: dict) -> None:
-    """Write tuning as the job's tuning file and make it the one in force."""
-    path = tmp_path / "tuning.json"
-    path.write_text(json.dumps(tuning))
-    monkeypatch.setattr(config, "_current", config.Config(tuning_file=str(path)))
+    """Make tuning the one in force, as init installs a tuning file's contents."""
+    monkeypatch.setattr(costmodel, "_installed", json.loads(json.dumps(tuning)))
     select.choose.cache_clear()
 
 
@@ -42,8 +40,8 @@ def test_params_round_trip_through_the_tuning_file(tmp_path, monkeypatch):
     assert costmodel.params() == measured
 
 
-def test_no_tuning_file_means_the_defaults(monkeypatch):
-    monkeypatch.setattr(config, "_current", config.Config(tuning_file=None))
+def test_no_tuning_means_the_defaults(monkeypatch):
+    monkeypatch.setattr(costmodel, "_installed", {})
     assert costmodel.params() == Params()
     assert select._measured("allgather", 1 << 20, FakeTopology(2)) is None
 

@@ -1,0 +1,178 @@
+"""`auto` learns the machine by itself: the first job on a setup times every candidate
+algorithm of each collective at a few sizes and keeps the times in the user's cache
+directory; later jobs on the same setup read them. select.py interpolates measured times
+wherever they exist for the call's communicator, and falls back to the cost model elsewhere.
+
+The cache key is what the times depend on: the library version, the world size, the ranks on
+each node and the hosts' names. The file is $XDG_CACHE_HOME/collectives/tuning-<digest of the
+key>.json (~/.cache when XDG_CACHE_HOME is unset), the same format as the one
+`python -m collectives.calibrate` writes. Rank 0 reads and writes it; every rank gets its
+contents through MPI, so ranks on hosts without a shared file system agree, and every timing
+is the slowest rank's, so every rank makes the same choices however noisy its own clock.
+
+COLLECTIVES_TUNING_FILE, when set, is used instead: a file that does not exist or does not
+parse is an error at init (naming the variable and the file); one made for another node
+layout is set aside with a warning. COLLECTIVES_AUTOTUNE=0 turns the measurement off (the
+cost model alone decides, as it does for any communicator but the job's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import algorithms, costmodel
+
+VERSION = "0.1.0"  # setup.py's: a new version measures again
+#: Sizes each candidate is timed at: the regimes where choices change (latency-bound, the
+#: agreement's piggyback limit, the eager/rendezvous switch, bandwidth-bound); `auto`
+#: interpolates between them and extends the last segment's bandwidth past them.
+SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+COLLECTIVES = ("allreduce", "allgather", "reducescatter", "broadcast")
+#: Candidates the model prices above this multiple of the cheapest are not timed (a tree
+#: allreduce of 16 MiB between hosts can take seconds and will not win).
+PRUNE = 8.0
+
+#: Seconds of one timed call sequence; replaced by tests to inject per-rank noise.
+clock: Callable[[], float] = time.perf_counter
+
+
+def key(topo: Any) -> dict:
+    """What the measured times depend on (collective over the job: hosts are gathered)."""
+    hosts = topo.comm.allgather(MPI.Get_processor_name())
+    return {"version": VERSION, "world_size": topo.size,
+            "nodes": [len(node) for node in topo.nodes],
+            "hosts": [hosts[node[0]] for node in topo.nodes]}
+
+
+def cache_path(k: dict) -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:16]
+    return root / "collectives" / f"tuning-{digest}.json"
+
+
+def _read(path: Path) -> dict:
+    with open(path) as f:
+        tuning = json.load(f)
+    if not isinstance(tuning, dict):
+        raise ValueError("expected a JSON object")
+    return tuning
+
+
+def _on_rank0(comm: MPI.Comm, fn: Callable[[], Any]) -> Any:
+    """fn() on rank 0, its result (or its error, re-raised) on every rank."""
+    result: Any = None
+    if comm.Get_rank() == 0:
+        try:
+            result = ("ok", fn())
+        except Exception as exc:  # every rank must hear of it
+            result = ("error", exc)
+    status, value = comm.bcast(result, root=0)
+    if status == "error":
+        raise value
+    return value
+
+
+def _tuning_file(topo: Any, path: str) -> dict | None:
+    """COLLECTIVES_TUNING_FILE's contents, None (with a warning) if made for another layout."""
+    try:
+        tuning = _on_rank0(topo.comm, lambda: _read(Path(path)))
+    except FileNotFoundError:
+        raise ValueError(f"COLLECTIVES_TUNING_FILE={path}: no such file") from None
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"COLLECTIVES_TUNING_FILE={path}: not a tuning file "
+                         f"({type(exc).__name__}: {exc})") from None
+    nodes = [len(node) for node in topo.nodes]
+    if tuning.get("nodes") != nodes:
+        if topo.rank == 0:
+            warnings.warn(f"COLLECTIVES_TUNING_FILE={path} was made for nodes "
+                          f"{tuning.get('nodes')}, this job has {nodes}: not used (auto "
+                          "measures or models instead)", stacklevel=3)
+        return None
+    return tuning
+
+
+def _time(call: Callable[[], Any], nbytes: int, comm: MPI.Comm) -> float:
+    """The slowest rank's median seconds per call."""
+    reps = 5 if nbytes < 1 << 20 else 2 if nbytes < 64 << 20 else 1
+    call()  # first-use costs (windows, page faults) are not the steady state
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = clock()
+        call()
+        times.append(clock() - t0)
+    return comm.allreduce(float(np.median(times)), op=MPI.MAX)
+
+
+def measure(topo: Any) -> dict:
+    """{collective: {algorithm: [[bytes, seconds], ...]}} on the job's communicator at
+    SIZES, for the candidates the model does not rule out at each size."""
+    sizes = SIZES
+    from . import api  # the public calls: what `auto` will run
+    from .ops import ReduceOp
+
+    p, layout = costmodel.params(), costmodel.Layout.of(topo)
+    out: dict = {}
+    for collective in COLLECTIVES:
+        table: dict = {}
+        for nbytes in sizes:
+            modelled = algorithms.costs(collective, nbytes, layout, p)
+            best = min(modelled.values())
+            count = max(nbytes // 4, 1)
+            x = np.ones(max(count // topo.size, 1) if collective == "allgather" else count,
+                        np.float32)
+            for algo in sorted(modelled):
+                if modelled[algo] > PRUNE * best and algo != "mpi":
+                    continue
+                call = {
+                    "allreduce": lambda: api.allreduce(x, ReduceOp.Sum, algo),  # noqa: B023
+                    "allgather": lambda: api.allgather(x, algo),  # noqa: B023
+                    "reducescatter": lambda: api.reducescatter(x, ReduceOp.Sum, algo),  # noqa: B023
+                    "broadcast": lambda: api.broadcast(x, 0, algo),  # noqa: B023
+                }[collective]
+                table.setdefault(algo, []).append([nbytes, _time(call, nbytes, topo.comm)])
+        # an algorithm pruned at some sizes is only interpolated over the sizes it was timed at
+        out[collective] = {a: points for a, points in table.items() if len(points) == len(sizes)}
+    return out
+
+
+def setup(topo: Any) -> dict:
+    """The tuning `auto` uses in this job (collective over the job): the tuning file, else
+    the cache, else a fresh measurement saved to the cache; {} when autotuning is off."""
+    config = topo.config
+    if config.tuning_file:
+        tuning = _tuning_file(topo, config.tuning_file)
+        if tuning is not None:
+            return tuning
+    if not config.autotune or topo.size == 1:
+        return {}
+    k = key(topo)
+    path = cache_path(k)
+    cached = _on_rank0(topo.comm, lambda: _read(path) if path.exists() else None)
+    if cached is not None and cached.get("key") == k:
+        return cached
+    started = time.perf_counter()
+    tuning = {"key": k, "nodes": k["nodes"], "world_size": topo.size,
+              "params": dataclasses.asdict(costmodel.params()), "measured": measure(topo),
+              "date": time.strftime("%Y-%m-%d"), "seconds": 0.0}
+    tuning["seconds"] = round(time.perf_counter() - started, 3)
+    if topo.rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(tuning, indent=1))
+            partial.replace(path)  # atomic: a concurrent job reads all or nothing
+        except OSError as exc:
+            warnings.warn(f"collectives: could not save the tuning to {path} ({exc}); the "
+                          "next job measures again", stacklevel=2)
+    return tuning
