@@ -165,7 +165,7 @@ def setup(topo: Any) -> dict:
     tuning = {"key": k, "nodes": k["nodes"], "world_size": topo.size,
               "params": dataclasses.asdict(costmodel.params()), "measured": measure(topo),
               "date": time.strftime("%Y-%m-%d"), "seconds": 0.0}
-    tuning["seconds"] = round(time.perf_counter() - started, 3)
+    tuning["seconds"] = topo.comm.allreduce(round(time.perf_counter() - started, 3), op=MPI.MAX)
     if topo.rank == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
