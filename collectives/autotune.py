@@ -103,7 +103,7 @@ def _tuning_file(topo: Any, path: str) -> dict | None:
 
 def _time(call: Callable[[], Any], nbytes: int, comm: MPI.Comm) -> float:
     """The slowest rank's median seconds per call."""
-    reps = 5 if nbytes < 1 << 20 else 2 if nbytes < 64 << 20 else 1
+    reps = 5 if nbytes < 1 << 20 else 2
     call()  # first-use costs (windows, page faults) are not the steady state
     times = []
     for _ in range(reps):
