@@ -62,6 +62,9 @@ if importlib.util.find_spec("torch") is not None:  # torch is optional
 
     torch_backend.register()
 
+# after the rest: it registers the measurement `auto` runs at init with topology.on_init
+from . import autotune  # noqa: E402, F401
+
 __all__ = [
     "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError",
     "ProcessSet", "Product", "ReduceOp", "StallError", "Sum", "add_process_set",

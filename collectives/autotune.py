@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import algorithms, costmodel
+from . import algorithms, costmodel, select, topology
 
 VERSION = "0.1.0"  # setup.py's: a new version measures again
 #: Sizes each candidate is timed at: the regimes where choices change (latency-bound, the
@@ -176,3 +176,11 @@ def setup(topo: Any) -> dict:
             warnings.warn(f"collectives: could not save the tuning to {path} ({exc}); the "
                           "next job measures again", stacklevel=2)
     return tuning
+
+
+def _install(topo: Any) -> None:
+    costmodel.install(setup(topo))
+    select.choose.cache_clear()
+
+
+topology.on_init(_install)

@@ -12,6 +12,7 @@ are the process's, shared by every communicator."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from mpi4py import MPI
 
@@ -100,15 +101,22 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
         watchdog = Watchdog(comm, config.stall_warning_s, config.stall_timeout_s)
         _topology = Topology(comm, config, watchdog)
         _abort_on_uncaught_exceptions()
-        from . import autotune, costmodel, select  # they run collectives over this topology
-
         try:
-            costmodel.install(autotune.setup(_topology))
+            for fn in _on_init:
+                fn(_topology)
         except BaseException:
             shutdown()
             raise
-        select.choose.cache_clear()
     return _topology
+
+
+_on_init: list[Callable[[Topology], None]] = []
+
+
+def on_init(fn: Callable[[Topology], None]) -> None:
+    """Call fn(topology) at the end of every init, collectively: for what runs collectives
+    over the new job (autotune.py's measurement), which this module cannot import."""
+    _on_init.append(fn)
 
 
 def of(comm: MPI.Comm | None) -> Topology:
