@@ -51,20 +51,27 @@ def choose(collective: str, nbytes: int, topo: Topology) -> str:
     measured = _measured(collective, nbytes, topo)
     if measured:
         return min(measured, key=measured.get)
-    agreement = agreement_cost(topo)
-    costs = {a: t + agreement for a, t in algorithms.costs(
-        collective, nbytes, Layout.of(topo), costmodel.params()).items()}
-    if collective == "allreduce" and nbytes <= PIGGYBACK_BYTES:
-        costs["tree"] = agreement_cost(topo, nbytes)
+    costs = predict(collective, nbytes, Layout.of(topo), costmodel.params())
     return min(costs, key=costs.get)
 
 
-def agreement_cost(topo: Topology, nbytes: int = 0) -> float:
+def predict(collective: str, nbytes: int, layout: Layout, p: costmodel.Params
+            ) -> dict[str, float]:
+    """The model's seconds for each algorithm that can run a call of nbytes on layout,
+    the agreement's exchange included (what `auto` minimizes without measured times)."""
+    agreement = agreement_cost(layout, p)
+    costs = {a: t + agreement for a, t in algorithms.costs(collective, nbytes, layout,
+                                                            p).items()}
+    if collective == "allreduce" and nbytes <= PIGGYBACK_BYTES:
+        costs["tree"] = agreement_cost(layout, p, nbytes)
+    return costs
+
+
+def agreement_cost(layout: Layout, p: costmodel.Params, nbytes: int = 0) -> float:
     """The header exchange every call starts with (recursive doubling, steps in C),
     carrying and folding nbytes of a small tree allreduce (0: the header alone)."""
-    p = costmodel.params()
-    alpha, beta = Layout.of(topo).link(p)
-    steps = tree.doubling_steps(topo.size)
+    alpha, beta = layout.link(p)
+    steps = tree.doubling_steps(layout.size)
     return steps * (alpha + nbytes * (beta + p.gamma)) + p.mpi_call
 
 

@@ -23,8 +23,10 @@ algorithm's cost() on its level; the point-to-point hand-offs (reducescatter's r
 broadcast root's hop to its leader) are left out. The steps:
   allreduce      reducescatter of m on the node + allreduce of m/L across + allgather of m
                  on the node; with ring at both levels: 2(L-1) alpha_i + 2(L-1)/L m beta_i
-                 + 2(N-1) alpha_x + 2(N-1)/N m/L beta_x, so inter-node bytes per rank are
-                 1/L of a flat ring's: ~L x faster when links are the limit
+                 + 2(N-1) alpha_x + 2(N-1)/N m/L (L beta_x): each rank sends 1/L of a
+                 flat ring's bytes across, but the L groups share each node's one link
+                 (priced as L beta_x), so the link carries what a node-ordered ring's
+                 does; the gain is in steps (N-1 across instead of NL-1)
   allgather      allgather of m/N on the node + allgather of m across + broadcast of m
   reducescatter  reduce of m to the leader (a reducescatter) + reducescatter of m across
   broadcast      broadcast of m across + broadcast of m on the node
@@ -34,6 +36,7 @@ never picks it there; run explicitly, it still works).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -79,16 +82,26 @@ def plan(collective: str, nbytes: int, layout: Layout,
     steps = {}
     for step, (flat, level, m) in _steps(collective, nbytes, max(layout.max_local, 1),
                                          max(layout.nodes, 1)).items():
-        steps[step] = (flat, levels[level], m, cheapest(flat, m, levels[level], p))
+        steps[step] = (flat, levels[level], m,
+                       cheapest(flat, m, levels[level], _level_params(level, layout, p)))
     return steps
+
+
+def _level_params(level: str, layout: Layout, p: Params) -> Params:
+    """p as one level's step sees it: across nodes, the L groups of one rank per node run
+    at once and share each node's one link, so each gets 1/L of its bandwidth."""
+    if level == "intra":
+        return p
+    return dataclasses.replace(p, beta_inter=p.beta_inter * max(layout.max_local, 1))
 
 
 def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     """Predicted seconds of one call on layout: the sum of plan's steps."""
     if layout.nodes <= 1 or layout.max_local <= 1:
         return math.inf
-    return sum(FLAT[algo].cost(flat, m, where, p)
-               for flat, where, m, algo in plan(collective, nbytes, layout, p).values())
+    return sum(FLAT[algo].cost(flat, m, where, _level_params(
+        "intra" if where.nodes == 1 else "inter", layout, p))
+        for flat, where, m, algo in plan(collective, nbytes, layout, p).values())
 
 
 def _levels(collective: str, nbytes: int, topo: Topology) -> dict[str, Callable]:

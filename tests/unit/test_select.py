@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -50,13 +51,14 @@ def test_piggyback_costs_only_the_agreement_with_its_payload(monkeypatch):
 
 
 def test_piggyback_price_is_the_agreement_exchange():
-    topo = FakeTopology(3)
+    layout = Layout((3,))
     p = Params()
     steps = tree.doubling_steps(3)
     assert steps == 3  # 2 ranks double, the third folds in and out
-    assert select.agreement_cost(topo) == pytest.approx(steps * p.alpha_intra + p.mpi_call)
+    assert select.agreement_cost(layout, p) == pytest.approx(steps * p.alpha_intra + p.mpi_call)
     with_data = steps * (p.alpha_intra + 100 * (p.beta_intra + p.gamma)) + p.mpi_call
-    assert select.agreement_cost(topo, 100) == pytest.approx(with_data)
+    assert select.agreement_cost(layout, p, 100) == pytest.approx(with_data)
+    assert select.predict("allreduce", 100, layout, p)["tree"] == pytest.approx(with_data)
 
 
 def test_doubling_steps():
@@ -117,9 +119,12 @@ def test_hierarchical_price_is_the_sum_of_its_level_choices():
                 steps = hierarchical.plan(c, m, layout, p)
                 total = 0.0
                 for flat, where, nbytes, algo in steps.values():
-                    costs = algorithms.costs(flat, nbytes, where, p)
-                    assert algo == min(costs, key=costs.get)  # each level: the cheapest
                     assert where in (Layout((max(sizes),)), Layout((1,) * len(sizes)))
+                    # across nodes, the node's L groups share its link: 1/L of its bandwidth
+                    seen = p if where.nodes == 1 else dataclasses.replace(
+                        p, beta_inter=p.beta_inter * max(sizes))
+                    costs = algorithms.costs(flat, nbytes, where, seen)
+                    assert algo == min(costs, key=costs.get)  # each level: the cheapest
                     total += costs[algo]
                 assert hierarchical.cost(c, m, layout, p) == pytest.approx(total)
 
