@@ -206,6 +206,7 @@ class ProcessGroup(dist.ProcessGroup):
 
     # ---------------------------------------------------------------- reductions
     def allreduce(self, tensors: list, opts: Any) -> dist.Work:
+        # _run's work written out: the small-call latency path (DDP's and dist.all_reduce's)
         try:
             op = _reduce_op(opts)
             tensor = _one(tensors, "tensors")
@@ -222,11 +223,8 @@ class ProcessGroup(dist.ProcessGroup):
             op = _reduce_op(opts)
         except ValueError as exc:
             self._refuse("allreduce", exc)
-        if opts.asyncOp:
-            return _pending(api.grouped_allreduce_async_(tensors, op, self._algorithm,
-                                                         comm=self._comm), lambda _: tensors)
-        api.grouped_allreduce_(tensors, op, self._algorithm, comm=self._comm)
-        return _DONE
+        return self._run(opts, api.grouped_allreduce_, api.grouped_allreduce_async_,
+                         lambda _: tensors, tensors, op, self._algorithm)
 
     def reduce(self, tensors: list, opts: Any) -> dist.Work:
         try:
