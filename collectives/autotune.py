@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import os
 import time
@@ -32,7 +33,6 @@ from mpi4py import MPI
 
 from . import algorithms, costmodel, select, topology
 
-VERSION = "0.1.0"  # setup.py's: a new version measures again
 #: Sizes each candidate is timed at: the regimes where choices change (latency-bound, the
 #: agreement's piggyback limit, the eager/rendezvous switch, bandwidth-bound); `auto`
 #: interpolates between them and extends the last segment's bandwidth past them.
@@ -46,10 +46,18 @@ PRUNE = 8.0
 clock: Callable[[], float] = time.perf_counter
 
 
+def version() -> str:
+    """The installed package's version (setup.py's): a new version measures again."""
+    try:
+        return importlib.metadata.version("collectives")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "source"
+
+
 def key(topo: Any) -> dict:
     """What the measured times depend on (collective over the job: hosts are gathered)."""
     hosts = topo.comm.allgather(MPI.Get_processor_name())
-    return {"version": VERSION, "world_size": topo.size,
+    return {"version": version(), "world_size": topo.size,
             "nodes": [len(node) for node in topo.nodes],
             "hosts": [hosts[node[0]] for node in topo.nodes]}
 
@@ -115,18 +123,28 @@ def _time(call: Callable[[], Any], nbytes: int, comm: MPI.Comm) -> float:
     return comm.allreduce(min(times), op=MPI.MAX)
 
 
+def timed_call(collective: str, x: np.ndarray, algo: str) -> Callable[[], Any]:
+    """One public call of collective on x with algo (Sum for the reductions): what a
+    measurement times, since it is what `auto` will run."""
+    from . import api  # api runs collectives over the topology; this module is below it
+    from .ops import ReduceOp
+
+    return {
+        "allreduce": lambda: api.allreduce(x, ReduceOp.Sum, algo),
+        "allgather": lambda: api.allgather(x, algo),
+        "reducescatter": lambda: api.reducescatter(x, ReduceOp.Sum, algo),
+        "broadcast": lambda: api.broadcast(x, 0, algo),
+    }[collective]
+
+
 def measure(topo: Any) -> dict:
     """{collective: {algorithm: [[bytes, seconds], ...]}} on the job's communicator at
     SIZES, for the candidates the model does not rule out at each size."""
-    sizes = SIZES
-    from . import api  # the public calls: what `auto` will run
-    from .ops import ReduceOp
-
     p, layout = costmodel.params(), costmodel.Layout.of(topo)
     out: dict = {}
     for collective in COLLECTIVES:
         table: dict = {}
-        for nbytes in sizes:
+        for nbytes in SIZES:
             modelled = algorithms.costs(collective, nbytes, layout, p)
             best = min(modelled.values())
             count = max(nbytes // 4, 1)
@@ -135,15 +153,10 @@ def measure(topo: Any) -> dict:
             for algo in sorted(modelled):
                 if modelled[algo] > PRUNE * best and algo != "mpi":
                     continue
-                call = {
-                    "allreduce": lambda: api.allreduce(x, ReduceOp.Sum, algo),  # noqa: B023
-                    "allgather": lambda: api.allgather(x, algo),  # noqa: B023
-                    "reducescatter": lambda: api.reducescatter(x, ReduceOp.Sum, algo),  # noqa: B023
-                    "broadcast": lambda: api.broadcast(x, 0, algo),  # noqa: B023
-                }[collective]
-                table.setdefault(algo, []).append([nbytes, _time(call, nbytes, topo.comm)])
+                table.setdefault(algo, []).append(
+                    [nbytes, _time(timed_call(collective, x, algo), nbytes, topo.comm)])
         # an algorithm pruned at some sizes is only interpolated over the sizes it was timed at
-        out[collective] = {a: points for a, points in table.items() if len(points) == len(sizes)}
+        out[collective] = {a: points for a, points in table.items() if len(points) == len(SIZES)}
     return out
 
 

@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import costmodel, kernels, select, topology
+from . import autotune, costmodel, kernels, select, topology
 from .ops import ReduceOp
 from .p2p import irecv, isend
 
@@ -101,23 +101,16 @@ MEASURE_SIZES = [8, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64
 
 def measure_algorithms() -> dict:
     """{collective: {algo: [[bytes, seconds], ...]}}: each algorithm timed on this job."""
-    from . import api
-
     topo = topology.get()
     out: dict = {}
-    for collective in ("allreduce", "allgather", "reducescatter", "broadcast"):
+    for collective in autotune.COLLECTIVES:
         out[collective] = {}
         for algo in select.candidates(topo):
             points = []
             for nbytes in MEASURE_SIZES:
                 count = max(nbytes // 4, 1)
                 x = np.ones(count // topo.size if collective == "allgather" else count, np.float32)
-                call = {
-                    "allreduce": lambda: api.allreduce(x, op=ReduceOp.Sum, algorithm=algo),  # noqa: B023
-                    "allgather": lambda: api.allgather(x, algorithm=algo),  # noqa: B023
-                    "reducescatter": lambda: api.reducescatter(x, op=ReduceOp.Sum, algorithm=algo),  # noqa: B023
-                    "broadcast": lambda: api.broadcast(x, algorithm=algo),  # noqa: B023
-                }[collective]
+                call = autotune.timed_call(collective, x, algo)
                 reps = 30 if nbytes < 1 << 20 else 5
                 call()
                 topo.comm.Barrier()

@@ -39,12 +39,6 @@ def _group(state: Any) -> Any:
     return state if state is not None else dist.group.WORLD
 
 
-def _done(value: torch.Tensor) -> Future[torch.Tensor]:
-    future = Future()
-    future.set_result(value)
-    return future
-
-
 def _ours(group: Any) -> bool:
     return isinstance(group, torch_backend.ProcessGroup)
 
@@ -89,7 +83,7 @@ def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     q, (scales, shape, _) = codec.compress(buffer)
     total = codec.combine(_gather_rows(q, group), _gather_rows(scales, group), shape,
                           ReduceOp.Average, group.size())
-    return _done(buffer.copy_(torch.from_numpy(total).view(buffer.shape)))
+    return torch_backend.done(buffer.copy_(torch.from_numpy(total).view(buffer.shape)))
 
 
 class OnebitHookState:
@@ -172,4 +166,4 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
     values = buffer.detach().to(torch.float32).numpy()
     total = onebit.reduce(values, onebit.OnebitState(worker, server, state.block_size), n,
                           scatter, gather)
-    return _done(buffer.copy_(torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))
+    return torch_backend.done(buffer.copy_(torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))

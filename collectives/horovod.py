@@ -33,6 +33,7 @@ from collectives.process_sets import (
     remove_process_set,
 )
 from collectives.timeline import start_timeline, stop_timeline
+from collectives.topology import cross_rank, cross_size, local_rank, local_size, rank, size
 from optim import adasum as _optim_adasum
 from optim import distributed as _optim
 from optim.sync_batch_norm import SyncBatchNorm
@@ -87,30 +88,6 @@ def shutdown() -> None:
 
 def is_initialized() -> bool:
     return _topology.initialized()
-
-
-def size() -> int:
-    return _topology.get().size
-
-
-def rank() -> int:
-    return _topology.get().rank
-
-
-def local_size() -> int:
-    return _topology.get().local_size
-
-
-def local_rank() -> int:
-    return _topology.get().local_rank
-
-
-def cross_size() -> int:
-    return _topology.get().cross_size
-
-
-def cross_rank() -> int:
-    return _topology.get().cross_rank
 
 
 def is_homogeneous() -> bool:

@@ -54,14 +54,15 @@ _OPS = {_RedOpType.SUM: ReduceOp.Sum, _RedOpType.AVG: ReduceOp.Average,
         _RedOpType.PRODUCT: ReduceOp.Product}
 
 
-def _completed(value: Any) -> dist.Work:
+def done(value: Any) -> Future:
+    """A torch future that already holds value."""
     future = Future()
     future.set_result(value)
-    return _create_work_from_future(future)
+    return future
 
 
 #: What a sync operation returns: torch's sync calls only wait() on it, and it is done.
-_DONE = _completed([])
+_DONE = _create_work_from_future(done([]))
 
 
 def future(handle: Handle, finish: Any = None) -> Future:

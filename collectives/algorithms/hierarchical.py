@@ -83,14 +83,15 @@ def plan(collective: str, nbytes: int, layout: Layout,
     for step, (flat, level, m) in _steps(collective, nbytes, max(layout.max_local, 1),
                                          max(layout.nodes, 1)).items():
         steps[step] = (flat, levels[level], m,
-                       cheapest(flat, m, levels[level], _level_params(level, layout, p)))
+                       cheapest(flat, m, levels[level], _level_params(levels[level], layout, p)))
     return steps
 
 
-def _level_params(level: str, layout: Layout, p: Params) -> Params:
-    """p as one level's step sees it: across nodes, the L groups of one rank per node run
-    at once and share each node's one link, so each gets 1/L of its bandwidth."""
-    if level == "intra":
+def _level_params(where: Layout, layout: Layout, p: Params) -> Params:
+    """p as a step on level `where` of layout sees it: across nodes, the L groups of one
+    rank per node run at once and share each node's one link, so each gets 1/L of its
+    bandwidth."""
+    if where.nodes == 1:
         return p
     return dataclasses.replace(p, beta_inter=p.beta_inter * max(layout.max_local, 1))
 
@@ -99,9 +100,8 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     """Predicted seconds of one call on layout: the sum of plan's steps."""
     if layout.nodes <= 1 or layout.max_local <= 1:
         return math.inf
-    return sum(FLAT[algo].cost(flat, m, where, _level_params(
-        "intra" if where.nodes == 1 else "inter", layout, p))
-        for flat, where, m, algo in plan(collective, nbytes, layout, p).values())
+    return sum(FLAT[algo].cost(flat, m, where, _level_params(where, layout, p))
+               for flat, where, m, algo in plan(collective, nbytes, layout, p).values())
 
 
 def _levels(collective: str, nbytes: int, topo: Topology) -> dict[str, Callable]:
