@@ -1,11 +1,14 @@
 """Ranks agree on what they are about to do before any data moves.
 
-Every collective starts with a recursive-doubling exchange of a 40-byte header holding a
-digest of (collective, op, dtype, shape, algorithm, ...) (csrc/runtime/agree.cpp, run by the
-engine for every call): equal digests
-everywhere mean every rank made the same call. Small payloads ride in the same messages: an
-allreduce of up to PIGGYBACK_BYTES is reduced during its own check (no extra round trip), and
-allgather's per-rank row counts travel the same way. On a mismatch every rank learns it in
+Every collective starts with an exchange of a header holding a digest of (collective, op,
+dtype, shape, algorithm, ...), run by the engine for every call: equal digests everywhere
+mean every rank made the same call. Across nodes the exchange is recursive doubling of
+40-byte messages (csrc/runtime/agree.cpp); on a communicator whose ranks all share memory
+it is one step on a shared window (agree_shared.cpp): every rank writes its header beside
+its payload into its own buffer, waits once, and reads every rank's. Small payloads ride in
+the same exchange: an allreduce of up to PIGGYBACK_BYTES (messages) or SHARED_BYTES (shared
+memory) is reduced during its own check (no extra round trip), and allgather's per-rank row
+counts travel the same way. On a mismatch every rank learns it in
 the same step; a second round gathers the readable signatures so every rank raises the same
 error, naming the field, the values and the ranks, and the communicator stays usable."""
 
@@ -13,11 +16,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
 from .kernels import _C
+from .shm_window import Window, shares_memory
 
 if TYPE_CHECKING:
     from .watchdog import Watchdog
@@ -89,14 +94,35 @@ def _groups(verb: str, values: list[tuple[int, str]]) -> str:
 
 #: Largest allreduce payload carried inside the agreement messages (bytes).
 PIGGYBACK_BYTES = 64 << 10
+#: Largest allreduce payload carried by the shared-memory exchange (bytes): up to here one
+#: step (copy in, one wait, fold every rank's copy) beats shm's pipeline at np 2 (measured).
+SHARED_BYTES = 128 << 10
+#: The shared exchange's buffers per rank: two, as a rank writes exchange g + 1 while
+#: slower ones may still read g, and no rank gets further ahead (it waits in g + 1 for
+#: every rank's READY, which each posts only after reading g).
+SHARED_DEPTH = 2
+_SHARED_HEADER = 64  # csrc/runtime/agree_shared.cpp's header, cache-line aligned
 _TAG = 20
 
 
-def channel(comm: MPI.Comm, watchdog: Watchdog) -> _C.AgreeChannel:
-    """comm's agreement exchange in C++ (csrc/runtime/agree.h): messages of a 40-byte header
-    and up to PIGGYBACK_BYTES of payload; a long wait calls the watchdog."""
-    return _C.AgreeChannel(comm, _TAG, PIGGYBACK_BYTES, watchdog.first_deadline,
-                           watchdog.on_wait)
+def shared_window(comm: MPI.Comm) -> Window | None:
+    """The window of comm's shared-memory exchange, if it has more than one rank and they
+    all share memory; else None (collective over comm). Its waits report to the watchdog
+    (the channel's), not to a stall limit of their own."""
+    if comm.Get_size() == 1 or not shares_memory(comm):
+        return None
+    return Window(comm, _SHARED_HEADER + SHARED_BYTES, SHARED_DEPTH, math.inf)
+
+
+def channel(comm: MPI.Comm, watchdog: Watchdog, window: Window | None) -> _C.AgreeChannel:
+    """comm's agreement exchange in C++ (csrc/runtime/agree.h): over window's shared memory
+    with up to SHARED_BYTES of payload when given (shared_window), else messages of a
+    40-byte header and up to PIGGYBACK_BYTES; a long wait calls the watchdog."""
+    if window is None:
+        return _C.AgreeChannel(comm, _TAG, PIGGYBACK_BYTES, watchdog.first_deadline,
+                               watchdog.on_wait)
+    return _C.AgreeChannel(comm, _TAG, SHARED_BYTES, watchdog.first_deadline, watchdog.on_wait,
+                           window.native)
 
 
 def raise_mismatch(comm: MPI.Comm, collective: str, fields: tuple) -> None:

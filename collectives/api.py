@@ -107,18 +107,19 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     described before and rides in the agreement goes straight to C++. None: not taken."""
     if type(op) is not ReduceOp:
         return None
-    tensor = None
-    if type(x) is not np.ndarray:
-        if type(x) is not _Tensor or x.device.type != "cpu" or x.requires_grad and inplace:
-            return None
-        tensor = x
+    if type(x) is np.ndarray:
+        call = topo.fast.get((op, x.dtype, x.shape, algorithm))
+        return None if call is None else call.small(x, inplace)
+    # a tensor goes in by address: its dtype and shape are the described call's, so only
+    # where it lives and its layout are left to check
+    if type(x) is not _Tensor or not x.is_cpu or x.requires_grad and inplace \
+            or not x.is_contiguous():
+        return None
     call = topo.fast.get((op, x.dtype, x.shape, algorithm))
     if call is None:
         return None
-    out = call.small(x if tensor is None else x.detach().numpy(), inplace)
-    if out is None or tensor is None:
-        return out
-    return tensor if inplace else torch.from_numpy(out)
+    out = x if inplace else torch.empty_like(x, requires_grad=False)
+    return out if call.small.at(x.data_ptr(), out.data_ptr()) else None
 
 
 def _check_factor(name: str, value: object) -> float:

@@ -144,7 +144,9 @@ def wrap(x: Any, name: str = "x") -> Buffer:
         dtype = torch_dtype_name(x.dtype)
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
-        t = x.detach()
+        t = x.detach() if x.requires_grad else x
+        if t.is_cpu and t.is_contiguous() and dtype != "bfloat16":  # a view (the common case)
+            return Buffer(x, "torch", t.numpy().reshape(-1), dtype, tuple(x.shape), False)
         staged = not t.is_contiguous() or t.device.type != "cpu"
         t = t.contiguous().cpu().reshape(-1)
         if dtype == "bfloat16":

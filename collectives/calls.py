@@ -4,8 +4,8 @@ distinct call and kept on its communicator (Topology.calls).
 A description holds the fields every rank must agree on, their digest (the agreement
 checks it), the concrete algorithm (`auto` resolved: a function of agreed values, so the
 same on every rank), the stats counter it counts on and, for an allreduce whose data rides
-in the agreement exchange (`tree` up to agreement.PIGGYBACK_BYTES), the C++ fast entry that
-runs the whole call (`_C.SmallAllreduce`)."""
+in the agreement exchange (riding()), the C++ fast entry that runs the whole call
+(`_C.SmallAllreduce`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from . import agreement, algorithms, select
-from .agreement import PIGGYBACK_BYTES
 from .dtypes import CODES, STORAGE
 from .engine import ENGINE, Job
 from .kernels import _C
@@ -87,12 +86,11 @@ def reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes
 
 def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes: int,
                op: ReduceOp, algo: str, fast_entry: bool) -> Call:
-    """A reduction's Call: its data rides in the agreement when the algorithm is `tree` and
-    it is at most PIGGYBACK_BYTES (the exchange is recursive doubling already)."""
+    """A reduction's Call, its data riding in the agreement where riding() says."""
     native = _native(topo, collective, fields, algo)
     code, kop = CODES[dtype], int(kernel_op(op))
     divisor = topo.size if op is ReduceOp.Average else 1
-    rides = riding(algo, nbytes)
+    rides = riding(topo, algo, nbytes)
     small = None
     if rides and fast_entry:
         count = nbytes // STORAGE[dtype].itemsize
@@ -100,9 +98,11 @@ def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbyte
     return Call(collective, fields, algo, native, rides, small, code, kop, divisor)
 
 
-def riding(algo: str, nbytes: int) -> bool:
-    """Whether a reduction of nbytes by algo rides in the agreement exchange."""
-    return algo == "tree" and nbytes <= PIGGYBACK_BYTES
+def riding(topo: Topology, algo: str, nbytes: int) -> bool:
+    """Whether a reduction of nbytes by algo rides in topo's agreement exchange: `shm` up
+    to its capacity where the exchange runs in shared memory (it is shm's single step),
+    `tree` up to it where it is recursive doubling over messages (it is tree's)."""
+    return algo == ("shm" if topo.channel.shared else "tree") and nbytes <= topo.channel.capacity
 
 
 def prepare(topo: Topology, name: str | None, collective: str,

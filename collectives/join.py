@@ -62,7 +62,7 @@ def _contribute(topo: Topology, collective: str, fields: tuple) -> None:
         compressor.allreduce(topo, host_float(data, dtype), op, algorithm)
         return
     algo = calls.concrete(topo, "allreduce", algorithm, data.nbytes)
-    if not calls.riding(algo, data.nbytes):  # else it was reduced in the exchange
+    if not calls.riding(topo, algo, data.nbytes):  # else it was reduced in the exchange
         algorithms.reduce(algo, topo, data, data, op, dtype)
 
 

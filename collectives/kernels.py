@@ -50,6 +50,13 @@ def shm_reduce(window: Any, seq: int, send: np.ndarray, recv: np.ndarray, bounds
                   allreduce)
 
 
+def shm_reduce_single(window: Any, seq: int, send: np.ndarray, recv: np.ndarray, lo: int,
+                      hi: int, dtype: str, op: ReduceOp) -> None:
+    """The single-step shared-memory reduction of collectives/algorithms/shm.py: recv =
+    elements [lo, hi) of the reduction of every rank's send."""
+    _C.shm_reduce_single(window, seq, send, recv, send.size, lo, hi, CODES[dtype], int(op))
+
+
 def shm_allgather(window: Any, seq: int, send: np.ndarray, recv: np.ndarray,
                   bounds: list[int], e: int, nchunks: int) -> None:
     """The shared-memory allgather stages of collectives/algorithms/shm.py."""

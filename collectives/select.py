@@ -2,8 +2,10 @@
 
 Each module in collectives/algorithms/ prices a call with its cost() (the alpha-beta model
 of collectives/costmodel.py, over the job's Layout). Every call also pays the agreement's
-header exchange (recursive doubling, steps in C), except a `tree` allreduce of at most
-PIGGYBACK_BYTES, whose data rides in that exchange: so `auto` runs small allreduces as tree.
+header exchange (agreement_cost), except a small allreduce whose data rides in that
+exchange (calls.riding): `shm` up to SHARED_BYTES on one node, where the exchange is one
+step in shared memory, `tree` up to PIGGYBACK_BYTES across nodes, where it is recursive
+doubling; so `auto` runs small allreduces that way.
 
 The tuning file also holds each algorithm's measured time at a few sizes on the job's own
 topology; where it matches the running job, `auto` interpolates those (piecewise alpha-beta:
@@ -17,7 +19,7 @@ import functools
 import numpy as np
 
 from . import algorithms, costmodel
-from .agreement import PIGGYBACK_BYTES
+from .agreement import PIGGYBACK_BYTES, SHARED_BYTES
 from .algorithms import tree
 from .costmodel import Layout
 from .topology import Topology
@@ -62,14 +64,25 @@ def predict(collective: str, nbytes: int, layout: Layout, p: costmodel.Params
     agreement = agreement_cost(layout, p)
     costs = {a: t + agreement for a, t in algorithms.costs(collective, nbytes, layout,
                                                             p).items()}
-    if collective == "allreduce" and nbytes <= PIGGYBACK_BYTES:
-        costs["tree"] = agreement_cost(layout, p, nbytes)
+    if collective == "allreduce":
+        rider = "shm" if _shared(layout) else "tree"
+        if nbytes <= (SHARED_BYTES if _shared(layout) else PIGGYBACK_BYTES):
+            costs[rider] = agreement_cost(layout, p, nbytes)
     return costs
 
 
+def _shared(layout: Layout) -> bool:
+    """Whether the layout's agreement runs in shared memory (one node, several ranks)."""
+    return layout.nodes == 1 and layout.size > 1
+
+
 def agreement_cost(layout: Layout, p: costmodel.Params, nbytes: int = 0) -> float:
-    """The header exchange every call starts with (recursive doubling, steps in C),
-    carrying and folding nbytes of a small tree allreduce (0: the header alone)."""
+    """The header exchange every call starts with, carrying and folding nbytes of a small
+    allreduce (0: the header alone). On one node: one step in shared memory, a counter
+    wait (priced as a message inside the node) after copying nbytes in, then every rank
+    folds all L copies. Across nodes: recursive doubling, steps in C."""
+    if _shared(layout):
+        return p.alpha_intra + nbytes * (1 + layout.size) * p.gamma
     alpha, beta = layout.link(p)
     steps = tree.doubling_steps(layout.size)
     return steps * (alpha + nbytes * (beta + p.gamma)) + p.mpi_call

@@ -50,7 +50,9 @@ class Topology:
         self.max_local_size = max(len(node) for node in self.nodes)
         self.node_index = next(i for i, node in enumerate(self.nodes) if self.rank in node)
         self._shard_comms: list[MPI.Comm] | None = None
-        self.channel = agreement.channel(self.comm, watchdog)
+        # the agreement over shared memory where the group is one node that shares it
+        self.window = agreement.shared_window(self.comm) if len(self.nodes) == 1 else None
+        self.channel = agreement.channel(self.comm, watchdog, self.window)
         self.stats = _C.Stats()
         self.calls: dict[tuple, object] = {}  # described calls (collectives/calls.py)
         self.fast: dict[tuple, object] = {}   # the small-allreduce fast entry's table
@@ -72,6 +74,8 @@ class Topology:
         return self._shard_comms[shard]
 
     def free(self) -> None:
+        if self.window is not None:
+            self.window.free()
         for c in (self._shard_comms or []) + [self.cross_comm, self.node_comm, self.comm]:
             if c != MPI.COMM_NULL:
                 c.Free()

@@ -1,11 +1,12 @@
 """Shared-memory collectives for ranks that share a node: allreduce, reducescatter,
-allgather and broadcast through one MPI-3 shared window per communicator.
+allgather and broadcast through one shared window per communicator
+(collectives/shm_window.py: per-rank counters and staging buffers).
 
-How it works. Every rank owns a segment of a window made with MPI.Win.Allocate_shared and
-kept across calls (grown on demand, collectively; freed by `shutdown`). A segment holds
-three counters and DEPTH staging buffers of up to SLOT_BYTES. A call is cut into chunks;
-chunk g (numbered across calls) uses buffer g % DEPTH. The data is cut into one block per
-rank, and each chunk takes one piece of every block:
+How it works. Every rank owns a segment of the communicator's window, kept across calls
+(grown on demand, collectively; freed by `shutdown`), holding DEPTH staging buffers of up
+to SLOT_BYTES. A call is cut into chunks; chunk g (numbered across calls) uses buffer
+g % DEPTH. The data is cut into one block per rank, and each chunk takes one piece of every
+block:
   reducescatter  1. copy-in: every rank copies its pieces of the other ranks' blocks into its
                     buffer, then bumps READY; 2. reduce: rank r folds piece r of every rank's
                     buffer (its own straight from its input), in rank order, into its output
@@ -17,14 +18,17 @@ rank, and each chunk takes one piece of every block:
                  block); 2. copy every other rank's piece out.
   broadcast      1. the root copies a piece in; 2. the others copy it out.
 These pipelined stages run in C++ with the GIL released (csrc/runtime/shm.cpp).
-Calls staging at most SMALL_BYTES in all take one chunk, in Python: every rank copies its
-whole input in, waits once, and reads what it needs (allreduce: every rank folds the whole vector).
-A counter is a number of chunks done, written only by its owner after MPI.Win.Sync (a full
-memory fence) and read by the others before a Sync, so a reader that sees chunk g counted
-also sees its data. Before writing buffer g % DEPTH a rank waits until every rank has
-counted chunk g - DEPTH as DONE. Stage s of chunk k runs at step k + s, so each wait is on
-work the others did a step earlier, and chunks stay in cache from copy-in to copy-out.
-Every element is folded once, in rank order, so all ranks get bit-identical results.
+Calls staging at most SMALL_BYTES in all take one chunk in one step (the single-step path):
+every rank copies its whole input in, waits once, and reads what it needs from every
+rank's buffer (allreduce: every rank folds the whole vector; reducescatter its block; in
+C++, csrc/runtime/shm.cpp's shm_single; allgather copies every block out, in Python). An
+allreduce called through the API on one node takes that step inside its agreement instead
+(collectives/agreement.py: the call's header rides beside its data), so it has no step of
+its own there; hierarchical's node level calls allreduce() here directly.
+Before writing buffer g % DEPTH a rank waits until every rank has counted chunk g - DEPTH
+as DONE. Stage s of chunk k runs at step k + s, so each wait is on work the others did a
+step earlier, and chunks stay in cache from copy-in to copy-out. Every element is folded
+once, in rank order, so all ranks get bit-identical results.
 
 A wait longer than Config.stall_timeout_s means a rank has left the collective: it raises
 (None: wait forever, as the rest of the library does).
@@ -34,21 +38,20 @@ folds run at memory speed; waits overlap work across the pipeline):
   allreduce      copy in (L-1)/L m, fold m/L (reading m), copy out m; 3 w per chunk. Memory
                  traffic ~2m (input read, output written; +m read-for-ownership when recv is
                  not send), against 5-11 m for a message-passing ring.
-  small          copy in the whole input; allreduce folds L m, reducescatter m, allgather
-                 copies m out; 2 w in all.
+  single step    copy in the whole input; allreduce folds L m, reducescatter m, allgather
+                 copies m out; 1 w in all (plus the wait for a free buffer, DEPTH calls back).
   reducescatter  copy in (L-1)/L m, fold m/L; 2 w per chunk.
   allgather      copy in 2 m/L (window and own block), copy out (L-1)/L m (m = gathered).
   broadcast      root copies m in, the others m out; 2 w per chunk.
 cost() prices a call as 3 (alpha + o) per chunk of SLOT_BYTES (at least one) plus passes x m
 x gamma, passes = 3 for allreduce and 2 for the others (each pass moves memory about as fast
-as our kernels reduce); math.inf on a group that spans several nodes.
+as our kernels reduce); math.inf on a group that spans several nodes. An allreduce riding
+in the agreement is priced by select.agreement_cost.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -58,6 +61,7 @@ from .. import config, kernels
 from ..costmodel import Layout, Params
 from ..ops import ReduceOp
 from ..p2p import count, even_bounds, offsets
+from ..shm_window import DONE, READY, Window, shares_memory
 
 #: Largest staging buffer per rank and chunk: chunks that stay in the L2/L3 caches.
 SLOT_BYTES = 1 << 20
@@ -69,113 +73,15 @@ DEPTH = 4
 #: Calls staging at most this many bytes in all (every rank's whole input) take one chunk:
 #: one wait instead of two or three, at the price of copying whole inputs in.
 SMALL_BYTES = 256 << 10
-#: Seconds a waiting rank polls before it yields its core between polls (at once when the
-#: machine runs more ranks than it has cores: then the rank waited for may need this core).
-SPIN_SECONDS = 1e-3
-
-_HEADER = 4096  # counters page at the start of each segment
-_STRIDE = 16  # int64s between counters: each on its own 128-byte line pair
-READY, REDUCED, DONE = 0, 1, 2
-_COUNTERS = ("READY", "REDUCED", "DONE")
 _ALIGN = 64  # pieces start on cache lines
 
 
-def _cores() -> int:
-    """Cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _ranks_on_machine(comm_size: int) -> int:
-    """MPI processes sharing this machine's cores: the launcher's count of local ranks where
-    it says (Open MPI, MPICH), which also covers simulated nodes, else comm_size."""
-    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-        if os.environ.get(var, "").isdigit():
-            return max(int(os.environ[var]), comm_size)
-    return comm_size
-
-
-class _Window:
-    """One communicator's shared window: each rank's counters and staging buffers."""
-
-    __slots__ = ("win", "rank", "size", "slot_bytes", "flags", "segments", "native", "typed",
-                 "seq", "spin_seconds", "stall_seconds")
-
-    def __init__(self, comm: MPI.Comm, slot_bytes: int):
-        self.slot_bytes = slot_bytes
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        info = MPI.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")  # page-aligned segments, first-touched locally
-        self.win = MPI.Win.Allocate_shared(_HEADER + DEPTH * slot_bytes, 1, info, comm)
-        info.Free()
-        self.win.Lock_all(MPI.MODE_NOCHECK)  # Win.Sync needs a passive-target epoch
-        raw = [self.win.Shared_query(j)[0] for j in range(self.size)]
-        self.flags = [memoryview(b)[:_HEADER].cast("q") for b in raw]
-        # MPI does not promise zeroed memory (a one-rank window comes from malloc): zero our
-        # counters, and let no rank read a peer's before the peer has
-        np.frombuffer(raw[self.rank], np.uint8, _HEADER)[:] = 0
-        self.win.Sync()
-        comm.Barrier()
-        self.segments = [np.frombuffer(b, np.uint8, DEPTH * slot_bytes, _HEADER) for b in raw]
-        self.typed: dict[np.dtype, list[np.ndarray]] = {}
-        self.seq = 0  # chunks done so far on this window, the same on every rank
-        self.spin_seconds = SPIN_SECONDS if _ranks_on_machine(self.size) <= _cores() else 0.0
-        timeout = config.get().stall_timeout_s
-        self.stall_seconds = math.inf if timeout is None else timeout
-        self.native = kernels.shm_window(  # the same layout for the C++ stages
-            [np.frombuffer(b, np.uint8).ctypes.data for b in raw], self.rank, _HEADER, _STRIDE,
-            slot_bytes, DEPTH, self.spin_seconds, self.stall_seconds)
-
-    def data(self, dtype: np.dtype) -> list[np.ndarray]:
-        """Every rank's DEPTH buffers as one flat array of dtype (cached per dtype)."""
-        views = self.typed.get(dtype)
-        if views is None:
-            views = self.typed[dtype] = [s.view(dtype) for s in self.segments]
-        return views
-
-    def offset(self, g: int, dtype: np.dtype) -> int:
-        """Element offset of chunk g's buffer."""
-        return (g % DEPTH) * (self.slot_bytes // dtype.itemsize)
-
-    def post(self, counter: int, g: int) -> None:
-        """Count chunk g on this rank's counter; the fence first publishes its data."""
-        self.win.Sync()
-        self.flags[self.rank][counter * _STRIDE] = g + 1
-
-    def wait(self, counter: int, g: int) -> None:
-        """Return once every rank has counted chunk g (at once for g < 0)."""
-        index = counter * _STRIDE
-        for j, flag in enumerate(self.flags):
-            if flag[index] <= g:
-                self._spin(j, counter, g)
-        self.win.Sync()  # acquire: no read of the data before the counter was seen
-
-    def _spin(self, j: int, counter: int, g: int) -> None:
-        """Poll rank j's counter, yielding the core between polls after spin_seconds."""
-        flag, index = self.flags[j], counter * _STRIDE
-        start = time.perf_counter()
-        polls = 0
-        while flag[index] <= g:
-            polls += 1
-            if polls % 32 == 0:
-                waited = time.perf_counter() - start
-                if waited > self.spin_seconds:
-                    os.sched_yield()
-                if waited > self.stall_seconds:
-                    raise RuntimeError(f"shm: rank {j} has not counted chunk {g} as "
-                                       f"{_COUNTERS[counter]} after {self.stall_seconds:g} s; "
-                                       "did it leave the collective?")
-
-    def free(self) -> None:
-        self.win.Unlock_all()
-        self.win.Free()
-
-
 #: Live windows by communicator handle, in creation order (the same on every rank).
-_windows: dict[int, _Window] = {}
+_windows: dict[int, Window] = {}
 _keyval: int | None = None  # created on first use: MPI must be initialized
 
 
-def _window(comm: MPI.Comm, slot_bytes: int) -> _Window:
+def _window(comm: MPI.Comm, slot_bytes: int) -> Window:
     """comm's window with buffers of at least slot_bytes; creating or growing it is
     collective, and every rank asks for the same size because sizes are agreed."""
     key = comm.handle
@@ -189,7 +95,8 @@ def _window(comm: MPI.Comm, slot_bytes: int) -> _Window:
         comm.Barrier()  # no rank still reads the old window
         _forget(key)
         grown = max(slot_bytes, min(2 * w.slot_bytes, SLOT_BYTES))
-    w = _Window(comm, -(-grown // _ALIGN) * _ALIGN)
+    timeout = config.get().stall_timeout_s
+    w = Window(comm, -(-grown // _ALIGN) * _ALIGN, DEPTH, math.inf if timeout is None else timeout)
     comm.Set_attr(_on_free(), (key, w))
     _windows[key] = w
     return w
@@ -204,12 +111,12 @@ def _on_free() -> int:
     return _keyval
 
 
-def _comm_freed(comm: MPI.Comm, keyval: int, value: tuple[int, _Window]) -> None:
+def _comm_freed(comm: MPI.Comm, keyval: int, value: tuple[int, Window]) -> None:
     """Attribute delete callback (the communicator is being freed): free its window."""
     _forget(*value)
 
 
-def _forget(key: int, w: _Window | None = None) -> None:
+def _forget(key: int, w: Window | None = None) -> None:
     """Free the window registered under key (only if it is w, when given): collective."""
     current = _windows.get(key)
     if current is not None and (w is None or current is w):
@@ -218,10 +125,7 @@ def _forget(key: int, w: _Window | None = None) -> None:
 
 
 def _check_shared(comm: MPI.Comm) -> None:
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    shared = node.Get_size() == comm.Get_size()
-    node.Free()
-    if not shared:
+    if not shares_memory(comm):
         raise ValueError("shm: the ranks of comm do not all share memory; pass the node "
                          "communicator")
 
@@ -265,7 +169,7 @@ def _piece_elems(longest: int, pieces: int, itemsize: int) -> int:
 
 def _single(comm: MPI.Comm, send: np.ndarray, counts: list[int],
             finish: Callable[[list[np.ndarray]], None]) -> None:
-    """A small call in one chunk: every rank copies its whole send in, waits once, and
+    """A small allgather in one chunk: every rank copies its whole send in, waits once, and
     finish reads what it needs from every rank's buffer (rank j's holds counts[j])."""
     w = _window(comm, max(counts) * send.itemsize)
     g = w.seq
@@ -278,6 +182,15 @@ def _single(comm: MPI.Comm, send: np.ndarray, counts: list[int],
     finish([d[o:o + c] for d, c in zip(data, counts)])
     w.post(DONE, g)
     w.seq = g + 1
+
+
+def _reduce_single(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, lo: int, hi: int,
+                   op: ReduceOp, dtype: str) -> None:
+    """recv = elements [lo, hi) of the reduction of every rank's send, in one step (every
+    rank folds them from every rank's buffer, in C++: csrc/runtime/shm.cpp)."""
+    w = _window(comm, send.nbytes)
+    kernels.shm_reduce_single(w.native, w.seq, send, recv, lo, hi, dtype, op)
+    w.seq += 1
 
 
 class _Blocks:
@@ -294,7 +207,7 @@ class _Blocks:
 
 # ------------------------------------------------------------------ reduce over blocks
 
-def _reduce_blocks(w: _Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarray,
+def _reduce_blocks(w: Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarray,
                    op: ReduceOp, dtype: str, allreduce: bool) -> None:
     """The pipelined stages (copy-in, reduce, and for allreduce copy-out) of every chunk,
     in C++ with the GIL released (csrc/runtime/shm.cpp; same counters and order as above)."""
@@ -313,8 +226,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
             np.copyto(recv, send)
         return
     if recv.nbytes * size <= SMALL_BYTES:  # every rank folds the whole vector
-        return _single(comm, send, [send.size] * size,
-                       lambda slots: kernels.reduce(recv, slots, dtype, op))
+        return _reduce_single(comm, send, recv, 0, recv.size, op, dtype)
     bounds = even_bounds(recv.size, size)
     blocks = _Blocks(bounds, _piece_elems(bounds[1], size, recv.itemsize))
     w = _window(comm, size * blocks.e * recv.itemsize)
@@ -334,8 +246,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
     bounds = offsets(counts)
     start, end = bounds[r], bounds[r + 1]
     if send.nbytes * size <= SMALL_BYTES:
-        return _single(comm, send, [send.size] * size,
-                       lambda slots: kernels.reduce(recv, [s[start:end] for s in slots], dtype, op))
+        return _reduce_single(comm, send, recv, start, end, op, dtype)
     blocks = _Blocks(bounds, _piece_elems(max(counts), size, send.itemsize))
     w = _window(comm, size * blocks.e * send.itemsize)
     _reduce_blocks(w, blocks, send, recv, op, dtype, allreduce=False)

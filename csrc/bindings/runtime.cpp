@@ -22,6 +22,7 @@
 #include "bindings/module.h"
 #include "runtime/agree.h"
 #include "runtime/engine.h"
+#include "runtime/shm.h"
 
 namespace py = pybind11;
 using namespace collectives;
@@ -64,17 +65,20 @@ struct Call {
   py::function on_joined;
 };
 
-// One communicator's agreement exchange (agree.h), with what stays fixed bound once.
+// One communicator's agreement exchange (agree.h), with what stays fixed bound once: over
+// MPI messages, or over a shared window (ShmWindow; None: messages) when every rank of the
+// communicator shares memory; the window's exchanges are numbered here.
 class AgreeChannel {
  public:
   AgreeChannel(py::object comm, int tag, int64_t capacity, double first_wait,
-               py::function on_wait)
+               py::function on_wait, py::object window)
       : comm_obj_(std::move(comm)), comm_(comm_of(comm_obj_)), tag_(tag), capacity_(capacity),
-        first_wait_(first_wait), on_wait_(std::move(on_wait)) {
+        first_wait_(first_wait), on_wait_(std::move(on_wait)), window_obj_(std::move(window)),
+        window_(window_obj_.is_none() ? nullptr : window_obj_.cast<ShmWindow*>()) {
     if (capacity < 0) throw py::value_error("capacity: must be >= 0");
   }
 
-  // The exchange (agree.h). GIL held on entry; released while MPI waits.
+  // The exchange (agree.h). GIL held on entry; released while it waits.
   AgreeResult run(int64_t digest, const void* src, void* dst, int64_t count, DType dtype,
                   ReduceOp op, Role role = Role::active) {
     if (count * dtype_size(dtype) > capacity_)
@@ -86,13 +90,18 @@ class AgreeChannel {
     AgreeResult r;
     {
       py::gil_scoped_release release;
-      r = agree_exchange(comm_, tag_, digest, src, dst, count, dtype, op, capacity_,
+      if (window_ != nullptr)
+        r = agree_shared(*window_, seq_++, digest, src, dst, count, dtype, op, capacity_,
                          first_wait_, on_wait, role);
+      else
+        r = agree_exchange(comm_, tag_, digest, src, dst, count, dtype, op, capacity_,
+                           first_wait_, on_wait, role);
     }
     return r;
   }
 
   int64_t capacity() const { return capacity_; }
+  bool shared() const { return window_ != nullptr; }
 
  private:
   py::object comm_obj_;  // owns comm_
@@ -101,6 +110,9 @@ class AgreeChannel {
   int64_t capacity_;
   double first_wait_;
   py::function on_wait_;
+  py::object window_obj_;  // owns window_
+  ShmWindow* window_;
+  int64_t seq_ = 0;  // exchanges so far on the window: the same count on every rank
 };
 
 // One call as the timeline shows it (collectives/timeline.py): which described call
@@ -304,6 +316,21 @@ class SmallAllreduce {
     return std::move(out);
   }
 
+  // The same call between raw host addresses (a contiguous CPU torch tensor's data_ptr(),
+  // of the dtype and size this object was made for; dst may be src), skipping the NumPy
+  // view a tensor would need (~1 us of a 4 KiB call). False when the engine is busy.
+  bool run_at(uintptr_t src, uintptr_t dst) {
+    if (nbytes_ && (src == 0 || dst == 0)) throw py::value_error("src, dst: null address");
+    if (!engine_->try_claim()) return false;
+    struct Release {
+      PyEngine* engine;
+      ~Release() { engine->release(); }
+    } release{engine_};
+    engine_->execute(*channel_, *call_, reinterpret_cast<const void*>(src),
+                     reinterpret_cast<void*>(dst), count_, dtype_, op_, divisor_, py::none());
+    return true;
+  }
+
  private:
   py::object engine_obj_, channel_obj_, call_obj_;  // keep the pointers below alive
   PyEngine* engine_;
@@ -362,9 +389,12 @@ void bind_runtime(py::module_& m) {
       .def_readonly("digest", &Call::digest);
   py::class_<AgreeChannel>(m, "AgreeChannel",
                            "The agreement exchange of one communicator (agree.h)")
-      .def(py::init<py::object, int, int64_t, double, py::function>(), py::arg("comm"),
-           py::arg("tag"), py::arg("capacity"), py::arg("first_wait"), py::arg("on_wait"))
-      .def_property_readonly("capacity", &AgreeChannel::capacity);
+      .def(py::init<py::object, int, int64_t, double, py::function, py::object>(),
+           py::arg("comm"), py::arg("tag"), py::arg("capacity"), py::arg("first_wait"),
+           py::arg("on_wait"), py::arg("window") = py::none())
+      .def_property_readonly("capacity", &AgreeChannel::capacity)
+      .def_property_readonly("shared", &AgreeChannel::shared,
+                             "Whether the exchange runs over a shared window");
   // Never destroyed: the engine's thread may still wait on it while the interpreter exits.
   py::class_<PyEngine, std::unique_ptr<PyEngine, py::nodelete>>(
       m, "Engine", "Ordering, claim, stall record and byte counts (engine.h)")
@@ -403,7 +433,10 @@ void bind_runtime(py::module_& m) {
            py::arg("engine"), py::arg("channel"), py::arg("call"), py::arg("count"),
            py::arg("dtype"), py::arg("op"), py::arg("divisor"))
       .def("__call__", &SmallAllreduce::run, py::arg("x"), py::arg("inplace"),
-           "The reduced array (x when inplace), or None if the fast entry does not apply");
+           "The reduced array (x when inplace), or None if the fast entry does not apply")
+      .def("at", &SmallAllreduce::run_at, py::arg("src"), py::arg("dst"),
+           "The call between raw host addresses of the planned dtype and size (dst may be "
+           "src); False if the engine is busy");
   m.def("tree_allreduce", &tree_allreduce, py::arg("engine"), py::arg("comm"), py::arg("tag"),
         py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("dtype"), py::arg("op"),
         "Recursive-doubling allreduce of send into recv (GIL released)");

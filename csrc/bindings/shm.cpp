@@ -58,6 +58,21 @@ void py_shm_reduce(const ShmWindow& w, int64_t seq, const py::buffer& send,
   shm_reduce(w, seq, in, out, bounds, e, nchunks, dtype, op, allreduce);
 }
 
+void py_shm_reduce_single(const ShmWindow& w, int64_t seq, const py::buffer& send,
+                          const py::buffer& recv, int64_t count, int64_t lo, int64_t hi,
+                          int dtype_code, int op_code) {
+  const DType dtype = check::dtype(dtype_code);
+  const ReduceOp op = check::op(op_code);
+  check::count(count);
+  if (lo < 0 || hi < lo || hi > count) throw py::value_error("lo, hi: not a slice of count");
+  if (count * dtype_size(dtype) > w.slot_bytes)
+    throw py::value_error("count: the input does not fit a slot");
+  const void* in = check::ptr(send, "send", dtype, false, count);
+  void* out = check::ptr(recv, "recv", dtype, true, hi - lo);
+  py::gil_scoped_release release;
+  shm_reduce_single(w, seq, in, out, count, lo, hi, dtype, op);
+}
+
 void py_shm_allgather(const ShmWindow& w, int64_t seq, const py::buffer& send,
                       const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
                       int64_t nchunks, int64_t item) {
@@ -100,6 +115,10 @@ void bind_shm(py::module_& m) {
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("dtype"),
         py::arg("op"), py::arg("allreduce"),
         "shm.py's pipelined allreduce / reducescatter stages (GIL released)");
+  m.def("shm_reduce_single", &py_shm_reduce_single, py::arg("window"), py::arg("seq"),
+        py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("lo"), py::arg("hi"),
+        py::arg("dtype"), py::arg("op"),
+        "shm.py's single-step reduction: elements [lo, hi) of the reduction (GIL released)");
   m.def("shm_allgather", &py_shm_allgather, py::arg("window"), py::arg("seq"), py::arg("send"),
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("item"),
         "shm.py's pipelined allgather stages (GIL released)");

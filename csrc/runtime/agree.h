@@ -14,12 +14,9 @@
 
 #include "kernels/dtypes.h"
 #include "kernels/reduce.h"
+#include "runtime/shm.h"  // ShmWindow, OnWait
 
 namespace collectives {
-
-// Called (GIL held) while a step has waited `seconds`; returns the waited time at which to
-// be called next, or throws to give up (the pending receive is cancelled first).
-using OnWait = std::function<double(double seconds)>;
 
 // How this rank takes part: making a call, or standing in for a rank that has run out of
 // work (join): a joined rank contributes no data (the identity of the reduction), adopts
@@ -45,5 +42,15 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
                            int64_t count, DType dtype, ReduceOp op, int64_t capacity,
                            double first_wait, const OnWait& on_wait,
                            Role role = Role::active);
+
+// The same exchange, with the same result, for ranks that share memory (agree_shared.cpp):
+// one single-step round on a shared window (shm.h's shm_single, chunk seq) in which every
+// rank writes its header and payload into its own buffer and reads every rank's. No
+// messages: one copy of the payload and one wait on every rank's counter. Active payloads
+// are folded in rank order (other bits than the exchange above's recursive doubling, the
+// same on every rank). The window's buffers hold at least a header and `capacity` bytes.
+AgreeResult agree_shared(const ShmWindow& w, int64_t seq, int64_t digest, const void* send,
+                         void* out, int64_t count, DType dtype, ReduceOp op, int64_t capacity,
+                         double first_wait, const OnWait& on_wait, Role role = Role::active);
 
 }  // namespace collectives

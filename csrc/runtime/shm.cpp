@@ -1,91 +1,16 @@
-// Stages of the shared-memory collectives (see shm.h and collectives/algorithms/shm.py).
-// A counter is published with a full fence then a release store, and read with an acquire
-// load then a full fence: the same ordering MPI_Win_sync gives the Python stages, so both
-// may run on one window in any mix.
+// Stages of the shared-memory collectives (see shm.h and collectives/algorithms/shm.py);
+// counters are posted and waited for by Sync (shm_sync.h).
 #include "runtime/shm.h"
 
-#include <sched.h>
-
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <functional>
-#include <random>
-#include <stdexcept>
-#include <string>
-#include <thread>
+#include <vector>
+
+#include "runtime/shm_sync.h"
 
 namespace collectives {
 namespace {
-
-const char* const kCounterNames[] = {"READY", "REDUCED", "DONE"};
-
-// Slots and counters of a window, seen from this rank.
-class Sync {
- public:
-  explicit Sync(const ShmWindow& w) : w_(w), size_(static_cast<int>(w.segments.size())) {}
-
-  int rank() const { return w_.rank; }
-  int size() const { return size_; }
-  int64_t depth() const { return w_.depth; }
-
-  // Start of rank owner's buffer for chunk g.
-  unsigned char* slot(int owner, int64_t g) const {
-    return w_.segments[owner] + w_.header_bytes + (g % w_.depth) * w_.slot_bytes;
-  }
-
-  void post(int64_t c, int64_t g) {
-    if (w_.jitter_seconds > 0) jitter();
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    __atomic_store_n(counter(w_.rank, c), g + 1, __ATOMIC_RELEASE);
-  }
-
-  // Return once every rank has counted chunk g on counter c (at once for g < 0).
-  void wait(int64_t c, int64_t g) {
-    if (g < 0) return;
-    for (int j = 0; j < size_; ++j) spin(j, c, g);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-  }
-
-  // Return once rank j has counted chunk g on counter c.
-  void wait_for(int j, int64_t c, int64_t g) {
-    spin(j, c, g);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-  }
-
- private:
-  int64_t* counter(int owner, int64_t c) const {
-    return reinterpret_cast<int64_t*>(w_.segments[owner]) + c * w_.stride;
-  }
-
-  void spin(int j, int64_t c, int64_t g) const {
-    const int64_t* flag = counter(j, c);
-    if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) > g) return;
-    const auto start = std::chrono::steady_clock::now();
-    for (unsigned polls = 1; __atomic_load_n(flag, __ATOMIC_ACQUIRE) <= g; ++polls) {
-      if (polls % 32) continue;
-      const double waited =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (waited > w_.spin_seconds) sched_yield();
-      if (waited > w_.stall_seconds)
-        throw std::runtime_error(
-            "shm: rank " + std::to_string(j) + " has not counted chunk " + std::to_string(g) +
-            " as " + kCounterNames[c] + " after " + std::to_string(w_.stall_seconds) +
-            " s; did it leave the collective?");
-    }
-  }
-
-  // Ranks drift apart mid-call (tests of the counters' ordering).
-  void jitter() const {
-    thread_local std::minstd_rand rng(static_cast<unsigned>(w_.rank) + 1);
-    std::uniform_real_distribution<double> u(0.0, 1.0);
-    if (u(rng) < 0.2)
-      std::this_thread::sleep_for(std::chrono::duration<double>(u(rng) * w_.jitter_seconds));
-  }
-
-  const ShmWindow& w_;
-  int size_;
-};
 
 // Stage s of chunk k runs at step k + s, earlier stages first within a step: each wait is
 // on work the other ranks did a step earlier.
@@ -178,6 +103,34 @@ class ReduceStages {
 };
 
 }  // namespace
+
+void shm_single(const ShmWindow& w, int64_t seq, const void* head, int64_t head_bytes,
+                const void* data, int64_t data_bytes,
+                const std::function<void(const unsigned char* const* buffers)>& read,
+                const OnWait* on_wait, double first_wait) {
+  Sync sync(w, on_wait, first_wait);
+  sync.wait(kDone, seq - sync.depth());
+  unsigned char* mine = sync.slot(sync.rank(), seq);
+  if (head_bytes) std::memcpy(mine, head, head_bytes);
+  if (data_bytes) std::memcpy(mine + shm_single_data_offset(head_bytes), data, data_bytes);
+  sync.post(kReady, seq);
+  sync.wait(kReady, seq);
+  std::vector<const unsigned char*> buffers(sync.size());
+  for (int j = 0; j < sync.size(); ++j) buffers[j] = sync.slot(j, seq);
+  read(buffers.data());
+  sync.post(kDone, seq);
+}
+
+void shm_reduce_single(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+                       int64_t count, int64_t lo, int64_t hi, DType dtype, ReduceOp op) {
+  const int64_t item = dtype_size(dtype);
+  const int n = static_cast<int>(w.segments.size());
+  shm_single(w, seq, nullptr, 0, send, count * item, [&](const unsigned char* const* buffers) {
+    std::vector<const void*> srcs(n);
+    for (int j = 0; j < n; ++j) srcs[j] = buffers[j] + lo * item;
+    reduce_many(recv, srcs.data(), n, hi - lo, dtype, op);
+  });
+}
 
 void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
                 const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks, DType dtype,

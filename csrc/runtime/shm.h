@@ -5,12 +5,17 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kernels/dtypes.h"
 #include "kernels/reduce.h"
 
 namespace collectives {
+
+// Called while a wait has lasted `seconds` (the agreement's watchdog, agree.h); returns the
+// waited time at which to be called next, or throws to give up.
+using OnWait = std::function<double(double seconds)>;
 
 struct ShmWindow {
   std::vector<unsigned char*> segments;  // each rank's segment: counters page, then slots
@@ -47,5 +52,25 @@ void shm_allgather(const ShmWindow& w, int64_t seq, const void* send, void* recv
 // rank's buf, e bytes per chunk (nchunks = ceil(nbytes / e)).
 void shm_broadcast(const ShmWindow& w, int64_t seq, void* buf, int64_t nbytes, int64_t e,
                    int64_t nchunks, int root);
+
+// The single-step path: one chunk (seq) carries a whole call. This rank copies head
+// (head_bytes) and then, at the next 64-byte boundary, data (data_bytes) into its buffer,
+// counts READY, waits until every rank has, and hands read every rank's buffer in rank
+// order; then counts DONE. Before writing, it waits until every rank has counted chunk
+// seq - depth DONE (no one still reads the buffer). Waits report to on_wait when given,
+// else end at the window's stall limit. Cost: one copy of the input, one wait, read's work.
+void shm_single(const ShmWindow& w, int64_t seq, const void* head, int64_t head_bytes,
+                const void* data, int64_t data_bytes,
+                const std::function<void(const unsigned char* const* buffers)>& read,
+                const OnWait* on_wait = nullptr, double first_wait = 0);
+
+// Offset of the data behind a head of head_bytes in a single-step buffer.
+inline int64_t shm_single_data_offset(int64_t head_bytes) { return (head_bytes + 63) / 64 * 64; }
+
+// Elements [lo, hi) of the reduction of every rank's send (count elements each) into recv
+// (hi - lo elements; may be send when lo = 0), in one step (shm_single): every rank folds
+// the slice from every rank's buffer itself, in rank order. recv is the same on every rank.
+void shm_reduce_single(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+                       int64_t count, int64_t lo, int64_t hi, DType dtype, ReduceOp op);
 
 }  // namespace collectives

@@ -1,6 +1,7 @@
-"""The agreement exchange (csrc/runtime/agree.cpp) and the small-allreduce fast path riding on it:
-mismatches between the fast and the general path, payloads at the piggyback limit, results
-equal whichever path each rank takes."""
+"""The agreement exchange and the small-allreduce fast path riding on it: over messages
+(csrc/runtime/agree.cpp; a job of several nodes, real or simulated) or over shared memory
+(agree_shared.cpp; one node). Mismatches between the fast and the general path, payloads at
+the channel's limit, results equal whichever path each rank takes, ranks drifting apart."""
 
 from __future__ import annotations
 
@@ -10,10 +11,24 @@ import torch
 from conftest import assert_equal, assert_same_on_all_ranks, reference_reduce
 
 import collectives as C
-from collectives.agreement import PIGGYBACK_BYTES
+from collectives import topology
+from collectives.agreement import PIGGYBACK_BYTES, SHARED_BYTES
 from collectives.engine import ENGINE
 
 pytestmark = pytest.mark.mpi
+
+
+def rider() -> tuple[str, int]:
+    """The algorithm whose small allreduce rides in the job's agreement, and the most bytes
+    that ride: shm's single step where the exchange runs in shared memory, else tree's."""
+    channel = topology.get().channel
+    return ("shm", SHARED_BYTES) if channel.shared else ("tree", PIGGYBACK_BYTES)
+
+
+def test_one_node_agrees_in_shared_memory(comm):
+    topo = topology.get()
+    assert topo.channel.shared == (len(topo.nodes) == 1 and topo.size > 1)
+    assert topo.channel.capacity == rider()[1]
 
 
 def _expect_mismatch(comm, call, word: str) -> str:
@@ -29,10 +44,11 @@ def _expect_mismatch(comm, call, word: str) -> str:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algo", ["tree", "auto"])
+@pytest.mark.parametrize("algo", ["rider", "auto"])
 def test_small_against_large_payload_is_a_shape_mismatch(comm, algo):
     # rank 0 rides the agreement (small), the others send only the header (large)
-    size = 16 if comm.Get_rank() == 0 else PIGGYBACK_BYTES // 4 + 5
+    algo, limit = rider() if algo == "rider" else ("auto", rider()[1])
+    size = 16 if comm.Get_rank() == 0 else limit // 4 + 5
     text = _expect_mismatch(comm, lambda: C.allreduce(np.ones(size, np.float32), algorithm=algo),
                             "shape mismatch")
     assert "rank 0 has (16,)" in text, text
@@ -43,7 +59,7 @@ def test_fast_path_against_general_collective(comm):
     r = comm.Get_rank()
     x = np.ones(8, np.float32)
     text = _expect_mismatch(
-        comm, lambda: C.allreduce(x, algorithm="tree") if r == 0 else C.allgather(x),
+        comm, lambda: C.allreduce(x, algorithm=rider()[0]) if r == 0 else C.allgather(x),
         "collective mismatch")
     assert "rank 0 called allreduce" in text, text
 
@@ -54,20 +70,22 @@ def test_fast_path_field_mismatch_on_last_rank(comm, field, value):
     last = comm.Get_rank() == comm.Get_size() - 1
     dtype = value if field == "dtype" and last else np.float32
     op = value if field == "op" and last else C.Sum
-    _expect_mismatch(comm, lambda: C.allreduce(np.ones(5, dtype), op=op, algorithm="tree"),
+    _expect_mismatch(comm, lambda: C.allreduce(np.ones(5, dtype), op=op, algorithm=rider()[0]),
                      f"{field} mismatch")
 
 
-@pytest.mark.parametrize("count", [0, 1, 7, PIGGYBACK_BYTES // 8 - 1, PIGGYBACK_BYTES // 8,
-                                   PIGGYBACK_BYTES // 8 + 1])
+@pytest.mark.parametrize("count", [0, 1, 7, "limit-1", "limit", "limit+1"])
 @pytest.mark.parametrize("op", [C.Sum, C.Average, C.Max])
 def test_payload_sizes_around_the_limit(comm, count, op):
+    algo, limit = rider()
+    if isinstance(count, str):
+        count = limit // 8 + int(count[5:] or 0)
     r = comm.Get_rank()
     x = np.arange(count, dtype=np.float64) % 17 * (r + 1) - 3.0 * r  # exact sums: any order
     everyone = comm.allgather(x)
-    got = C.allreduce(x, op=op, algorithm="tree")
-    assert_equal(got, reference_reduce(everyone, op, "float64", comm.Get_size()), "tree")
-    assert_same_on_all_ranks(comm, got, f"tree {count} {op.name}")
+    got = C.allreduce(x, op=op, algorithm=algo)
+    assert_equal(got, reference_reduce(everyone, op, "float64", comm.Get_size()), algo)
+    assert_same_on_all_ranks(comm, got, f"{algo} {count} {op.name}")
 
 
 def test_each_rank_may_take_either_path(comm):
@@ -78,7 +96,7 @@ def test_each_rank_may_take_either_path(comm):
     kinds = [lambda: base[::2].copy(), lambda: base[::2],
              lambda: torch.from_numpy(base[::2].copy()).requires_grad_()]
     mine = kinds[r % 3]()
-    got = C.allreduce(mine, op=C.Average, algorithm="tree")
+    got = C.allreduce(mine, op=C.Average, algorithm=rider()[0])
     got = got.detach().numpy() if isinstance(got, torch.Tensor) else got
     assert_same_on_all_ranks(comm, got, "mixed paths")
     everyone = comm.allgather(base[::2].copy())
@@ -99,13 +117,17 @@ def test_fast_path_in_place_and_torch(comm):
 
 def test_fast_path_counts_payload_bytes(comm):
     n = comm.Get_size()
-    before = C.stats()["per_op"].get("allreduce/tree", {"calls": 0, "bytes_sent": 0})
-    C.allreduce(np.ones(64, np.float32), algorithm="tree")
-    after = C.stats()["per_op"]["allreduce/tree"]
+    algo = rider()[0]
+    before = C.stats()["per_op"].get(f"allreduce/{algo}", {"calls": 0, "bytes_sent": 0})
+    C.allreduce(np.ones(64, np.float32), algorithm=algo)
+    after = C.stats()["per_op"][f"allreduce/{algo}"]
     assert after["calls"] == before["calls"] + 1
+    sent = after["bytes_sent"] - before["bytes_sent"]
+    if algo == "shm":  # written once into the own buffer (none at np 1: nothing to share)
+        assert sent == (256 if n > 1 else 0), sent
+        return
     pow2 = 1 << (n.bit_length() - 1)
     steps = pow2.bit_length() - 1  # recursive-doubling steps, plus the fold's for extras
-    sent = after["bytes_sent"] - before["bytes_sent"]
     r = comm.Get_rank()
     folded = r < 2 * (n - pow2)
     expected = 256 * (1 if folded and r % 2 == 0 else steps + (1 if folded else 0))
@@ -119,7 +141,7 @@ def test_fast_path_waits_behind_queued_async_work(comm):
     r = comm.Get_rank()
     big = np.full(1 << 18, float(r + 1), np.float32)
     handles = [C.allreduce_async(big, op=C.Sum, algorithm="ring") for _ in range(3)]
-    small = C.allreduce(np.full(5, float(r), np.float64), op=C.Sum, algorithm="tree")
+    small = C.allreduce(np.full(5, float(r), np.float64), op=C.Sum, algorithm=rider()[0])
     assert_equal(small, np.full(5, float(n * (n - 1) // 2)), "small behind async")
     for h in handles:
         assert_equal(C.synchronize(h), np.full(1 << 18, float(n * (n + 1) // 2), np.float32),
@@ -128,8 +150,39 @@ def test_fast_path_waits_behind_queued_async_work(comm):
 
 def test_fast_path_keeps_the_stall_record(comm):
     calls = ENGINE.native.snapshot()[1]
-    C.allreduce(np.ones(3, np.float32), op=C.Max, algorithm="tree")
-    C.allreduce(np.ones(3, np.float32), op=C.Max, algorithm="tree")  # the fast entry
+    C.allreduce(np.ones(3, np.float32), op=C.Max, algorithm=rider()[0])
+    C.allreduce(np.ones(3, np.float32), op=C.Max, algorithm=rider()[0])  # the fast entry
     state, calls_now, collective, detail, age = ENGINE.native.snapshot()
     assert (state, calls_now, collective) == ("idle", calls + 2, "allreduce")
     assert "'op': 'Max'" in detail and "'shape': (3,)" in detail and age >= 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shared_exchange_with_ranks_drifting_apart(comm):
+    """Sleeps before a fifth of the shared exchange's counter posts, over calls that ride
+    (every dtype and op, sizes up to the limit) and calls that do not, with a mismatch every
+    tenth call: every result exact and the same on every rank, every mismatch raised on
+    every rank, and no torn read of a buffer a rank is refilling DEPTH calls later."""
+    topo = topology.get()
+    if not topo.channel.shared:
+        pytest.skip("the job's agreement runs over messages")
+    n, r = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng(7)  # the same sequence of calls on every rank
+    topo.window.native.set_jitter(3e-4)
+    try:
+        for i in range(80):
+            dtype = rng.choice(["float32", "float64", "int32", "int64", "float16", "uint8"])
+            op = [C.Sum, C.Max, C.Min][i % 3]
+            count = int(rng.choice([0, 1, 7, 1000, SHARED_BYTES // 8, 70000]))
+            x = (np.arange(count) % 5 * (r + 1) + i).astype(dtype)
+            if i % 10 == 9:
+                shape = (count + (r == n - 1),)
+                _expect_mismatch(comm, lambda s=shape, d=dtype: C.allreduce(np.ones(s, d)),
+                                 "shape")
+                continue
+            got = C.allreduce(x, op=op)
+            everyone = comm.allgather(x)
+            assert_equal(got, reference_reduce(everyone, op, dtype, n), f"call {i}")
+            assert_same_on_all_ranks(comm, got, f"call {i}")
+    finally:
+        topo.window.native.set_jitter(0)

@@ -15,7 +15,7 @@ import torch
 from conftest import DTYPES, assert_equal, assert_same_on_all_ranks, make_input, reference_reduce
 
 import collectives as C
-from collectives import config
+from collectives import config, shm_window
 from collectives.algorithms import shm
 
 pytestmark = pytest.mark.mpi
@@ -216,7 +216,7 @@ def test_delays_between_stages(comm, monkeypatch):
     buffers while others lag."""
     n, r = comm.Get_size(), comm.Get_rank()
     rng = np.random.default_rng(100 + r)
-    post, reduce = shm._Window.post, shm.kernels.reduce
+    post = shm_window.Window.post
 
     def slow(fn):
         def call(*args):
@@ -225,8 +225,7 @@ def test_delays_between_stages(comm, monkeypatch):
             return fn(*args)
         return call
 
-    monkeypatch.setattr(shm._Window, "post", slow(post))
-    monkeypatch.setattr(shm.kernels, "reduce", slow(reduce))
+    monkeypatch.setattr(shm_window.Window, "post", slow(post))
     monkeypatch.setattr(shm, "SMALL_BYTES", 0)
     monkeypatch.setattr(shm, "SLOT_BYTES", 2048)
     shm.shutdown(comm)
@@ -254,7 +253,7 @@ def test_stall_limit_is_the_configs(comm, monkeypatch):
     w = shm._window(sub, shm.MIN_SLOT_BYTES)
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match=r"has not counted chunk \d+ as READY after 0.2"):
-        w.wait(shm.READY, w.seq + 5)
+        w.wait(shm_window.READY, w.seq + 5)
     if sub.Get_rank() != 0:  # rank 0 is the root and never fills its buffer
         with pytest.raises(RuntimeError, match=r"has not counted chunk \d+ as READY after 0.2"):
             shm.kernels.shm_broadcast(w.native, w.seq, np.zeros(64, np.uint8), 64, 1, 0)

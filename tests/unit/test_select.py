@@ -10,9 +10,9 @@ import pytest
 from fake_topology import FakeTopology
 
 from collectives import algorithms, config, select
-from collectives.agreement import PIGGYBACK_BYTES
+from collectives.agreement import PIGGYBACK_BYTES, SHARED_BYTES
 from collectives.algorithms import flat as flat_algorithms
-from collectives.algorithms import hierarchical, tree
+from collectives.algorithms import hierarchical, shm, tree
 from collectives.costmodel import Layout, Params
 
 COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast")
@@ -36,27 +36,43 @@ def fake_algorithm(seconds: float) -> types.SimpleNamespace:
                                  **{c: run for c in COLLECTIVES})
 
 
-def test_tiny_allreduce_rides_in_the_agreement_as_tree():
-    for sizes in [(2,), (3,), (8,), (2, 2), (4, 4, 4)]:
+def test_tiny_allreduce_rides_in_the_agreement():
+    """As shm's single step on one node (the exchange runs in shared memory), as tree's
+    recursive doubling across nodes."""
+    for sizes in [(2,), (3,), (8,)]:
+        assert select.choose("allreduce", 8, FakeTopology(*sizes)) == "shm", sizes
+    for sizes in [(2, 2), (4, 4, 4), (1, 1)]:
         assert select.choose("allreduce", 8, FakeTopology(*sizes)) == "tree", sizes
 
 
 def test_piggyback_costs_only_the_agreement_with_its_payload(monkeypatch):
     # tree's own formula says "never"; a piggybacked allreduce does not pay it
     monkeypatch.setattr(tree, "cost", lambda *args: math.inf)
-    topo = FakeTopology(4)
+    topo = FakeTopology(2, 2)
     assert select.choose("allreduce", 1 << 10, topo) == "tree"
     assert select.choose("allreduce", PIGGYBACK_BYTES + 1, topo) != "tree"
     assert select.choose("allgather", 8, topo) != "tree"  # only allreduce piggybacks
 
 
+def test_shared_piggyback_is_priced_as_one_step(monkeypatch):
+    monkeypatch.setattr(shm, "cost", lambda *args: math.inf)  # shm's pipeline: never
+    topo = FakeTopology(4)
+    assert select.choose("allreduce", 4096, topo) == "shm"
+    assert select.choose("allreduce", SHARED_BYTES + 1, topo) != "shm"
+    p = Params()
+    assert select.agreement_cost(Layout((4,)), p) == pytest.approx(p.alpha_intra)
+    assert select.agreement_cost(Layout((4,)), p, 100) == pytest.approx(
+        p.alpha_intra + 100 * 5 * p.gamma)  # copied in once, 4 copies folded
+
+
 def test_piggyback_price_is_the_agreement_exchange():
-    layout = Layout((3,))
+    layout = Layout((2, 1))
     p = Params()
     steps = tree.doubling_steps(3)
     assert steps == 3  # 2 ranks double, the third folds in and out
-    assert select.agreement_cost(layout, p) == pytest.approx(steps * p.alpha_intra + p.mpi_call)
-    with_data = steps * (p.alpha_intra + 100 * (p.beta_intra + p.gamma)) + p.mpi_call
+    alpha, beta = p.alpha_inter, p.beta_inter
+    assert select.agreement_cost(layout, p) == pytest.approx(steps * alpha + p.mpi_call)
+    with_data = steps * (alpha + 100 * (beta + p.gamma)) + p.mpi_call
     assert select.agreement_cost(layout, p, 100) == pytest.approx(with_data)
     assert select.predict("allreduce", 100, layout, p)["tree"] == pytest.approx(with_data)
 

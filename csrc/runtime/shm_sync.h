@@ -1,0 +1,106 @@
+// A shared window's slots and counters seen from one rank: posting a counter, waiting for
+// every rank's (runtime/shm.cpp's stages and the shared-memory agreement, agree.cpp).
+// A counter is published with a full fence then a release store, and read with an acquire
+// load then a full fence: the same ordering MPI_Win_sync gives collectives/algorithms/shm.py,
+// so Python and C++ stages may run on one window in any mix.
+#pragma once
+
+#include <sched.h>
+
+#include <chrono>
+#include <cstdint>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "runtime/shm.h"
+
+namespace collectives {
+
+class Sync {
+ public:
+  // on_wait (may be null): called past each of its deadlines (the first at first_wait s)
+  // while a wait lasts, in place of the window's stall limit.
+  explicit Sync(const ShmWindow& w, const OnWait* on_wait = nullptr, double first_wait = 0)
+      : w_(w), size_(static_cast<int>(w.segments.size())), on_wait_(on_wait),
+        first_wait_(first_wait) {}
+
+  int rank() const { return w_.rank; }
+  int size() const { return size_; }
+  int64_t depth() const { return w_.depth; }
+
+  // Start of rank owner's buffer for chunk g.
+  unsigned char* slot(int owner, int64_t g) const {
+    return w_.segments[owner] + w_.header_bytes + (g % w_.depth) * w_.slot_bytes;
+  }
+
+  void post(int64_t c, int64_t g) {
+    if (w_.jitter_seconds > 0) jitter();
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    __atomic_store_n(counter(w_.rank, c), g + 1, __ATOMIC_RELEASE);
+  }
+
+  // Return once every rank has counted chunk g on counter c (at once for g < 0).
+  void wait(int64_t c, int64_t g) {
+    if (g < 0) return;
+    Clock clock(on_wait_ ? first_wait_ : w_.stall_seconds);
+    for (int j = 0; j < size_; ++j) spin(j, c, g, clock);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  }
+
+  // Return once rank j has counted chunk g on counter c.
+  void wait_for(int j, int64_t c, int64_t g) {
+    Clock clock(on_wait_ ? first_wait_ : w_.stall_seconds);
+    spin(j, c, g, clock);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  }
+
+ private:
+  // One wait's start (a wait on several ranks is one wait) and its next deadline.
+  struct Clock {
+    explicit Clock(double deadline) : deadline(deadline) {}
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    double deadline;
+  };
+
+  int64_t* counter(int owner, int64_t c) const {
+    return reinterpret_cast<int64_t*>(w_.segments[owner]) + c * w_.stride;
+  }
+
+  void spin(int j, int64_t c, int64_t g, Clock& clock) const {
+    const int64_t* flag = counter(j, c);
+    for (unsigned polls = 1; __atomic_load_n(flag, __ATOMIC_ACQUIRE) <= g; ++polls) {
+      if (polls % 32) continue;
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - clock.start)
+              .count();
+      if (waited > w_.spin_seconds) sched_yield();
+      if (waited <= clock.deadline) continue;
+      if (on_wait_ != nullptr) {
+        clock.deadline = (*on_wait_)(waited);
+        continue;
+      }
+      static const char* const names[] = {"READY", "REDUCED", "DONE"};
+      throw std::runtime_error("shm: rank " + std::to_string(j) + " has not counted chunk " +
+                               std::to_string(g) + " as " + names[c] + " after " +
+                               std::to_string(w_.stall_seconds) +
+                               " s; did it leave the collective?");
+    }
+  }
+
+  // Ranks drift apart mid-call (tests of the counters' ordering).
+  void jitter() const {
+    thread_local std::minstd_rand rng(static_cast<unsigned>(w_.rank) + 1);
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    if (u(rng) < 0.2)
+      std::this_thread::sleep_for(std::chrono::duration<double>(u(rng) * w_.jitter_seconds));
+  }
+
+  const ShmWindow& w_;
+  int size_;
+  const OnWait* on_wait_;
+  double first_wait_;
+};
+
+}  // namespace collectives
