@@ -109,18 +109,23 @@ def _tuning_file(topo: Any, path: str) -> dict | None:
     return tuning
 
 
-def _time(call: Callable[[], Any], nbytes: int, comm: MPI.Comm) -> float:
-    """The slowest rank's best seconds per call: interference on a shared machine only adds
-    time, so the minimum of a few calls is the steadiest estimate of what the call costs."""
-    reps = 5 if nbytes < 16 << 20 else 2
-    call()  # first-use costs (windows, page faults) are not the steady state
-    times = []
+def _time(calls: dict[str, Callable[[], Any]], nbytes: int, comm: MPI.Comm) -> dict[str, float]:
+    """Each call's best seconds, the slowest rank's. The calls take turns, round after
+    round, so that a slow spell of this shared machine hits every candidate alike instead
+    of the one measured during it; and interference only adds time, so the minimum over
+    the rounds is the steadiest estimate of what a call costs."""
+    reps = 5 if nbytes < 16 << 20 else 3
+    for call in calls.values():
+        call()  # first-use costs (windows, page faults) are not the steady state
+    times: dict[str, list[float]] = {algo: [] for algo in calls}
     for _ in range(reps):
-        comm.Barrier()
-        t0 = clock()
-        call()
-        times.append(clock() - t0)
-    return comm.allreduce(min(times), op=MPI.MAX)
+        for algo, call in calls.items():
+            comm.Barrier()
+            t0 = clock()
+            call()
+            times[algo].append(clock() - t0)
+    everyone = comm.allgather([min(t) for t in times.values()])
+    return dict(zip(calls, np.max(everyone, axis=0).tolist()))
 
 
 def timed_call(collective: str, x: np.ndarray, algo: str) -> Callable[[], Any]:
@@ -150,11 +155,10 @@ def measure(topo: Any) -> dict:
             count = max(nbytes // 4, 1)
             x = np.ones(max(count // topo.size, 1) if collective == "allgather" else count,
                         np.float32)
-            for algo in sorted(modelled):
-                if modelled[algo] > PRUNE * best and algo != "mpi":
-                    continue
-                table.setdefault(algo, []).append(
-                    [nbytes, _time(timed_call(collective, x, algo), nbytes, topo.comm)])
+            calls = {algo: timed_call(collective, x, algo) for algo in sorted(modelled)
+                     if modelled[algo] <= PRUNE * best or algo == "mpi"}
+            for algo, seconds in _time(calls, nbytes, topo.comm).items():
+                table.setdefault(algo, []).append([nbytes, seconds])
         # an algorithm pruned at some sizes is only interpolated over the sizes it was timed at
         out[collective] = {a: points for a, points in table.items() if len(points) == len(SIZES)}
     return out

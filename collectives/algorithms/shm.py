@@ -4,7 +4,7 @@ allgather and broadcast through one shared window per communicator
 
 How it works. Every rank owns a segment of the communicator's window, kept across calls
 (grown on demand, collectively; freed by `shutdown`), holding DEPTH staging buffers of up
-to SLOT_BYTES. A call is cut into chunks; chunk g (numbered across calls) uses buffer
+to SLOT_BYTES (slot_limit()). A call is cut into chunks; chunk g (numbered across calls) uses buffer
 g % DEPTH. The data is cut into one block per rank, and each chunk takes one piece of every
 block:
   reducescatter  1. copy-in: every rank copies its pieces of the other ranks' blocks into its
@@ -52,6 +52,7 @@ in the agreement is priced by select.agreement_cost.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -61,10 +62,14 @@ from .. import config, kernels
 from ..costmodel import Layout, Params
 from ..ops import ReduceOp
 from ..p2p import count, even_bounds, offsets
-from ..shm_window import DONE, READY, Window, shares_memory
+from ..shm_window import DONE, READY, Window, ranks_on_machine, shares_memory
 
-#: Largest staging buffer per rank and chunk: chunks that stay in the L2/L3 caches.
-SLOT_BYTES = 1 << 20
+#: Largest staging buffer per rank and chunk where every rank has a core of its own: chunks
+#: that stay in the L2 cache, and a 1 MiB allreduce at np 2 has two to pipeline (74 us
+#: against 91 us in one chunk). With more ranks than cores a wait may cost a context switch,
+#: so fewer chunks win: buffers of twice this (np 4 on 2 cores: 1 MiB in 702 us, 838 us with
+#: this size). See slot_bytes().
+SLOT_BYTES = 512 << 10
 #: Smallest buffer allocated, so that small calls do not regrow the window one by one.
 MIN_SLOT_BYTES = 64 << 10
 #: Staging buffers per rank: at least the deepest pipeline (3 stages) so no rank waits on
@@ -94,7 +99,7 @@ def _window(comm: MPI.Comm, slot_bytes: int) -> Window:
     else:
         comm.Barrier()  # no rank still reads the old window
         _forget(key)
-        grown = max(slot_bytes, min(2 * w.slot_bytes, SLOT_BYTES))
+        grown = max(slot_bytes, min(2 * w.slot_bytes, slot_limit(comm.Get_size())))
     timeout = config.get().stall_timeout_s
     w = Window(comm, -(-grown // _ALIGN) * _ALIGN, DEPTH, math.inf if timeout is None else timeout)
     comm.Set_attr(_on_free(), (key, w))
@@ -161,9 +166,18 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
 
 # ------------------------------------------------------------------------------- plumbing
 
-def _piece_elems(longest: int, pieces: int, itemsize: int) -> int:
-    """Elements per piece so that `pieces` pieces fit SLOT_BYTES, cache-line aligned."""
-    per = max(SLOT_BYTES // pieces // itemsize // _ALIGN * _ALIGN, _ALIGN)
+def slot_limit(size: int) -> int:
+    """The largest staging buffer for a group of size ranks on this machine: SLOT_BYTES,
+    twice that when the machine runs more ranks than it has cores. Every rank of the
+    group must get the same, so it counts the machine's cores (not this process's
+    affinity, which a launcher may set per rank)."""
+    return SLOT_BYTES if ranks_on_machine(size) <= (os.cpu_count() or 1) else 2 * SLOT_BYTES
+
+
+def _piece_elems(longest: int, pieces: int, itemsize: int, size: int) -> int:
+    """Elements per piece so that `pieces` pieces fit a buffer of slot_limit(size) bytes,
+    cache-line aligned."""
+    per = max(slot_limit(size) // pieces // itemsize // _ALIGN * _ALIGN, _ALIGN)
     return min(longest, per)
 
 
@@ -228,7 +242,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     if recv.nbytes * size <= SMALL_BYTES:  # every rank folds the whole vector
         return _reduce_single(comm, send, recv, 0, recv.size, op, dtype)
     bounds = even_bounds(recv.size, size)
-    blocks = _Blocks(bounds, _piece_elems(bounds[1], size, recv.itemsize))
+    blocks = _Blocks(bounds, _piece_elems(bounds[1], size, recv.itemsize, size))
     w = _window(comm, size * blocks.e * recv.itemsize)
     _reduce_blocks(w, blocks, send, recv, op, dtype, allreduce=True)
 
@@ -247,7 +261,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
     start, end = bounds[r], bounds[r + 1]
     if send.nbytes * size <= SMALL_BYTES:
         return _reduce_single(comm, send, recv, start, end, op, dtype)
-    blocks = _Blocks(bounds, _piece_elems(max(counts), size, send.itemsize))
+    blocks = _Blocks(bounds, _piece_elems(max(counts), size, send.itemsize, size))
     w = _window(comm, size * blocks.e * send.itemsize)
     _reduce_blocks(w, blocks, send, recv, op, dtype, allreduce=False)
 
@@ -270,7 +284,7 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
                 np.copyto(recv[bounds[j]:bounds[j + 1]], slot)
 
         return _single(comm, send, counts, finish)
-    blocks = _Blocks(bounds, _piece_elems(max(counts), 1, send.itemsize))
+    blocks = _Blocks(bounds, _piece_elems(max(counts), 1, send.itemsize, size))
     w = _window(comm, blocks.e * send.itemsize)
     kernels.shm_allgather(w.native, w.seq, send, recv, bounds, blocks.e, blocks.nchunks)
     w.seq += blocks.nchunks
@@ -283,7 +297,7 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     if comm.Get_size() == 1 or buf.size == 0:
         return
     raw = buf.view(np.uint8)
-    e = min(raw.size, SLOT_BYTES)
+    e = min(raw.size, slot_limit(comm.Get_size()))
     nchunks = -(-raw.size // e)
     w = _window(comm, e)
     kernels.shm_broadcast(w.native, w.seq, raw, e, nchunks, root)
