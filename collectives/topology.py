@@ -5,8 +5,9 @@ A node is a set of ranks that share memory: MPI_COMM_TYPE_SHARED, or, to simulat
 nodes on one machine, consecutive blocks of `ranks_per_node` ranks. Ranks with the same
 local rank on different nodes form a cross communicator (the hierarchical algorithms'
 inter-node level). What a communicator keeps across calls lives on its Topology: the
-agreement channel, the described calls, the fast-entry table and the stats (shm windows are
-tied to the MPI communicator itself, see algorithms/shm.py). The watchdog and the Config
+agreement channel (with its shared window where the group is one node), the described
+calls, the fast-entry table and the stats (shm's algorithm windows are tied to the MPI
+communicator itself, see algorithms/shm.py). The watchdog and the Config
 are the process's, shared by every communicator."""
 
 from __future__ import annotations
