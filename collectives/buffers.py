@@ -48,11 +48,13 @@ class Buffer:
         if self.kind == "numpy":
             return wrap(host_empty(shape, self.flat.dtype), "out")
         if self.kind == "torch":
-            if self.orig.device.type != "cpu":
+            if not self.orig.is_cpu:
                 return wrap(torch.empty(shape, dtype=self.orig.dtype, device=self.orig.device),
                             "out")
-            host = torch.from_numpy(host_empty(shape, self.flat.dtype))
-            return wrap(host.view(torch.bfloat16) if self.dtype == "bfloat16" else host, "out")
+            host = host_empty(shape, self.flat.dtype)  # its flat view is ours: no wrap()
+            t = torch.from_numpy(host)
+            return Buffer(t.view(torch.bfloat16) if self.dtype == "bfloat16" else t, "torch",
+                          host.reshape(-1), self.dtype, tuple(shape), False)
         return wrap(cupy.empty(shape, dtype=self.orig.dtype), "out")
 
     def result(self) -> Any:
