@@ -57,6 +57,12 @@ def shm_reduce_single(window: Any, seq: int, send: np.ndarray, recv: np.ndarray,
     _C.shm_reduce_single(window, seq, send, recv, send.size, lo, hi, CODES[dtype], int(op))
 
 
+def shm_allgather_single(window: Any, seq: int, send: np.ndarray, recv: np.ndarray,
+                         bounds: list[int]) -> None:
+    """The single-step shared-memory allgather of collectives/algorithms/shm.py."""
+    _C.shm_allgather_single(window, seq, send, recv, bounds, send.itemsize)
+
+
 def shm_allgather(window: Any, seq: int, send: np.ndarray, recv: np.ndarray,
                   bounds: list[int], e: int, nchunks: int) -> None:
     """The shared-memory allgather stages of collectives/algorithms/shm.py."""

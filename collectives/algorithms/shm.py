@@ -20,8 +20,8 @@ block:
 These pipelined stages run in C++ with the GIL released (csrc/runtime/shm.cpp).
 Calls staging at most SMALL_BYTES in all take one chunk in one step (the single-step path):
 every rank copies its whole input in, waits once, and reads what it needs from every
-rank's buffer (allreduce: every rank folds the whole vector; reducescatter its block; in
-C++, csrc/runtime/shm.cpp's shm_single; allgather copies every block out, in Python). An
+rank's buffer (allreduce: every rank folds the whole vector; reducescatter its block;
+allgather copies every block out; csrc/runtime/shm.cpp's shm_single). An
 allreduce called through the API on one node takes that step inside its agreement instead
 (collectives/agreement.py: the call's header rides beside its data), so it has no step of
 its own there; hierarchical's node level calls allreduce() here directly.
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -62,7 +61,7 @@ from .. import config, kernels
 from ..costmodel import Layout, Params
 from ..ops import ReduceOp
 from ..p2p import count, even_bounds, offsets
-from ..shm_window import DONE, READY, Window, ranks_on_machine, shares_memory
+from ..shm_window import Window, ranks_on_machine, shares_memory
 
 #: Largest staging buffer per rank and chunk where every rank has a core of its own: chunks
 #: that stay in the L2 cache, and a 1 MiB allreduce at np 2 has two to pipeline (74 us
@@ -181,23 +180,6 @@ def _piece_elems(longest: int, pieces: int, itemsize: int, size: int) -> int:
     return min(longest, per)
 
 
-def _single(comm: MPI.Comm, send: np.ndarray, counts: list[int],
-            finish: Callable[[list[np.ndarray]], None]) -> None:
-    """A small allgather in one chunk: every rank copies its whole send in, waits once, and
-    finish reads what it needs from every rank's buffer (rank j's holds counts[j])."""
-    w = _window(comm, max(counts) * send.itemsize)
-    g = w.seq
-    o = w.offset(g, send.dtype)
-    data = w.data(send.dtype)
-    w.wait(DONE, g - DEPTH)
-    np.copyto(data[w.rank][o:o + send.size], send)
-    w.post(READY, g)
-    w.wait(READY, g)
-    finish([d[o:o + c] for d, c in zip(data, counts)])
-    w.post(DONE, g)
-    w.seq = g + 1
-
-
 def _reduce_single(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, lo: int, hi: int,
                    op: ReduceOp, dtype: str) -> None:
     """recv = elements [lo, hi) of the reduction of every rank's send, in one step (every
@@ -278,12 +260,11 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
     if recv.size == 0:
         return
     bounds = offsets(counts)
-    if recv.nbytes <= SMALL_BYTES:
-        def finish(slots: list[np.ndarray]) -> None:
-            for j, slot in enumerate(slots):
-                np.copyto(recv[bounds[j]:bounds[j + 1]], slot)
-
-        return _single(comm, send, counts, finish)
+    if recv.nbytes <= SMALL_BYTES:  # one step: every rank copies every block out
+        w = _window(comm, max(counts) * send.itemsize)
+        kernels.shm_allgather_single(w.native, w.seq, send, recv, bounds)
+        w.seq += 1
+        return
     blocks = _Blocks(bounds, _piece_elems(max(counts), 1, send.itemsize, size))
     w = _window(comm, blocks.e * send.itemsize)
     kernels.shm_allgather(w.native, w.seq, send, recv, bounds, blocks.e, blocks.nchunks)

@@ -73,6 +73,24 @@ void py_shm_reduce_single(const ShmWindow& w, int64_t seq, const py::buffer& sen
   shm_reduce_single(w, seq, in, out, count, lo, hi, dtype, op);
 }
 
+void py_shm_allgather_single(const ShmWindow& w, int64_t seq, const py::buffer& send,
+                             const py::buffer& recv, const std::vector<int64_t>& bounds,
+                             int64_t item) {
+  if (item <= 0) throw py::value_error("item: must be > 0");
+  if (bounds.size() != w.segments.size() + 1) throw py::value_error("bounds: need size + 1");
+  for (size_t j = 0; j + 1 < bounds.size(); ++j) {
+    if (bounds[j] < 0 || bounds[j + 1] < bounds[j])
+      throw py::value_error("bounds: must start at 0 or more and not decrease");
+    if ((bounds[j + 1] - bounds[j]) * item > w.slot_bytes)
+      throw py::value_error("bounds: a block does not fit a slot");
+  }
+  const void* in =
+      check::ptr(send, "send", std::nullopt, false, (bounds[w.rank + 1] - bounds[w.rank]) * item);
+  void* out = check::ptr(recv, "recv", std::nullopt, true, bounds.back() * item);
+  py::gil_scoped_release release;
+  shm_allgather_single(w, seq, in, out, bounds, item);
+}
+
 void py_shm_allgather(const ShmWindow& w, int64_t seq, const py::buffer& send,
                       const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
                       int64_t nchunks, int64_t item) {
@@ -119,6 +137,9 @@ void bind_shm(py::module_& m) {
         py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("lo"), py::arg("hi"),
         py::arg("dtype"), py::arg("op"),
         "shm.py's single-step reduction: elements [lo, hi) of the reduction (GIL released)");
+  m.def("shm_allgather_single", &py_shm_allgather_single, py::arg("window"), py::arg("seq"),
+        py::arg("send"), py::arg("recv"), py::arg("bounds"), py::arg("item"),
+        "shm.py's single-step allgather (GIL released)");
   m.def("shm_allgather", &py_shm_allgather, py::arg("window"), py::arg("seq"), py::arg("send"),
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("item"),
         "shm.py's pipelined allgather stages (GIL released)");

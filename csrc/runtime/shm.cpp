@@ -132,6 +132,17 @@ void shm_reduce_single(const ShmWindow& w, int64_t seq, const void* send, void* 
   });
 }
 
+void shm_allgather_single(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+                          const std::vector<int64_t>& bounds, int64_t item) {
+  const int n = static_cast<int>(w.segments.size());
+  auto* out = static_cast<unsigned char*>(recv);
+  const int64_t mine = (bounds[w.rank + 1] - bounds[w.rank]) * item;
+  shm_single(w, seq, nullptr, 0, send, mine, [&](const unsigned char* const* buffers) {
+    for (int j = 0; j < n; ++j)
+      std::memcpy(out + bounds[j] * item, buffers[j], (bounds[j + 1] - bounds[j]) * item);
+  });
+}
+
 void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
                 const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks, DType dtype,
                 ReduceOp op, bool allreduce) {

@@ -73,4 +73,9 @@ inline int64_t shm_single_data_offset(int64_t head_bytes) { return (head_bytes +
 void shm_reduce_single(const ShmWindow& w, int64_t seq, const void* send, void* recv,
                        int64_t count, int64_t lo, int64_t hi, DType dtype, ReduceOp op);
 
+// Every rank's send (bounds[j+1] - bounds[j] elements of item bytes from rank j) into recv
+// in rank order, in one step (shm_single): every rank copies every block out.
+void shm_allgather_single(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+                          const std::vector<int64_t>& bounds, int64_t item);
+
 }  // namespace collectives
