@@ -4,8 +4,8 @@ allgather and broadcast through one shared window per communicator
 
 How it works. Every rank owns a segment of the communicator's window, kept across calls
 (grown on demand, collectively; freed by `shutdown`), holding DEPTH staging buffers of up
-to SLOT_BYTES (slot_limit()). A call is cut into chunks; chunk g (numbered across calls) uses buffer
-g % DEPTH. The data is cut into one block per rank, and each chunk takes one piece of every
+to slot_limit() bytes. A call is cut into chunks; chunk g (numbered across calls) uses
+buffer g % DEPTH. The data is cut into one block per rank, and each chunk takes one piece of every
 block:
   reducescatter  1. copy-in: every rank copies its pieces of the other ranks' blocks into its
                     buffer, then bumps READY; 2. reduce: rank r folds piece r of every rank's

@@ -1,8 +1,8 @@
 // A shared window's slots and counters seen from one rank: posting a counter, waiting for
 // every rank's (runtime/shm.cpp's stages and the shared-memory agreement, agree.cpp).
 // A counter is published with a full fence then a release store, and read with an acquire
-// load then a full fence: the same ordering MPI_Win_sync gives collectives/algorithms/shm.py,
-// so Python and C++ stages may run on one window in any mix.
+// load then a full fence, so a rank that sees chunk g counted also sees its data. The window
+// is allocated in Python (collectives/shm_window.py); every stage runs here.
 #pragma once
 
 #include <sched.h>
