@@ -54,26 +54,26 @@ class Window:
     Its stages run in C++ on `native`; seq counts the chunks done on it so far, the same
     on every rank."""
 
-    __slots__ = ("win", "rank", "size", "slot_bytes", "depth", "native", "seq")
+    __slots__ = ("win", "slot_bytes", "native", "seq")
 
     def __init__(self, comm: MPI.Comm, slot_bytes: int, depth: int, stall_seconds: float):
-        self.slot_bytes, self.depth = slot_bytes, depth
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.slot_bytes = slot_bytes
+        rank, size = comm.Get_rank(), comm.Get_size()
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # page-aligned segments, first-touched locally
         self.win = MPI.Win.Allocate_shared(_HEADER + depth * slot_bytes, 1, info, comm)
         info.Free()
         self.win.Lock_all(MPI.MODE_NOCHECK)  # Win.Sync needs a passive-target epoch
-        raw = [self.win.Shared_query(j)[0] for j in range(self.size)]
+        raw = [self.win.Shared_query(j)[0] for j in range(size)]
         # MPI does not promise zeroed memory (a one-rank window comes from malloc): zero our
         # counters, and let no rank read a peer's before the peer has
-        np.frombuffer(raw[self.rank], np.uint8, _HEADER)[:] = 0
+        np.frombuffer(raw[rank], np.uint8, _HEADER)[:] = 0
         self.win.Sync()
         comm.Barrier()
         self.seq = 0
-        spin_seconds = SPIN_SECONDS if ranks_on_machine(self.size) <= cores() else 0.0
+        spin_seconds = SPIN_SECONDS if ranks_on_machine(size) <= cores() else 0.0
         self.native = kernels.shm_window(
-            [np.frombuffer(b, np.uint8).ctypes.data for b in raw], self.rank, _HEADER, _STRIDE,
+            [np.frombuffer(b, np.uint8).ctypes.data for b in raw], rank, _HEADER, _STRIDE,
             slot_bytes, depth, spin_seconds, stall_seconds)
 
     def free(self) -> None:

@@ -5,8 +5,8 @@ allgather and broadcast through one shared window per communicator
 How it works. Every rank owns a segment of the communicator's window, kept across calls
 (grown on demand, collectively; freed by `shutdown`), holding DEPTH staging buffers of up
 to slot_limit() bytes. A call is cut into chunks; chunk g (numbered across calls) uses
-buffer g % DEPTH. The data is cut into one block per rank, and each chunk takes one piece of every
-block:
+buffer g % DEPTH. The data is cut into one block per rank, and each chunk takes one piece
+of every block:
   reducescatter  1. copy-in: every rank copies its pieces of the other ranks' blocks into its
                     buffer, then bumps READY; 2. reduce: rank r folds piece r of every rank's
                     buffer (its own straight from its input), in rank order, into its output
@@ -67,7 +67,7 @@ from ..shm_window import Window, ranks_on_machine, shares_memory
 #: that stay in the L2 cache, and a 1 MiB allreduce at np 2 has two to pipeline (74 us
 #: against 91 us in one chunk). With more ranks than cores a wait may cost a context switch,
 #: so fewer chunks win: buffers of twice this (np 4 on 2 cores: 1 MiB in 702 us, 838 us with
-#: this size). See slot_bytes().
+#: this size). See slot_limit().
 SLOT_BYTES = 512 << 10
 #: Smallest buffer allocated, so that small calls do not regrow the window one by one.
 MIN_SLOT_BYTES = 64 << 10

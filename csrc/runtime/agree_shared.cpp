@@ -5,7 +5,6 @@
 // message sent. A joined rank's header says so and carries no payload: it is left out of
 // the fold (the identity) and of the comparison.
 #include <cstring>
-#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>

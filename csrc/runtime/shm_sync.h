@@ -57,10 +57,17 @@ class Sync {
   }
 
  private:
-  // One wait's start (a wait on several ranks is one wait) and its next deadline.
+  // One wait's start (a wait on several ranks is one wait), read from the clock only once
+  // a counter is found short (most waits find theirs counted), and its next deadline.
   struct Clock {
     explicit Clock(double deadline) : deadline(deadline) {}
-    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    void begin() {
+      if (started) return;
+      start = std::chrono::steady_clock::now();
+      started = true;
+    }
+    std::chrono::steady_clock::time_point start;
+    bool started = false;
     double deadline;
   };
 
@@ -70,6 +77,8 @@ class Sync {
 
   void spin(int j, int64_t c, int64_t g, Clock& clock) const {
     const int64_t* flag = counter(j, c);
+    if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) > g) return;
+    clock.begin();
     for (unsigned polls = 1; __atomic_load_n(flag, __ATOMIC_ACQUIRE) <= g; ++polls) {
       if (polls % 32) continue;
       const double waited =
