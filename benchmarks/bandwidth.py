@@ -197,6 +197,21 @@ def time_round(call, iters: int, comm: MPI.Comm) -> float:
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
+def median_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, float]:
+    """Each zero-argument call's median seconds per call over args.rounds interleaved
+    rounds (the slowest rank's), after args.w warmup calls each; args.n calls per round,
+    fewer above 1 MiB so that a sweep's time stays bounded."""
+    iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
+    for call in calls.values():
+        for _ in range(args.w):
+            call()
+    times = {name: [] for name in calls}
+    for _ in range(args.rounds):
+        for name, call in calls.items():
+            times[name].append(time_round(call, iters, comm))
+    return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
 def run(args, comm: MPI.Comm) -> list[dict]:
     n = comm.Get_size()
     dtype = np.dtype(args.dtype)
@@ -211,18 +226,10 @@ def run(args, comm: MPI.Comm) -> list[dict]:
         x = local_input(op, nbytes, dtype, comm)
         calls = {a: make_call(op, a, x, gloo, args.inplace) for a in args.algo}
         calls = {a: c for a, c in calls.items() if c is not None}
-        # fewer iterations for big buffers keeps a sweep's time bounded
-        iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
-        for call in calls.values():
-            for _ in range(args.w):
-                call()
-        times = {a: [] for a in calls}
-        for _ in range(args.rounds):
-            for a, call in calls.items():
-                times[a].append(time_round(call, iters, comm))
+        median = median_times(calls, nbytes, args, comm)
         size = x.nbytes * (n if op == "allgather" else 1)
         for a in calls:
-            t = float(np.median(times[a]))
+            t = median[a]
             algbw = size / t / 1e9
             rows.append({
                 "size": size, "count": size // dtype.itemsize, "type": dtype.name,

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from bandwidth import Gloo, parse_size, sizes, time_round
+from bandwidth import Gloo, median_times, parse_size, sizes
 
 #: Column order; a peer that is not installed is left out.
 CALLS = ("deepspeed", "gloo", "mpi", "auto", "auto-oop", "shm")
@@ -112,18 +112,8 @@ def run(args, comm: MPI.Comm, calls: dict) -> list[dict]:
         for name, call in calls.items():
             check(name, call, count, comm)
         t = torch.zeros(count)  # zeros: sums stay finite however many calls run
-        iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
         bound = {name: (lambda call=call, t=t: call(t)) for name, call in calls.items()}
-        for f in bound.values():
-            for _ in range(args.w):
-                f()
-        times = {name: [] for name in bound}
-        for _ in range(args.rounds):
-            for name, f in bound.items():
-                times[name].append(time_round(f, iters, comm))
-        row = {"size": nbytes}
-        for name, ts in times.items():
-            row[name] = float(np.median(ts))
+        row = {"size": nbytes, **median_times(bound, nbytes, args, comm)}
         rows.append(row)
         if comm.rank == 0:
             print(format_row(row, n, calls), flush=True)

@@ -17,10 +17,9 @@ import json
 import sys
 
 import collectives  # noqa: F401  (registers the backend)
-import numpy as np
 import torch
 import torch.distributed as dist
-from bandwidth import parse_size, sizes, time_round
+from bandwidth import median_times, parse_size, sizes
 from mpi4py import MPI
 
 
@@ -48,15 +47,7 @@ def run(args) -> list[dict]:
             "gloo": lambda t=t: dist.all_reduce(t, group=gloo),
             "mpi-raw": lambda x=x: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
         }
-        iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
-        for call in calls.values():
-            for _ in range(args.w):
-                call()
-        times = {name: [] for name in calls}
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                times[name].append(time_round(call, iters, comm))
-        median = {name: float(np.median(ts)) for name, ts in times.items()}
+        median = median_times(calls, nbytes, args, comm)
         row = {"size": count * 4, "np": n}
         for name, seconds in median.items():
             row[f"{name}_us"] = seconds * 1e6
