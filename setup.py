@@ -27,7 +27,7 @@ def mpi_dirs(kind: str) -> list[str]:
 
 setup(
     name="collectives",
-    version="0.2.0",
+    version="0.2.1",
     description="MPI collective communication for data-parallel training",
     packages=find_packages(include=["collectives", "collectives.*", "optim", "optim.*"]),
     python_requires=">=3.10",

@@ -103,13 +103,14 @@ def _finish(buf: Buffer, out: Buffer) -> Any:
 # ----------------------------------------------------------------------------- allreduce
 
 def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: bool) -> Any:
-    """The small-allreduce fast entry: a host NumPy array or CPU torch tensor whose call was
-    described before and rides in the agreement goes straight to C++. None: not taken."""
+    """The allreduce fast entry: a host NumPy array or CPU torch tensor whose call was
+    described before and has a C++ path (calls.Call.fast) goes straight to it. None: not
+    taken."""
     if type(op) is not ReduceOp:
         return None
     if type(x) is np.ndarray:
         call = topo.fast.get((op, x.dtype, x.shape, algorithm))
-        return None if call is None else call.small(x, inplace)
+        return None if call is None else call.fast(x, inplace)
     # a tensor goes in by address: its dtype and shape are the described call's, so only
     # where it lives and its layout are left to check
     if type(x) is not _Tensor or not x.is_cpu or x.requires_grad and inplace \
@@ -119,7 +120,7 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     if call is None:
         return None
     out = x if inplace else torch.empty_like(x, requires_grad=False)
-    return out if call.small.at(x.data_ptr(), out.data_ptr()) else None
+    return out if call.fast.at(x.data_ptr(), out.data_ptr()) else None
 
 
 def _check_factor(name: str, value: object) -> float:
@@ -163,9 +164,9 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
         return _compressed(topo, buf, op, algorithm, compressor, inplace)
     call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
     out = buf if inplace else buf.empty(buf.shape)
+    if call.fast is not None and not buf.staged and buf.dtype != "bfloat16":
+        topo.fast[(op, x.dtype, x.shape, algorithm)] = call  # the next such call takes it
     if call.rides:  # the data rides in the agreement
-        if not buf.staged and buf.dtype != "bfloat16":
-            topo.fast[(op, x.dtype, x.shape, algorithm)] = call
         return call, Job(lambda: _finish(buf, out), buf.flat, out.flat, buf.flat.size,
                          call.dtype_code, call.op_code, call.divisor)
 
@@ -240,7 +241,7 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
     prescale_factor multiplies every rank's x before the reduction, postscale_factor the
     result (as Horovod's); name labels the call in mismatch and stall messages and the
     timeline (every rank must pass the same)."""
-    # inline: the small-allreduce fast entry's path
+    # inline: the allreduce fast entry's path
     topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
     if compression is None and name is None and prescale_factor == 1 and postscale_factor == 1:
         out = _fast(topo, x, op, algorithm, False)
@@ -255,7 +256,7 @@ def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                postscale_factor: float = 1.0, name: str | None = None, comm: Any = None,
                process_set: Any = None) -> Any:
     """Reduce x over all ranks in place; returns x."""
-    # inline: the small-allreduce fast entry's path
+    # inline: the allreduce fast entry's path
     topo = topology.of(comm) if process_set is None else process_sets.resolve(comm, process_set)
     if compression is None and name is None and prescale_factor == 1 and postscale_factor == 1 \
             and _fast(topo, x, op, algorithm, True) is not None:

@@ -4,8 +4,8 @@ distinct call and kept on its communicator (Topology.calls).
 A description holds the fields every rank must agree on, their digest (the agreement
 checks it), the concrete algorithm (`auto` resolved: a function of agreed values, so the
 same on every rank), the stats counter it counts on and, for an allreduce whose data rides
-in the agreement exchange (riding()), the C++ fast entry that runs the whole call
-(`_C.SmallAllreduce`)."""
+in the agreement exchange (riding()) or that runs shm's pipeline after a shared-memory
+exchange, the C++ fast entry that runs the whole call (`_C.FastAllreduce`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from . import agreement, algorithms, select
+from .algorithms import shm
 from .dtypes import CODES, STORAGE
 from .engine import ENGINE, Job
 from .kernels import _C
@@ -32,7 +33,7 @@ class Call(NamedTuple):
     algorithm: str         # concrete algorithm, or the stats label of a compressed call
     native: Any            # _C.Call: digest, stall-record text, counter, mismatch report
     rides: bool = False    # a reduction whose data rides in the agreement exchange
-    small: Any = None      # allreduce that rides: its C++ fast entry (_C.SmallAllreduce)
+    fast: Any = None       # an allreduce's C++ fast entry (_C.FastAllreduce), where it has one
     dtype_code: int = 0    # a reduction: the kernels' codes of its payload
     op_code: int = 0
     divisor: int = 1       # world size for Average, else 1
@@ -86,16 +87,23 @@ def reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes
 
 def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes: int,
                op: ReduceOp, algo: str, fast_entry: bool) -> Call:
-    """A reduction's Call, its data riding in the agreement where riding() says."""
+    """A reduction's Call, its data riding in the agreement where riding() says; with
+    fast_entry, the C++ fast entry where the whole call can run in C++: a riding one, or
+    shm's pipeline after a shared-memory exchange."""
     native = _native(topo, collective, fields, algo)
     code, kop = CODES[dtype], int(kernel_op(op))
     divisor = topo.size if op is ReduceOp.Average else 1
     rides = riding(topo, algo, nbytes)
-    small = None
-    if rides and fast_entry:
-        count = nbytes // STORAGE[dtype].itemsize
-        small = _C.SmallAllreduce(ENGINE.native, topo.channel, native, count, code, kop, divisor)
-    return Call(collective, fields, algo, native, rides, small, code, kop, divisor)
+    fast = None
+    if fast_entry:
+        itemsize = STORAGE[dtype].itemsize
+        count = nbytes // itemsize
+        pipeline = shm.allreduce_pipeline(topo.comm, count, itemsize) \
+            if algo == "shm" and topo.channel.shared and not rides else None
+        if rides or pipeline is not None:
+            fast = _C.FastAllreduce(ENGINE.native, topo.channel, native, count, code, kop,
+                                    divisor, pipeline)
+    return Call(collective, fields, algo, native, rides, fast, code, kop, divisor)
 
 
 def riding(topo: Topology, algo: str, nbytes: int) -> bool:
@@ -142,7 +150,7 @@ def named(topo: Topology, call: Call, name: object) -> Call:
     if found is None:
         fields = call.fields + (("name", name),)
         found = _remember(topo, key, call._replace(
-            fields=fields, small=None,
+            fields=fields, fast=None,
             native=_native(topo, call.collective, fields, call.algorithm)))
     return found
 

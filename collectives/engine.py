@@ -11,7 +11,8 @@ The engine's state lives in C++ (`_C.Engine`, csrc/runtime/engine.h) and nowhere
 queue, the claim, the stall record, the failed flag and the byte counts. One call runs as
 `_C.Engine.execute`: stall record, agreement exchange over the call's communicator (with a
 payload riding in it), then the job's `move` (the algorithm), then the call's stats. The
-small-allreduce fast entry (`_C.SmallAllreduce`) is that same execute behind a claim."""
+allreduce fast entry (`_C.FastAllreduce`) is that same execute behind a claim, its move in C++
+when it has one (shm's pipeline on one node)."""
 
 from __future__ import annotations
 

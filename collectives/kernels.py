@@ -43,36 +43,35 @@ def shm_window(addresses: list[int], rank: int, header_bytes: int, stride: int,
                         stall_seconds)
 
 
-def shm_reduce(window: Any, seq: int, send: np.ndarray, recv: np.ndarray, bounds: list[int],
+def shm_reduce(window: Any, send: np.ndarray, recv: np.ndarray, bounds: list[int],
                e: int, nchunks: int, dtype: str, op: ReduceOp, allreduce: bool) -> None:
     """The shared-memory reduction stages of collectives/algorithms/shm.py."""
-    _C.shm_reduce(window, seq, send, recv, bounds, e, nchunks, CODES[dtype], int(op),
+    _C.shm_reduce(window, send, recv, bounds, e, nchunks, CODES[dtype], int(op),
                   allreduce)
 
 
-def shm_reduce_single(window: Any, seq: int, send: np.ndarray, recv: np.ndarray, lo: int,
-                      hi: int, dtype: str, op: ReduceOp) -> None:
+def shm_reduce_single(window: Any, send: np.ndarray, recv: np.ndarray, lo: int, hi: int,
+                      dtype: str, op: ReduceOp) -> None:
     """The single-step shared-memory reduction of collectives/algorithms/shm.py: recv =
     elements [lo, hi) of the reduction of every rank's send."""
-    _C.shm_reduce_single(window, seq, send, recv, send.size, lo, hi, CODES[dtype], int(op))
+    _C.shm_reduce_single(window, send, recv, send.size, lo, hi, CODES[dtype], int(op))
 
 
-def shm_allgather_single(window: Any, seq: int, send: np.ndarray, recv: np.ndarray,
+def shm_allgather_single(window: Any, send: np.ndarray, recv: np.ndarray,
                          bounds: list[int]) -> None:
     """The single-step shared-memory allgather of collectives/algorithms/shm.py."""
-    _C.shm_allgather_single(window, seq, send, recv, bounds, send.itemsize)
+    _C.shm_allgather_single(window, send, recv, bounds, send.itemsize)
 
 
-def shm_allgather(window: Any, seq: int, send: np.ndarray, recv: np.ndarray,
-                  bounds: list[int], e: int, nchunks: int) -> None:
+def shm_allgather(window: Any, send: np.ndarray, recv: np.ndarray, bounds: list[int], e: int,
+                  nchunks: int) -> None:
     """The shared-memory allgather stages of collectives/algorithms/shm.py."""
-    _C.shm_allgather(window, seq, send, recv, bounds, e, nchunks, send.itemsize)
+    _C.shm_allgather(window, send, recv, bounds, e, nchunks, send.itemsize)
 
 
-def shm_broadcast(window: Any, seq: int, buf: np.ndarray, e: int, nchunks: int,
-                  root: int) -> None:
+def shm_broadcast(window: Any, buf: np.ndarray, e: int, nchunks: int, root: int) -> None:
     """The shared-memory broadcast stages of collectives/algorithms/shm.py (buf as bytes)."""
-    _C.shm_broadcast(window, seq, buf, buf.nbytes, e, nchunks, root)
+    _C.shm_broadcast(window, buf, buf.nbytes, e, nchunks, root)
 
 
 def divide(buf: Array, dtype: str, divisor: int) -> None:

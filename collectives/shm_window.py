@@ -1,7 +1,8 @@
 """A shared-memory window: one segment per rank of ranks that share a node, made with
 MPI.Win.Allocate_shared, holding three counters and `depth` staging buffers.
 
-Chunk g (numbered across calls on the window) uses buffer g % depth. A counter is a number
+Chunk g (numbered across calls on the window, by its C++ side, which every call begins
+through) uses buffer g % depth. A counter is a number
 of chunks done, written only by its owner after a full memory fence and read by the others
 before one, so a reader that sees chunk g counted also sees its data. Every stage runs in
 C++ on the layout handed over here (`native`; csrc/runtime/shm_sync.h posts and waits).
@@ -51,10 +52,10 @@ def shares_memory(comm: MPI.Comm) -> bool:
 class Window:
     """One communicator's shared window: each rank's counters and staging buffers
     (collective over comm to make and to free). stall_seconds bounds a wait (inf: never).
-    Its stages run in C++ on `native`; seq counts the chunks done on it so far, the same
-    on every rank."""
+    Its stages run in C++ on `native`, which also numbers the chunks (the same on every
+    rank)."""
 
-    __slots__ = ("win", "slot_bytes", "native", "seq")
+    __slots__ = ("win", "slot_bytes", "native")
 
     def __init__(self, comm: MPI.Comm, slot_bytes: int, depth: int, stall_seconds: float):
         self.slot_bytes = slot_bytes
@@ -70,12 +71,12 @@ class Window:
         np.frombuffer(raw[rank], np.uint8, _HEADER)[:] = 0
         self.win.Sync()
         comm.Barrier()
-        self.seq = 0
         spin_seconds = SPIN_SECONDS if ranks_on_machine(size) <= cores() else 0.0
         self.native = kernels.shm_window(
             [np.frombuffer(b, np.uint8).ctypes.data for b in raw], rank, _HEADER, _STRIDE,
             slot_bytes, depth, spin_seconds, stall_seconds)
 
     def free(self) -> None:
+        self.native.close()  # a C++ entry still holding it must not touch the memory
         self.win.Unlock_all()
         self.win.Free()

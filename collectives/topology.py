@@ -56,7 +56,7 @@ class Topology:
         self.channel = agreement.channel(self.comm, watchdog, self.window)
         self.stats = _C.Stats()
         self.calls: dict[tuple, object] = {}  # described calls (collectives/calls.py)
-        self.fast: dict[tuple, object] = {}   # the small-allreduce fast entry's table
+        self.fast: dict[tuple, object] = {}   # the allreduce fast entry's table
 
     def shard_owner(self, shard: int) -> int:
         """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to

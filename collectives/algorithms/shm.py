@@ -17,7 +17,9 @@ of every block:
   allgather      1. copy a piece of the input into the buffer (and into the own output
                  block); 2. copy every other rank's piece out.
   broadcast      1. the root copies a piece in; 2. the others copy it out.
-These pipelined stages run in C++ with the GIL released (csrc/runtime/shm.cpp).
+These pipelined stages run in C++ with the GIL released (csrc/runtime/shm.cpp); an
+allreduce described before runs them from the API's C++ fast entry (allreduce_pipeline(),
+csrc/bindings/runtime.cpp's FastAllreduce), with no Python between the call and its result.
 Calls staging at most SMALL_BYTES in all take one chunk in one step (the single-step path):
 every rank copies its whole input in, waits once, and reads what it needs from every
 rank's buffer (allreduce: every rank folds the whole vector; reducescatter its block;
@@ -184,9 +186,7 @@ def _reduce_single(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, lo: int, 
                    op: ReduceOp, dtype: str) -> None:
     """recv = elements [lo, hi) of the reduction of every rank's send, in one step (every
     rank folds them from every rank's buffer, in C++: csrc/runtime/shm.cpp)."""
-    w = _window(comm, send.nbytes)
-    kernels.shm_reduce_single(w.native, w.seq, send, recv, lo, hi, dtype, op)
-    w.seq += 1
+    kernels.shm_reduce_single(_window(comm, send.nbytes).native, send, recv, lo, hi, dtype, op)
 
 
 class _Blocks:
@@ -207,9 +207,17 @@ def _reduce_blocks(w: Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarra
                    op: ReduceOp, dtype: str, allreduce: bool) -> None:
     """The pipelined stages (copy-in, reduce, and for allreduce copy-out) of every chunk,
     in C++ with the GIL released (csrc/runtime/shm.cpp; same counters and order as above)."""
-    kernels.shm_reduce(w.native, w.seq, send, recv, blocks.bounds, blocks.e, blocks.nchunks,
-                       dtype, op, allreduce)
-    w.seq += blocks.nchunks
+    kernels.shm_reduce(w.native, send, recv, blocks.bounds, blocks.e, blocks.nchunks, dtype, op,
+                       allreduce)
+
+
+def _allreduce_blocks(size: int, elems: int, itemsize: int) -> _Blocks | None:
+    """How allreduce cuts elems elements of itemsize bytes over size ranks for the
+    pipeline, or None where it takes no pipeline (one rank, nothing, or the single step)."""
+    if size == 1 or elems == 0 or elems * itemsize * size <= SMALL_BYTES:
+        return None
+    bounds = even_bounds(elems, size)
+    return _Blocks(bounds, _piece_elems(bounds[1], size, itemsize, size))
 
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
@@ -221,12 +229,24 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
         if recv is not send:
             np.copyto(recv, send)
         return
-    if recv.nbytes * size <= SMALL_BYTES:  # every rank folds the whole vector
+    blocks = _allreduce_blocks(size, recv.size, recv.itemsize)
+    if blocks is None:  # every rank folds the whole vector
         return _reduce_single(comm, send, recv, 0, recv.size, op, dtype)
-    bounds = even_bounds(recv.size, size)
-    blocks = _Blocks(bounds, _piece_elems(bounds[1], size, recv.itemsize, size))
     w = _window(comm, size * blocks.e * recv.itemsize)
     _reduce_blocks(w, blocks, send, recv, op, dtype, allreduce=True)
+
+
+def allreduce_pipeline(comm: MPI.Comm, elems: int, itemsize: int) -> tuple | None:
+    """What a C++ caller needs to run allreduce()'s pipeline on elems elements of itemsize
+    bytes itself (csrc/bindings/runtime.cpp's FastAllreduce): (bounds, e, nchunks, window),
+    window() returning the native window, made or grown as allreduce() would (collective:
+    call it where allreduce() would run). None where allreduce() takes no pipeline."""
+    size = comm.Get_size()
+    blocks = _allreduce_blocks(size, elems, itemsize)
+    if blocks is None:
+        return None
+    slot_bytes = size * blocks.e * itemsize
+    return blocks.bounds, blocks.e, blocks.nchunks, lambda: _window(comm, slot_bytes).native
 
 
 def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
@@ -262,13 +282,11 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
     bounds = offsets(counts)
     if recv.nbytes <= SMALL_BYTES:  # one step: every rank copies every block out
         w = _window(comm, max(counts) * send.itemsize)
-        kernels.shm_allgather_single(w.native, w.seq, send, recv, bounds)
-        w.seq += 1
+        kernels.shm_allgather_single(w.native, send, recv, bounds)
         return
     blocks = _Blocks(bounds, _piece_elems(max(counts), 1, send.itemsize, size))
     w = _window(comm, blocks.e * send.itemsize)
-    kernels.shm_allgather(w.native, w.seq, send, recv, bounds, blocks.e, blocks.nchunks)
-    w.seq += blocks.nchunks
+    kernels.shm_allgather(w.native, send, recv, bounds, blocks.e, blocks.nchunks)
 
 
 def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
@@ -281,5 +299,4 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     e = min(raw.size, slot_limit(comm.Get_size()))
     nchunks = -(-raw.size // e)
     w = _window(comm, e)
-    kernels.shm_broadcast(w.native, w.seq, raw, e, nchunks, root)
-    w.seq += nchunks
+    kernels.shm_broadcast(w.native, raw, e, nchunks, root)

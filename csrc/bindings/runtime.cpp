@@ -1,8 +1,8 @@
 // Bindings of the call path's runtime (runtime/engine.h, runtime/agree.h): the engine with
 // its stall record, one communicator's stats, the agreement channel, a call's native
 // description, execute() (one collective after the claim: record, agreement, the Python
-// move, stats) and SmallAllreduce, a small allreduce's whole fast entry (claim + execute)
-// in one C++ call. collectives/engine.py is the Python face.
+// move, stats) and FastAllreduce, an allreduce's whole call path (claim + execute) in one
+// C++ call. collectives/engine.py is the Python face.
 #include <mpi4py/mpi4py.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -67,7 +67,7 @@ struct Call {
 
 // One communicator's agreement exchange (agree.h), with what stays fixed bound once: over
 // MPI messages, or over a shared window (ShmWindow; None: messages) when every rank of the
-// communicator shares memory; the window's exchanges are numbered here.
+// communicator shares memory.
 class AgreeChannel {
  public:
   AgreeChannel(py::object comm, int tag, int64_t capacity, double first_wait,
@@ -91,8 +91,8 @@ class AgreeChannel {
     {
       py::gil_scoped_release release;
       if (window_ != nullptr)
-        r = agree_shared(*window_, seq_++, digest, src, dst, count, dtype, op, capacity_,
-                         first_wait_, on_wait, role);
+        r = agree_shared(*window_, digest, src, dst, count, dtype, op, capacity_, first_wait_,
+                         on_wait, role);
       else
         r = agree_exchange(comm_, tag_, digest, src, dst, count, dtype, op, capacity_,
                            first_wait_, on_wait, role);
@@ -112,7 +112,6 @@ class AgreeChannel {
   py::function on_wait_;
   py::object window_obj_;  // owns window_
   ShmWindow* window_;
-  int64_t seq_ = 0;  // exchanges so far on the window: the same count on every rank
 };
 
 // One call as the timeline shows it (collectives/timeline.py): which described call
@@ -154,6 +153,16 @@ class PyEngine {
   py::object execute(AgreeChannel& channel, Call& call, const void* send, void* out,
                      int64_t count, DType dtype, ReduceOp op, int64_t divisor,
                      py::handle move, double queued = -1) {
+    return execute_with(channel, call, send, out, count, dtype, op, divisor, queued,
+                        !move.is_none(), [&] { return move.is_none() ? py::none() : move(); });
+  }
+
+  // execute() with its data phase a C++ callable returning the result (moves: whether there
+  // is a data phase, for the timeline).
+  template <class Move>
+  py::object execute_with(AgreeChannel& channel, Call& call, const void* send, void* out,
+                          int64_t count, DType dtype, ReduceOp op, int64_t divisor,
+                          double queued, bool moves, Move&& move) {
     check_usable();
     const double start = tracing_ ? clock_s() : 0;
     Record& record = engine_.record();
@@ -184,7 +193,7 @@ class PyEngine {
       divide(out, count, dtype, divisor);
     }
     record.run();
-    py::object result = move.is_none() ? py::none() : move();
+    py::object result = move();
     const auto after = engine_.bytes();
     credit_->calls += 1;
     credit_->sent += after.first - before.first;
@@ -194,8 +203,8 @@ class PyEngine {
       // each described call's texts are copied once per recording, not once per call
       const auto found = traced_calls_.try_emplace(call.id, traced_texts_.size());
       if (found.second) traced_texts_.push_back({call.collective, call.detail, call.algorithm});
-      trace_.push_back({found.first->second, queued, start, agreed,
-                        move.is_none() ? agreed : end, end, after.first - before.first});
+      trace_.push_back({found.first->second, queued, start, agreed, moves ? end : agreed, end,
+                        after.first - before.first});
     }
     return result;
   }
@@ -281,12 +290,17 @@ class PyEngine {
   std::vector<std::tuple<std::string, std::string, std::string>> traced_texts_;
 };
 
-// A small allreduce that rides in its own agreement exchange, with everything derived from
-// its arguments bound (collectives/calls.py): claim, execute, release in one call.
-class SmallAllreduce {
+// An allreduce whose whole call runs in C++, claim to result, with everything derived
+// from its arguments bound (collectives/calls.py). Either its data rides in the agreement
+// exchange (a small one), or it is shm's pipelined allreduce (collectives/algorithms/
+// shm.py) after a header-only exchange on one node: `pipeline` is then (bounds, e,
+// nchunks, window), the layout shm.py cuts it into and a function returning the shared
+// window it runs on (made or grown collectively, so called after the agreement, where
+// shm.py's own path makes it, and again only once that window is freed).
+class FastAllreduce {
  public:
-  SmallAllreduce(py::object engine, py::object channel, py::object call, int64_t count,
-                 int dtype_code, int op_code, int64_t divisor)
+  FastAllreduce(py::object engine, py::object channel, py::object call, int64_t count,
+                int dtype_code, int op_code, int64_t divisor, py::object pipeline)
       : engine_obj_(std::move(engine)), channel_obj_(std::move(channel)),
         call_obj_(std::move(call)), engine_(engine_obj_.cast<PyEngine*>()),
         channel_(channel_obj_.cast<AgreeChannel*>()), call_(call_obj_.cast<Call*>()),
@@ -294,8 +308,16 @@ class SmallAllreduce {
         divisor_(divisor), nbytes_(count * dtype_size(dtype_)) {
     check::count(count);
     if (divisor < 1) throw py::value_error("divisor: must be >= 1");
-    if (nbytes_ > channel_->capacity())
-      throw py::value_error("count: the payload exceeds the channel's capacity");
+    if (pipeline.is_none()) {
+      if (nbytes_ > channel_->capacity())
+        throw py::value_error("count: the payload exceeds the channel's capacity");
+      return;
+    }
+    std::tie(bounds_, e_, nchunks_, window_fn_) =
+        pipeline.cast<std::tuple<std::vector<int64_t>, int64_t, int64_t, py::function>>();
+    if (bounds_.size() < 2 || bounds_.front() != 0 || bounds_.back() != count || e_ <= 0 ||
+        nchunks_ <= 0)
+      throw py::value_error("pipeline: bounds must run from 0 to count, e and nchunks > 0");
   }
 
   // The reduced array (x itself when inplace), or None when the engine is busy or x's
@@ -311,8 +333,7 @@ class SmallAllreduce {
     } release{engine_};
     py::array out = inplace ? x : py::array(x.dtype(), std::vector<py::ssize_t>(
                                                            x.shape(), x.shape() + x.ndim()));
-    engine_->execute(*channel_, *call_, x.data(), out.mutable_data(), count_, dtype_, op_,
-                     divisor_, py::none());
+    execute(x.data(), out.mutable_data());
     return std::move(out);
   }
 
@@ -326,12 +347,44 @@ class SmallAllreduce {
       PyEngine* engine;
       ~Release() { engine->release(); }
     } release{engine_};
-    engine_->execute(*channel_, *call_, reinterpret_cast<const void*>(src),
-                     reinterpret_cast<void*>(dst), count_, dtype_, op_, divisor_, py::none());
+    execute(reinterpret_cast<const void*>(src), reinterpret_cast<void*>(dst));
     return true;
   }
 
  private:
+  void execute(const void* src, void* dst) {
+    if (window_fn_.is_none()) {
+      engine_->execute(*channel_, *call_, src, dst, count_, dtype_, op_, divisor_, py::none());
+      return;
+    }
+    engine_->execute_with(*channel_, *call_, nullptr, nullptr, 0, dtype_, op_, 1, -1, true,
+                          [&] { return pipelined(src, dst); });
+  }
+
+  // shm.py's allreduce of src into dst, counted and averaged as shm.py and
+  // algorithms.reduce do it.
+  py::object pipelined(const void* src, void* dst) {
+    if (window_ == nullptr || window_->closed) {
+      window_obj_ = window_fn_();
+      window_ = window_obj_.cast<ShmWindow*>();
+      const int64_t size = static_cast<int64_t>(window_->segments.size());
+      if (static_cast<int64_t>(bounds_.size()) != size + 1 ||
+          size * e_ * dtype_size(dtype_) > window_->slot_bytes)
+        throw std::logic_error("FastAllreduce: the window does not fit the pipeline");
+    }
+    {
+      py::gil_scoped_release release;
+      shm_reduce(*window_, src, dst, bounds_, e_, nchunks_, dtype_, op_, true);
+    }
+    engine_->add_bytes(nbytes_, nbytes_);
+    const int64_t divisor = divisor_ == 1 ? 1 : divisor_ - engine_->joined();
+    if (divisor > 1) {
+      py::gil_scoped_release release;
+      divide(dst, count_, dtype_, divisor);
+    }
+    return py::none();
+  }
+
   py::object engine_obj_, channel_obj_, call_obj_;  // keep the pointers below alive
   PyEngine* engine_;
   AgreeChannel* channel_;
@@ -340,6 +393,12 @@ class SmallAllreduce {
   DType dtype_;
   ReduceOp op_;
   int64_t divisor_, nbytes_;
+  // the pipelined case only
+  std::vector<int64_t> bounds_;
+  int64_t e_ = 0, nchunks_ = 0;
+  py::object window_fn_ = py::none();
+  py::object window_obj_;  // owns window_
+  ShmWindow* window_ = nullptr;
 };
 
 // tree.py's allreduce: the agreement's recursive doubling without the check (the call was
@@ -427,14 +486,14 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("failed", &PyEngine::failed)
       .def("snapshot", &PyEngine::snapshot,
            "The stall record: (state, calls, collective, detail, age in s)");
-  py::class_<SmallAllreduce>(m, "SmallAllreduce",
-                             "A small allreduce's fast entry with its arguments bound")
-      .def(py::init<py::object, py::object, py::object, int64_t, int, int, int64_t>(),
+  py::class_<FastAllreduce>(m, "FastAllreduce",
+                            "An allreduce's C++ call path with its arguments bound")
+      .def(py::init<py::object, py::object, py::object, int64_t, int, int, int64_t, py::object>(),
            py::arg("engine"), py::arg("channel"), py::arg("call"), py::arg("count"),
-           py::arg("dtype"), py::arg("op"), py::arg("divisor"))
-      .def("__call__", &SmallAllreduce::run, py::arg("x"), py::arg("inplace"),
+           py::arg("dtype"), py::arg("op"), py::arg("divisor"), py::arg("pipeline") = py::none())
+      .def("__call__", &FastAllreduce::run, py::arg("x"), py::arg("inplace"),
            "The reduced array (x when inplace), or None if the fast entry does not apply")
-      .def("at", &SmallAllreduce::run_at, py::arg("src"), py::arg("dst"),
+      .def("at", &FastAllreduce::run_at, py::arg("src"), py::arg("dst"),
            "The call between raw host addresses of the planned dtype and size (dst may be "
            "src); False if the engine is busy");
   m.def("tree_allreduce", &tree_allreduce, py::arg("engine"), py::arg("comm"), py::arg("tag"),

@@ -44,7 +44,7 @@ void check_pieces(const ShmWindow& w, const std::vector<int64_t>& bounds, int64_
   if (nchunks * e < longest) throw py::value_error("nchunks: too few for the longest block");
 }
 
-void py_shm_reduce(const ShmWindow& w, int64_t seq, const py::buffer& send,
+void py_shm_reduce(ShmWindow& w, const py::buffer& send,
                    const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
                    int64_t nchunks, int dtype_code, int op_code, bool allreduce) {
   const DType dtype = check::dtype(dtype_code);
@@ -55,10 +55,10 @@ void py_shm_reduce(const ShmWindow& w, int64_t seq, const py::buffer& send,
   void* out = check::ptr(recv, "recv", dtype, true,
                          allreduce ? bounds.back() : bounds[w.rank + 1] - bounds[w.rank]);
   py::gil_scoped_release release;
-  shm_reduce(w, seq, in, out, bounds, e, nchunks, dtype, op, allreduce);
+  shm_reduce(w, in, out, bounds, e, nchunks, dtype, op, allreduce);
 }
 
-void py_shm_reduce_single(const ShmWindow& w, int64_t seq, const py::buffer& send,
+void py_shm_reduce_single(ShmWindow& w, const py::buffer& send,
                           const py::buffer& recv, int64_t count, int64_t lo, int64_t hi,
                           int dtype_code, int op_code) {
   const DType dtype = check::dtype(dtype_code);
@@ -70,10 +70,10 @@ void py_shm_reduce_single(const ShmWindow& w, int64_t seq, const py::buffer& sen
   const void* in = check::ptr(send, "send", dtype, false, count);
   void* out = check::ptr(recv, "recv", dtype, true, hi - lo);
   py::gil_scoped_release release;
-  shm_reduce_single(w, seq, in, out, count, lo, hi, dtype, op);
+  shm_reduce_single(w, in, out, count, lo, hi, dtype, op);
 }
 
-void py_shm_allgather_single(const ShmWindow& w, int64_t seq, const py::buffer& send,
+void py_shm_allgather_single(ShmWindow& w, const py::buffer& send,
                              const py::buffer& recv, const std::vector<int64_t>& bounds,
                              int64_t item) {
   if (item <= 0) throw py::value_error("item: must be > 0");
@@ -88,10 +88,10 @@ void py_shm_allgather_single(const ShmWindow& w, int64_t seq, const py::buffer& 
       check::ptr(send, "send", std::nullopt, false, (bounds[w.rank + 1] - bounds[w.rank]) * item);
   void* out = check::ptr(recv, "recv", std::nullopt, true, bounds.back() * item);
   py::gil_scoped_release release;
-  shm_allgather_single(w, seq, in, out, bounds, item);
+  shm_allgather_single(w, in, out, bounds, item);
 }
 
-void py_shm_allgather(const ShmWindow& w, int64_t seq, const py::buffer& send,
+void py_shm_allgather(ShmWindow& w, const py::buffer& send,
                       const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
                       int64_t nchunks, int64_t item) {
   if (item <= 0) throw py::value_error("item: must be > 0");
@@ -100,10 +100,10 @@ void py_shm_allgather(const ShmWindow& w, int64_t seq, const py::buffer& send,
       check::ptr(send, "send", std::nullopt, false, (bounds[w.rank + 1] - bounds[w.rank]) * item);
   void* out = check::ptr(recv, "recv", std::nullopt, true, bounds.back() * item);
   py::gil_scoped_release release;
-  shm_allgather(w, seq, in, out, bounds, e, nchunks, item);
+  shm_allgather(w, in, out, bounds, e, nchunks, item);
 }
 
-void py_shm_broadcast(const ShmWindow& w, int64_t seq, const py::buffer& buf, int64_t nbytes,
+void py_shm_broadcast(ShmWindow& w, const py::buffer& buf, int64_t nbytes,
                       int64_t e, int64_t nchunks, int root) {
   if (root < 0 || root >= static_cast<int>(w.segments.size()))
     throw py::value_error("root: out of range");
@@ -111,7 +111,7 @@ void py_shm_broadcast(const ShmWindow& w, int64_t seq, const py::buffer& buf, in
   if (nchunks < 0 || nchunks * e < nbytes) throw py::value_error("nchunks: too few for nbytes");
   void* data = check::ptr(buf, "buf", std::nullopt, w.rank != root, nbytes);
   py::gil_scoped_release release;
-  shm_broadcast(w, seq, data, nbytes, e, nchunks, root);
+  shm_broadcast(w, data, nbytes, e, nchunks, root);
 }
 
 }  // namespace
@@ -128,22 +128,28 @@ void bind_shm(py::module_& m) {
             w.jitter_seconds = seconds;
           },
           py::arg("seconds"),
-          "Tests only: sleep up to seconds before a fifth of this window's counter posts");
-  m.def("shm_reduce", &py_shm_reduce, py::arg("window"), py::arg("seq"), py::arg("send"),
+          "Tests only: sleep up to seconds before a fifth of this window's counter posts")
+      .def_readwrite("seq", &ShmWindow::seq,
+                     "Chunks begun on the window (the same on every rank); tests move it to "
+                     "provoke a stall")
+      .def(
+          "close", [](ShmWindow& w) { w.closed = true; },
+          "Mark the window's memory freed: every later stage on it raises");
+  m.def("shm_reduce", &py_shm_reduce, py::arg("window"), py::arg("send"),
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("dtype"),
         py::arg("op"), py::arg("allreduce"),
         "shm.py's pipelined allreduce / reducescatter stages (GIL released)");
-  m.def("shm_reduce_single", &py_shm_reduce_single, py::arg("window"), py::arg("seq"),
+  m.def("shm_reduce_single", &py_shm_reduce_single, py::arg("window"),
         py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("lo"), py::arg("hi"),
         py::arg("dtype"), py::arg("op"),
         "shm.py's single-step reduction: elements [lo, hi) of the reduction (GIL released)");
-  m.def("shm_allgather_single", &py_shm_allgather_single, py::arg("window"), py::arg("seq"),
+  m.def("shm_allgather_single", &py_shm_allgather_single, py::arg("window"),
         py::arg("send"), py::arg("recv"), py::arg("bounds"), py::arg("item"),
         "shm.py's single-step allgather (GIL released)");
-  m.def("shm_allgather", &py_shm_allgather, py::arg("window"), py::arg("seq"), py::arg("send"),
+  m.def("shm_allgather", &py_shm_allgather, py::arg("window"), py::arg("send"),
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("item"),
         "shm.py's pipelined allgather stages (GIL released)");
-  m.def("shm_broadcast", &py_shm_broadcast, py::arg("window"), py::arg("seq"), py::arg("buf"),
+  m.def("shm_broadcast", &py_shm_broadcast, py::arg("window"), py::arg("buf"),
         py::arg("nbytes"), py::arg("e"), py::arg("nchunks"), py::arg("root"),
         "shm.py's pipelined broadcast stages (GIL released)");
 }

@@ -44,12 +44,12 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
                            Role role = Role::active);
 
 // The same exchange, with the same result, for ranks that share memory (agree_shared.cpp):
-// one single-step round on a shared window (shm.h's shm_single, chunk seq) in which every
+// one single-step round on a shared window (shm.h's shm_single, its next chunk) in which every
 // rank writes its header and payload into its own buffer and reads every rank's. No
 // messages: one copy of the payload and one wait on every rank's counter. Active payloads
 // are folded in rank order (other bits than the exchange above's recursive doubling, the
 // same on every rank). The window's buffers hold at least a header and `capacity` bytes.
-AgreeResult agree_shared(const ShmWindow& w, int64_t seq, int64_t digest, const void* send,
+AgreeResult agree_shared(ShmWindow& w, int64_t digest, const void* send,
                          void* out, int64_t count, DType dtype, ReduceOp op, int64_t capacity,
                          double first_wait, const OnWait& on_wait, Role role = Role::active);
 

@@ -23,7 +23,7 @@ struct SharedHeader {
 
 }  // namespace
 
-AgreeResult agree_shared(const ShmWindow& w, int64_t seq, int64_t digest, const void* send,
+AgreeResult agree_shared(ShmWindow& w, int64_t digest, const void* send,
                          void* out, int64_t count, DType dtype, ReduceOp op, int64_t capacity,
                          double first_wait, const OnWait& on_wait, Role role) {
   const int64_t nbytes = role == Role::active ? count * dtype_size(dtype) : 0;
@@ -38,7 +38,7 @@ AgreeResult agree_shared(const ShmWindow& w, int64_t seq, int64_t digest, const 
   const int n = static_cast<int>(w.segments.size());
   AgreeResult r{true, 0, 0, n, -1};
   shm_single(
-      w, seq, &mine, sizeof mine, send, nbytes,
+      w, &mine, sizeof mine, send, nbytes,
       [&](const unsigned char* const* buffers) {
         std::vector<const void*> active;
         const SharedHeader* first = nullptr;

@@ -104,10 +104,11 @@ class ReduceStages {
 
 }  // namespace
 
-void shm_single(const ShmWindow& w, int64_t seq, const void* head, int64_t head_bytes,
-                const void* data, int64_t data_bytes,
+void shm_single(ShmWindow& w, const void* head, int64_t head_bytes, const void* data,
+                int64_t data_bytes,
                 const std::function<void(const unsigned char* const* buffers)>& read,
                 const OnWait* on_wait, double first_wait) {
+  const int64_t seq = w.begin(1);
   Sync sync(w, on_wait, first_wait);
   sync.wait(kDone, seq - sync.depth());
   unsigned char* mine = sync.slot(sync.rank(), seq);
@@ -121,31 +122,31 @@ void shm_single(const ShmWindow& w, int64_t seq, const void* head, int64_t head_
   sync.post(kDone, seq);
 }
 
-void shm_reduce_single(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+void shm_reduce_single(ShmWindow& w, const void* send, void* recv,
                        int64_t count, int64_t lo, int64_t hi, DType dtype, ReduceOp op) {
   const int64_t item = dtype_size(dtype);
   const int n = static_cast<int>(w.segments.size());
-  shm_single(w, seq, nullptr, 0, send, count * item, [&](const unsigned char* const* buffers) {
+  shm_single(w, nullptr, 0, send, count * item, [&](const unsigned char* const* buffers) {
     std::vector<const void*> srcs(n);
     for (int j = 0; j < n; ++j) srcs[j] = buffers[j] + lo * item;
     reduce_many(recv, srcs.data(), n, hi - lo, dtype, op);
   });
 }
 
-void shm_allgather_single(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+void shm_allgather_single(ShmWindow& w, const void* send, void* recv,
                           const std::vector<int64_t>& bounds, int64_t item) {
   const int n = static_cast<int>(w.segments.size());
   auto* out = static_cast<unsigned char*>(recv);
   const int64_t mine = (bounds[w.rank + 1] - bounds[w.rank]) * item;
-  shm_single(w, seq, nullptr, 0, send, mine, [&](const unsigned char* const* buffers) {
+  shm_single(w, nullptr, 0, send, mine, [&](const unsigned char* const* buffers) {
     for (int j = 0; j < n; ++j)
       std::memcpy(out + bounds[j] * item, buffers[j], (bounds[j + 1] - bounds[j]) * item);
   });
 }
 
-void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
-                const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks, DType dtype,
-                ReduceOp op, bool allreduce) {
+void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<int64_t>& bounds,
+                int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce) {
+  const int64_t seq = w.begin(nchunks);
   ReduceStages st(w, seq, static_cast<const unsigned char*>(send),
                   static_cast<unsigned char*>(recv), bounds, e, dtype, op, allreduce);
   if (allreduce)
@@ -155,9 +156,10 @@ void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
     pipeline(nchunks, {[&](int64_t k) { st.copy_in(k); }, [&](int64_t k) { st.reduce(k); }});
 }
 
-void shm_allgather(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+void shm_allgather(ShmWindow& w, const void* send, void* recv,
                    const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks,
                    int64_t item) {
+  const int64_t seq = w.begin(nchunks);
   Sync sync(w);
   const Pieces piece{bounds, e};
   const int r = sync.rank();
@@ -187,8 +189,9 @@ void shm_allgather(const ShmWindow& w, int64_t seq, const void* send, void* recv
   pipeline(nchunks, {copy_in, copy_out});
 }
 
-void shm_broadcast(const ShmWindow& w, int64_t seq, void* buf, int64_t nbytes, int64_t e,
-                   int64_t nchunks, int root) {
+void shm_broadcast(ShmWindow& w, void* buf, int64_t nbytes, int64_t e, int64_t nchunks,
+                   int root) {
+  const int64_t seq = w.begin(nchunks);
   Sync sync(w);
   auto* data = static_cast<unsigned char*>(buf);
   const bool is_root = sync.rank() == root;

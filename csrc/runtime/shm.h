@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <vector>
 
 #include "kernels/dtypes.h"
@@ -28,39 +29,51 @@ struct ShmWindow {
   double stall_seconds = 0;   // then give up: a rank has left the collective (inf: never)
   double jitter_seconds = 0;  // tests only (set_jitter): sleep up to this long before a
                               // fifth of the posts, so ranks drift apart mid-call
+  int64_t seq = 0;            // chunks begun on the window: the same count on every rank
+  bool closed = false;        // the window's memory was freed (close()): no stage may run
+
+  // The number of a call's first chunk; its nchunks chunks are counted as begun.
+  int64_t begin(int64_t nchunks) {
+    if (closed) throw std::logic_error("shm: the window was freed");
+    const int64_t first = seq;
+    seq += nchunks;
+    return first;
+  }
 };
 
 // Counter indices (shm.py: READY, REDUCED, DONE).
 enum ShmCounter : int64_t { kReady = 0, kReduced = 1, kDone = 2 };
 
-// Chunks seq .. seq + nchunks - 1 of a reduction of every rank's send, cut into one block
+// Every call below runs the window's next chunks (ShmWindow::begin): their numbers are
+// counted on the window, so that calls made through any entry stay in step.
+
+// nchunks chunks of a reduction of every rank's send, cut into one block
 // per rank (bounds, size + 1 element offsets) and each block into pieces of e elements.
 // allreduce: recv (all of bounds) gets the whole result; otherwise (reducescatter) recv is
 // this rank's block only.
 // Throws std::runtime_error if a peer stalls past stall_seconds.
-void shm_reduce(const ShmWindow& w, int64_t seq, const void* send, void* recv,
-                const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks, DType dtype,
-                ReduceOp op, bool allreduce);
+void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<int64_t>& bounds,
+                int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce);
 
-// Chunks seq .. seq + nchunks - 1 of an allgather: recv (all of bounds, elements of item
+// nchunks chunks of an allgather: recv (all of bounds, elements of item
 // bytes) gets every rank's block; send is this rank's block.
-void shm_allgather(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+void shm_allgather(ShmWindow& w, const void* send, void* recv,
                    const std::vector<int64_t>& bounds, int64_t e, int64_t nchunks,
                    int64_t item);
 
-// Chunks seq .. seq + nchunks - 1 of a broadcast of root's buf (nbytes) into every other
+// nchunks chunks of a broadcast of root's buf (nbytes) into every other
 // rank's buf, e bytes per chunk (nchunks = ceil(nbytes / e)).
-void shm_broadcast(const ShmWindow& w, int64_t seq, void* buf, int64_t nbytes, int64_t e,
-                   int64_t nchunks, int root);
+void shm_broadcast(ShmWindow& w, void* buf, int64_t nbytes, int64_t e, int64_t nchunks,
+                   int root);
 
-// The single-step path: one chunk (seq) carries a whole call. This rank copies head
+// The single-step path: one chunk (the window's next, g) carries a whole call. This rank copies head
 // (head_bytes) and then, at the next 64-byte boundary, data (data_bytes) into its buffer,
 // counts READY, waits until every rank has, and hands read every rank's buffer in rank
 // order; then counts DONE. Before writing, it waits until every rank has counted chunk
-// seq - depth DONE (no one still reads the buffer). Waits report to on_wait when given,
+// g - depth DONE (no one still reads the buffer). Waits report to on_wait when given,
 // else end at the window's stall limit. Cost: one copy of the input, one wait, read's work.
-void shm_single(const ShmWindow& w, int64_t seq, const void* head, int64_t head_bytes,
-                const void* data, int64_t data_bytes,
+void shm_single(ShmWindow& w, const void* head, int64_t head_bytes, const void* data,
+                int64_t data_bytes,
                 const std::function<void(const unsigned char* const* buffers)>& read,
                 const OnWait* on_wait = nullptr, double first_wait = 0);
 
@@ -70,12 +83,12 @@ inline int64_t shm_single_data_offset(int64_t head_bytes) { return (head_bytes +
 // Elements [lo, hi) of the reduction of every rank's send (count elements each) into recv
 // (hi - lo elements; may be send when lo = 0), in one step (shm_single): every rank folds
 // the slice from every rank's buffer itself, in rank order. recv is the same on every rank.
-void shm_reduce_single(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+void shm_reduce_single(ShmWindow& w, const void* send, void* recv,
                        int64_t count, int64_t lo, int64_t hi, DType dtype, ReduceOp op);
 
 // Every rank's send (bounds[j+1] - bounds[j] elements of item bytes from rank j) into recv
 // in rank order, in one step (shm_single): every rank copies every block out.
-void shm_allgather_single(const ShmWindow& w, int64_t seq, const void* send, void* recv,
+void shm_allgather_single(ShmWindow& w, const void* send, void* recv,
                           const std::vector<int64_t>& bounds, int64_t item);
 
 }  // namespace collectives

@@ -1,18 +1,20 @@
-"""The agreement exchange and the small-allreduce fast path riding on it: over messages
+"""The agreement exchange and the allreduce fast entry on it: over messages
 (csrc/runtime/agree.cpp; a job of several nodes, real or simulated) or over shared memory
 (agree_shared.cpp; one node). Mismatches between the fast and the general path, payloads at
-the channel's limit, results equal whichever path each rank takes, ranks drifting apart."""
+the channel's limit, results equal whichever path each rank takes, ranks drifting apart;
+on one node, larger allreduces whose fast entry runs shm's pipeline after the exchange."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_equal, assert_same_on_all_ranks, reference_reduce
+from conftest import assert_equal, assert_same_on_all_ranks, make_input, reference_reduce
 
 import collectives as C
 from collectives import topology
 from collectives.agreement import PIGGYBACK_BYTES, SHARED_BYTES
+from collectives.algorithms import shm
 from collectives.engine import ENGINE
 
 pytestmark = pytest.mark.mpi
@@ -186,3 +188,86 @@ def test_shared_exchange_with_ranks_drifting_apart(comm):
             assert_same_on_all_ranks(comm, got, f"call {i}")
     finally:
         topo.window.native.set_jitter(0)
+
+
+# ------------------------------------------ one node: shm's pipeline behind the exchange
+
+def _shared_topology() -> topology.Topology:
+    topo = topology.get()
+    if not topo.channel.shared:
+        pytest.skip("the job's agreement runs over messages")
+    return topo
+
+
+def _pipelined(dtype: str) -> int:
+    """An element count of dtype too large to ride (and odd): shm runs its pipeline."""
+    return SHARED_BYTES // np.dtype(dtype).itemsize + 3
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "uint8", "int32", "int64"])
+@pytest.mark.parametrize("op", [C.Sum, C.Average, C.Min, C.Product])
+def test_fast_entry_runs_shms_pipeline(comm, dtype, op):
+    """From its second call, an allreduce too large to ride runs from C++ on one node
+    (calls.Call.fast): in place and out of place, NumPy and torch, exact and the same bits
+    on every rank, the input of an out-of-place call untouched, bytes counted as shm's own
+    path counts them."""
+    topo = _shared_topology()
+    r, n = comm.Get_rank(), comm.Get_size()
+    count = _pipelined(dtype)
+    inputs = [make_input(dtype, (count,), seed=100 * q + count) for q in range(n)]
+    expected = reference_reduce(inputs, op, dtype, n)
+    stats = lambda: C.stats()["per_op"].get("allreduce/shm", {}).get("bytes_sent", 0)  # noqa: E731
+    before = stats()
+    first = C.allreduce(inputs[r], op=op, algorithm="shm")  # general path; describes it
+    general = stats() - before
+    call = topo.fast[(op, inputs[r].dtype, (count,), "shm")]
+    assert call.fast is not None and not call.rides
+    assert_equal(first, expected, "general path")
+    for kind in ("numpy", "numpy in place", "torch", "torch in place"):
+        x = inputs[r].copy()
+        arg = torch.from_numpy(x) if kind.startswith("torch") else x
+        before = stats()
+        got = C.allreduce_(arg, op=op, algorithm="shm") if kind.endswith("in place") \
+            else C.allreduce(arg, op=op, algorithm="shm")
+        assert stats() - before == general, kind
+        got = got.numpy() if isinstance(got, torch.Tensor) else got
+        assert_equal(got, expected, kind)
+        assert_same_on_all_ranks(comm, got, kind)
+        if kind.endswith("in place"):
+            assert got is x or np.shares_memory(got, x), kind
+        else:
+            assert_equal(x, inputs[r], f"{kind}: input modified")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fast_entry_takes_the_new_window_after_a_regrowth(comm):
+    """A larger call regrows (frees and remakes) shm's window under a fast entry that had
+    run on the old one: the entry runs on the new window, never on freed memory."""
+    topo = _shared_topology()
+    n = comm.Get_size()
+    shm.shutdown(topo.comm)  # the window this test starts from is the smallest that fits x
+    x = np.ones(_pipelined("float32"), np.float32)
+    for _ in range(2):  # the second call runs on the fast entry, which keeps the window
+        assert_equal(C.allreduce(x, op=C.Sum, algorithm="shm"), x * n, "before")
+    old = shm._windows[topo.comm.handle]
+    big = np.ones(8 * old.slot_bytes // 4, np.float32)
+    assert_equal(C.allreduce(big, op=C.Sum, algorithm="shm"), big * n, "the regrowing call")
+    assert shm._windows[topo.comm.handle] is not old
+    for i in range(3):
+        assert_equal(C.allreduce(x * i, op=C.Sum, algorithm="shm"), x * i * n, "after")
+    shm.shutdown(topo.comm)  # freed outright: the next call makes a window again
+    assert_equal(C.allreduce(x, op=C.Sum, algorithm="shm"), x * n, "after a shutdown")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fast_entry_against_another_shape_is_a_mismatch(comm):
+    """Rank 0 on the fast entry, the others on a new call of another shape: the same
+    MismatchError on every rank, and the library usable after it."""
+    _shared_topology()
+    count = _pipelined("float32")
+    x = np.ones(count, np.float32)
+    C.allreduce(x, algorithm="shm")  # rank 0's next call takes the fast entry
+    mine = x if comm.Get_rank() == 0 else np.ones(count + 1, np.float32)
+    text = _expect_mismatch(comm, lambda: C.allreduce(mine, algorithm="shm"), "shape mismatch")
+    assert f"rank 0 has ({count},)" in text, text

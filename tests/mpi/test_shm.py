@@ -241,11 +241,11 @@ def test_stall_limit_is_the_configs(comm, monkeypatch):
     w = shm._window(sub, shm.MIN_SLOT_BYTES)
     start = time.perf_counter()
     x = np.zeros(8, np.float32)
+    w.native.seq += 5  # chunk seq + 5 reuses the buffer of seq + 1, which nobody has finished
     with pytest.raises(RuntimeError, match=r"has not counted chunk \d+ as DONE after 0.2"):
-        # chunk seq + 5 reuses the buffer of seq + 1, which nobody has finished
-        shm.kernels.shm_reduce_single(w.native, w.seq + 5, x, x.copy(), 0, 8, "float32", C.Sum)
+        shm.kernels.shm_reduce_single(w.native, x, x.copy(), 0, 8, "float32", C.Sum)
     if sub.Get_rank() != 0:  # rank 0 is the root and never fills its buffer
         with pytest.raises(RuntimeError, match=r"has not counted chunk \d+ as READY after 0.2"):
-            shm.kernels.shm_broadcast(w.native, w.seq, np.zeros(64, np.uint8), 64, 1, 0)
+            shm.kernels.shm_broadcast(w.native, np.zeros(64, np.uint8), 64, 1, 0)
     assert time.perf_counter() - start < 10
     sub.Free()  # frees the window too
