@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
-from . import algorithms, calls, kernels, process_sets, topology
+from . import algorithms, calls, kernels, online, process_sets, topology
 from .agreement import PIGGYBACK_BYTES
 from .buffers import Buffer, host_float, store_float, wrap
 from .calls import Call
@@ -164,14 +164,21 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
         return _compressed(topo, buf, op, algorithm, compressor, inplace)
     call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
     out = buf if inplace else buf.empty(buf.shape)
-    if call.fast is not None and not buf.staged and buf.dtype != "bfloat16":
+    trying = algorithm == "auto" and online.applies(topo, buf.nbytes)
+    if call.fast is not None and not buf.staged and buf.dtype != "bfloat16" and not trying:
         topo.fast[(op, x.dtype, x.shape, algorithm)] = call  # the next such call takes it
     if call.rides:  # the data rides in the agreement
         return call, Job(lambda: _finish(buf, out), buf.flat, out.flat, buf.flat.size,
                          call.dtype_code, call.op_code, call.divisor)
 
+    def reduce(algo: str) -> None:
+        algorithms.reduce(algo, topo, buf.flat, out.flat, op, buf.dtype)
+
     def move() -> Any:
-        algorithms.reduce(call.algorithm, topo, buf.flat, out.flat, op, buf.dtype)
+        if trying:  # `auto` still checks its choice for this size (online.py)
+            online.run(topo, buf.nbytes, reduce)
+        else:
+            reduce(call.algorithm)
         return _finish(buf, out)
 
     return call, Job(move)

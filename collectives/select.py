@@ -48,13 +48,28 @@ def _measured(collective: str, nbytes: int, topo: Topology) -> dict[str, float] 
 @functools.lru_cache(maxsize=4096)
 def choose(collective: str, nbytes: int, topo: Topology) -> str:
     """The algorithm `auto` runs for this call (the same on every rank: it depends only on
-    agreed values). Memoized per topology, as the model's inputs are fixed once the job is
-    up; choose.cache_clear() after changing them."""
-    measured = _measured(collective, nbytes, topo)
-    if measured:
-        return min(measured, key=measured.get)
-    costs = predict(collective, nbytes, Layout.of(topo), costmodel.params())
-    return min(costs, key=costs.get)
+    agreed values and on what every rank settled alike): an allreduce's class settled
+    online (online.py), else the fastest estimate. Memoized per topology;
+    choose.cache_clear() after changing the inputs."""
+    if collective == "allreduce" and nbytes > topo.channel.capacity:
+        settled = topo.settled.get(size_class(nbytes))
+        if settled:
+            return settled
+    found = estimates(collective, nbytes, topo)
+    return min(found, key=found.get)
+
+
+def estimates(collective: str, nbytes: int, topo: Topology) -> dict[str, float]:
+    """Seconds per algorithm for this call: measured where the tuning is for this
+    topology, else the model's."""
+    return _measured(collective, nbytes, topo) or predict(collective, nbytes, Layout.of(topo),
+                                                          costmodel.params())
+
+
+def size_class(nbytes: int) -> int:
+    """Sizes within a factor of 4 share a class, [2^(2c-2), 2^(2c)) bytes: what online.py
+    settles an allreduce's algorithm for."""
+    return (max(nbytes, 1).bit_length() + 1) // 2
 
 
 def predict(collective: str, nbytes: int, layout: Layout, p: costmodel.Params

@@ -57,6 +57,9 @@ class Topology:
         self.stats = _C.Stats()
         self.calls: dict[tuple, object] = {}  # described calls (collectives/calls.py)
         self.fast: dict[tuple, object] = {}   # the allreduce fast entry's table
+        # `auto` allreduce's online trials (collectives/online.py): running, and settled
+        self.trials: dict[int, object] = {}
+        self.settled: dict[int, str | None] = {}
 
     def shard_owner(self, shard: int) -> int:
         """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to

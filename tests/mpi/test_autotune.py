@@ -12,9 +12,10 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import assert_equal
 
 import collectives as C
-from collectives import autotune, config, costmodel, select, topology
+from collectives import autotune, config, costmodel, online, select, topology
 
 SMALL = (8, 4 << 10)  # sizes that keep a test's measurement short
 
@@ -108,3 +109,99 @@ def test_every_rank_chooses_the_same_under_per_rank_noise(comm, cache, monkeypat
             sum(range(1, comm.Get_size() + 1))
     finally:
         select.choose.cache_clear()
+
+
+# ----------------------------------------------------- online.py: `auto` checks its choice
+
+@pytest.fixture
+def trials(monkeypatch):
+    """No class settled or on trial, and a topology that tries online (the job's config
+    measures, with no tuning file): this test's calls begin every trial."""
+    topo = topology.get()
+    monkeypatch.setattr(topo, "trials", {})
+    monkeypatch.setattr(topo, "settled", {})
+    monkeypatch.setattr(topo, "config", config.Config())
+    select.choose.cache_clear()
+    yield topo
+    select.choose.cache_clear()
+    topo.calls.clear()
+    topo.fast.clear()
+
+
+def _estimates(close: dict[str, float]):
+    """select.estimates() rating the algorithms in close as given, every other one far off."""
+    def estimates(collective, nbytes, topo):
+        return {**{a: 100.0 for a in select.candidates(topo)}, **close}
+    return estimates
+
+
+@pytest.mark.mpi(min_size=2)
+def test_online_trial_settles_on_the_slowest_ranks_fastest(comm, trials, monkeypatch):
+    """A class whose close candidates are mpi and ring: they take turns, ROUNDS calls each;
+    rank 0 alone finds mpi faster, the others find ring faster and are slower overall, so
+    every rank settles on ring (the slowest rank's times decide); every result exact."""
+    monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.5}))
+    n, r = comm.Get_size(), comm.Get_rank()
+    seconds = {"mpi": 1.0, "ring": 2.0} if r == 0 else {"mpi": 3.0, "ring": 2.5}
+    ticks = iter([])
+
+    def clock() -> float:  # each trial call reads the clock twice: start, end
+        return next(ticks)
+
+    monkeypatch.setattr(online, "clock", clock)
+    x = np.full(trials.channel.capacity // 8 + 1, float(r + 1))  # too large to ride
+    c = select.size_class(x.nbytes)
+    before = C.stats()["per_op"].get("allreduce/mpi", {}).get("calls", 0)
+    for i in range(online.ROUNDS * 2):
+        algo = ["mpi", "ring"][i % 2]  # candidates in sorted order
+        ticks = iter([0.0, seconds[algo]])
+        assert c not in trials.settled
+        assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), f"call {i}")
+    assert trials.settled[c] == "ring" and c not in trials.trials
+    assert C.stats()["per_op"]["allreduce/mpi"]["calls"] == before + online.ROUNDS
+    assert select.choose("allreduce", x.nbytes, trials) == "ring"
+    assert select.choose("allreduce", x.nbytes * 2, trials) == "ring"  # the whole class
+    assert select.size_class(x.nbytes * 8) not in trials.settled  # not the next class
+    assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), "settled")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_online_trial_with_one_close_candidate_settles_at_once(comm, trials, monkeypatch):
+    monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0}))
+    x = np.ones(trials.channel.capacity // 8 + 1)
+    C.allreduce(x, op=C.Sum)
+    assert trials.settled == {select.size_class(x.nbytes): None} and not trials.trials
+    assert not online.applies(trials, x.nbytes)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_online_trials_under_per_rank_noise_and_a_joined_rank(comm, trials, monkeypatch):
+    """Real timings with per-rank noise, four classes tried at once, rank 0 joining before
+    the trials end (calls while it has joined run `auto`'s estimate on every rank and
+    count for no trial), then every rank calling again: no hang, exact results, and every
+    rank settles every class alike."""
+    monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.2, "tree": 1.9}))
+    clock = time.perf_counter
+    noise = iter(range(10 ** 6))
+    monkeypatch.setattr(online, "clock",
+                        lambda: clock() + (comm.rank + 1) * 1e-3 * (next(noise) % 5))
+    n, r = comm.Get_size(), comm.Get_rank()
+    base = trials.channel.capacity // 8 + 1
+    sizes = [base, 4 * base + 3, 16 * base + 5, 64 * base]
+    steps = 6 if r == 0 else 12
+
+    def calls(steps: range, active: int) -> None:
+        for step in steps:
+            for count in sizes:
+                got = C.allreduce(np.full(count, float(r + step)), op=C.Sum)
+                want = active * step + n * (n - 1) // 2  # rank 0 adds r = 0 when active
+                assert_equal(got, np.full(count, float(want)), f"{step} {count} {active}")
+
+    calls(range(6), n)
+    calls(range(6, steps), n - 1)
+    assert C.join() == n - 1
+    assert not trials.settled  # 6 counted calls each: the trials of 9 have not ended
+    calls(range(3), n)
+    settled = {c: a for c, a in trials.settled.items()}
+    assert len(settled) == len(sizes) and not trials.trials
+    assert len({tuple(sorted(s.items(), key=str)) for s in comm.allgather(settled)}) == 1

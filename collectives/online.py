@@ -1,0 +1,106 @@
+"""`auto` checks its choice online: the first allreduces of each size class too large to
+ride in the agreement try every algorithm `auto` rates within CLOSE of the best, ROUNDS
+times each in turns, and the class settles on the fastest for the rest of the job.
+
+Why: the first job's measurement (autotune.py) runs in the two or three seconds of `init`,
+and on a shared machine a slow spell can cover all of it; one in three fresh jobs here
+measured shm's 16-64 MiB allreduce 2.4-3x slow and handed those sizes to ring for good.
+Trying again at the sizes the job actually calls, later and interleaved, corrects that at
+the price of a few calls at a candidate's speed.
+
+Every rank settles the same way: each times its own calls, and when a class's trial ends
+every rank takes the slowest rank's time per candidate (one MPI allreduce of a few floats,
+inside that call). The trial's state advances only in the call's data phase (on the engine,
+in submission order, after the agreement), and only while no rank has joined: a joined rank
+(join.py) runs select.choose()'s algorithm, so a call made while some rank has joined runs
+that one on every rank and counts for no trial. A class's calls take the general path until
+it settles (the fast entry would run the described algorithm without counting).
+
+Size classes are factors of 4 (select.size_class). Cost: ROUNDS x candidates calls per class, at
+most CLOSE x the best's time each, and one allreduce when the class settles."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from . import select
+from .engine import ENGINE
+from .topology import Topology
+
+#: Candidates `auto` rates within this multiple of the best are tried.
+CLOSE = 2.0
+#: Calls per candidate in a trial (the fastest counts: interference only adds time).
+ROUNDS = 3
+#: Seconds of one call; replaced by tests to inject per-rank noise.
+clock: Callable[[], float] = time.perf_counter
+
+
+class Trial:
+    """One size class's running trial: its candidates, each one's best seconds per byte so
+    far on this rank, and the calls made."""
+
+    __slots__ = ("candidates", "best", "calls")
+
+    def __init__(self, candidates: list[str]):
+        self.candidates = candidates
+        self.best = [math.inf] * len(candidates)
+        self.calls = 0
+
+
+def applies(topo: Topology, nbytes: int) -> bool:
+    """Whether an `auto` allreduce of nbytes on topo is still tried online: the job measured
+    its machine (a tuning file is the user's word; without measurement nothing is close),
+    the call does not ride in the agreement, and its class has not settled."""
+    return (topo.config.autotune and not topo.config.tuning_file and topo.size > 1
+            and nbytes > topo.channel.capacity and select.size_class(nbytes) not in topo.settled)
+
+
+def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
+    """The data phase of an `auto` allreduce of nbytes whose class was open when it was
+    described: reduce(algorithm) with a trial's candidate, else with `auto`'s choice."""
+    c = select.size_class(nbytes)
+    trial = None if ENGINE.native.joined or c in topo.settled else _trial(topo, c, nbytes)
+    if trial is None:
+        reduce(select.choose("allreduce", nbytes, topo))
+        return
+    k = trial.calls % len(trial.candidates)
+    algo = trial.candidates[k]
+    ENGINE.native.credit(topo.stats, "allreduce", algo)
+    start = clock()
+    reduce(algo)
+    trial.best[k] = min(trial.best[k], (clock() - start) / nbytes)
+    trial.calls += 1
+    if trial.calls == ROUNDS * len(trial.candidates):
+        slowest = np.empty(len(trial.best))
+        topo.comm.Allreduce(np.array(trial.best), slowest, op=MPI.MAX)
+        _settle(topo, c, trial.candidates[int(np.argmin(slowest))])
+
+
+def _trial(topo: Topology, c: int, nbytes: int) -> Trial | None:
+    """Class c's trial, begun at its first call (of nbytes) if need be; None (and the class
+    settled on `auto`'s usual choice) when only one candidate is close."""
+    trial = topo.trials.get(c)
+    if trial is None:
+        estimates = select.estimates("allreduce", nbytes, topo)
+        best = min(estimates.values())
+        close = sorted(a for a, t in estimates.items() if t <= CLOSE * best)
+        if len(close) < 2:
+            _settle(topo, c, None)
+            return None
+        trial = topo.trials[c] = Trial(close)
+    return trial
+
+
+def _settle(topo: Topology, c: int, algo: str | None) -> None:
+    """Class c runs algo from now on (None: select.choose()'s estimate per size); calls
+    described under the old choice are forgotten, so they are described again."""
+    topo.trials.pop(c, None)
+    topo.settled[c] = algo
+    select.choose.cache_clear()
+    topo.calls.clear()
+    topo.fast.clear()
