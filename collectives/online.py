@@ -16,7 +16,8 @@ in submission order, after the agreement), and only while no rank has joined: a 
 that one on every rank and counts for no trial. A class's calls take the general path until
 it settles (the fast entry would run the described algorithm without counting).
 
-Size classes are factors of 4 (select.size_class). Cost: ROUNDS x candidates calls per class, at
+Size classes are factors of 4 (select.size_class); those holding a size that rides are
+left to the first measurement. Cost: ROUNDS x candidates calls per class, at
 most CLOSE x the best's time each, and one allreduce when the class settles."""
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ class Trial:
 def applies(topo: Topology, nbytes: int) -> bool:
     """Whether an `auto` allreduce of nbytes on topo is still tried online: the job measured
     its machine (a tuning file is the user's word; without measurement nothing is close),
-    the call does not ride in the agreement, and its class has not settled."""
+    no size of its class rides in the agreement, and the class has not settled."""
+    c = select.size_class(nbytes)
     return (topo.config.autotune and not topo.config.tuning_file and topo.size > 1
-            and nbytes > topo.channel.capacity and select.size_class(nbytes) not in topo.settled)
+            and select.class_floor(c) > topo.channel.capacity and c not in topo.settled)
 
 
 def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:

@@ -51,10 +51,9 @@ def choose(collective: str, nbytes: int, topo: Topology) -> str:
     agreed values and on what every rank settled alike): an allreduce's class settled
     online (online.py), else the fastest estimate. Memoized per topology;
     choose.cache_clear() after changing the inputs."""
-    if collective == "allreduce" and nbytes > topo.channel.capacity:
-        settled = topo.settled.get(size_class(nbytes))
-        if settled:
-            return settled
+    settled = topo.settled.get(size_class(nbytes)) if collective == "allreduce" else None
+    if settled:
+        return settled
     found = estimates(collective, nbytes, topo)
     return min(found, key=found.get)
 
@@ -67,9 +66,14 @@ def estimates(collective: str, nbytes: int, topo: Topology) -> dict[str, float]:
 
 
 def size_class(nbytes: int) -> int:
-    """Sizes within a factor of 4 share a class, [2^(2c-2), 2^(2c)) bytes: what online.py
-    settles an allreduce's algorithm for."""
+    """Sizes within a factor of 4 share a class c, [class_floor(c), 4 class_floor(c))
+    bytes: what online.py settles an allreduce's algorithm for."""
     return (max(nbytes, 1).bit_length() + 1) // 2
+
+
+def class_floor(c: int) -> int:
+    """The smallest size of class c."""
+    return 1 << (2 * c - 2)
 
 
 def predict(collective: str, nbytes: int, layout: Layout, p: costmodel.Params

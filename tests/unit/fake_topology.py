@@ -5,8 +5,8 @@ from __future__ import annotations
 
 class FakeTopology:
     """What select and the algorithm registry read from a Topology: its nodes (world ranks
-    per node, nodes in order) and sizes, seen from world rank 0. Hashed by identity, as a
-    Topology is."""
+    per node, nodes in order) and sizes, seen from world rank 0, and the allreduce classes
+    settled online (none). Hashed by identity, as a Topology is."""
 
     def __init__(self, *node_sizes: int):
         first = [sum(node_sizes[:i]) for i in range(len(node_sizes))]
@@ -14,3 +14,4 @@ class FakeTopology:
         self.size = sum(node_sizes)
         self.local_size = node_sizes[0]
         self.max_local_size = max(node_sizes)
+        self.settled: dict[int, str | None] = {}
