@@ -15,7 +15,7 @@ import numpy as np
 
 from . import algorithms, calls, kernels, online, process_sets, topology
 from .agreement import PIGGYBACK_BYTES
-from .buffers import Buffer, host_float, store_float, wrap
+from .buffers import POOL_MIN_BYTES, Buffer, host_empty, host_float, store_float, wrap
 from .calls import Call
 from .compression import Compression, check_compression
 from .dtypes import CODES, FLOATING, STORAGE, numpy_dtype_name, torch_dtype_name
@@ -110,7 +110,12 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
         return None
     if type(x) is np.ndarray:
         call = topo.fast.get((op, x.dtype, x.shape, algorithm))
-        return None if call is None else call.fast(x, inplace)
+        if call is None:
+            return None
+        # a large result's memory comes from the result pool (no fresh pages to fault in)
+        out = x if inplace else None if x.nbytes < POOL_MIN_BYTES else host_empty(x.shape,
+                                                                                  x.dtype)
+        return call.fast(x, out)
     # a tensor goes in by address: its dtype and shape are the described call's, so only
     # where it lives and its layout are left to check
     if type(x) is not _Tensor or not x.is_cpu or x.requires_grad and inplace \
@@ -119,7 +124,12 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     call = topo.fast.get((op, x.dtype, x.shape, algorithm))
     if call is None:
         return None
-    out = x if inplace else torch.empty_like(x, requires_grad=False)
+    if inplace:
+        out = x
+    elif x.numel() * x.element_size() < POOL_MIN_BYTES:
+        out = torch.empty_like(x, requires_grad=False)
+    else:
+        out = torch.from_numpy(host_empty(x.shape, STORAGE[torch_dtype_name(x.dtype)]))
     return out if call.fast.at(x.data_ptr(), out.data_ptr()) else None
 
 

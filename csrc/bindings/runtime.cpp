@@ -320,19 +320,25 @@ class FastAllreduce {
       throw py::value_error("pipeline: bounds must run from 0 to count, e and nchunks > 0");
   }
 
-  // The reduced array (x itself when inplace), or None when the engine is busy or x's
-  // layout does not fit (the caller then takes the general path). x must have the dtype
-  // and element count this object was made for.
-  py::object run(const py::array& x, bool inplace) {
+  // The reduced array, or None when the engine is busy or x's layout does not fit (the
+  // caller then takes the general path). x must have the dtype and element count this
+  // object was made for; out is x (in place), an array of x's dtype and shape to write
+  // (a pooled one), or None for a new array made here.
+  py::object run(const py::array& x, py::object out_obj) {
+    const bool inplace = out_obj.is(x);
     if (!(x.flags() & py::array::c_style) || (inplace && !x.writeable())) return py::none();
     if (x.nbytes() != nbytes_) throw py::value_error("x: size differs from the planned call");
+    py::array out = out_obj.is_none()
+                        ? py::array(x.dtype(), std::vector<py::ssize_t>(x.shape(),
+                                                                        x.shape() + x.ndim()))
+                        : out_obj.cast<py::array>();
+    if (!(out.flags() & py::array::c_style) || !out.writeable() || out.nbytes() != nbytes_)
+      throw py::value_error("out: expected a writable C-contiguous array of x's size");
     if (!engine_->try_claim()) return py::none();
     struct Release {
       PyEngine* engine;
       ~Release() { engine->release(); }
     } release{engine_};
-    py::array out = inplace ? x : py::array(x.dtype(), std::vector<py::ssize_t>(
-                                                           x.shape(), x.shape() + x.ndim()));
     execute(x.data(), out.mutable_data());
     return std::move(out);
   }
@@ -491,8 +497,9 @@ void bind_runtime(py::module_& m) {
       .def(py::init<py::object, py::object, py::object, int64_t, int, int, int64_t, py::object>(),
            py::arg("engine"), py::arg("channel"), py::arg("call"), py::arg("count"),
            py::arg("dtype"), py::arg("op"), py::arg("divisor"), py::arg("pipeline") = py::none())
-      .def("__call__", &FastAllreduce::run, py::arg("x"), py::arg("inplace"),
-           "The reduced array (x when inplace), or None if the fast entry does not apply")
+      .def("__call__", &FastAllreduce::run, py::arg("x"), py::arg("out"),
+           "The reduced array in out (x: in place; None: a new one), or None if the fast "
+           "entry does not apply")
       .def("at", &FastAllreduce::run_at, py::arg("src"), py::arg("dst"),
            "The call between raw host addresses of the planned dtype and size (dst may be "
            "src); False if the engine is busy");

@@ -15,7 +15,9 @@ import collectives as C
 from collectives import topology
 from collectives.agreement import PIGGYBACK_BYTES, SHARED_BYTES
 from collectives.algorithms import shm
+from collectives.buffers import POOL_MIN_BYTES
 from collectives.engine import ENGINE
+from collectives.kernels import _C
 
 pytestmark = pytest.mark.mpi
 
@@ -271,3 +273,23 @@ def test_fast_entry_against_another_shape_is_a_mismatch(comm):
     mine = x if comm.Get_rank() == 0 else np.ones(count + 1, np.float32)
     text = _expect_mismatch(comm, lambda: C.allreduce(mine, algorithm="shm"), "shape mismatch")
     assert f"rank 0 has ({count},)" in text, text
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fast_entry_results_come_from_the_result_pool(comm):
+    """A large out-of-place result on the fast entry is a block of the result pool: dropped,
+    it goes back to the pool, and the next call takes it again (no fresh pages to fault in
+    on every call), NumPy and torch alike."""
+    _shared_topology()
+    n = comm.Get_size()
+    count = max(_pipelined("float32"), POOL_MIN_BYTES // 4 + 1)
+    for x in (np.ones(count, np.float32), torch.ones(count)):
+        C.allreduce(x, op=C.Sum, algorithm="shm")  # described; the next calls are fast
+        first = C.allreduce(x, op=C.Sum, algorithm="shm")
+        cached = _C.pool_cached()
+        del first
+        assert _C.pool_cached() > cached
+        again = C.allreduce(x, op=C.Sum, algorithm="shm")
+        assert _C.pool_cached() == cached
+        assert_equal(np.asarray(again), np.full(count, float(n), np.float32), "pooled")
+        del again  # back to the pool before the next case counts it
