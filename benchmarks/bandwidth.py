@@ -19,7 +19,7 @@ import sys
 import time
 
 import collectives as C  # before mpi4py starts MPI: collectives/mpi_defaults.py
-from collectives import algorithms
+from collectives import algorithms, topology
 import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
@@ -197,13 +197,27 @@ def time_round(call, iters: int, comm: MPI.Comm) -> float:
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
+#: At most this many more warmup rounds while `auto` still runs an online trial.
+TRIAL_WARMUP = 50
+
+
 def median_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, float]:
     """Each zero-argument call's median seconds per call over args.rounds interleaved
-    rounds (the slowest rank's), after args.w warmup calls each; args.n calls per round,
+    rounds (the slowest rank's), after args.w warmup calls each (more while `auto` still
+    tries its choice online); args.n calls per round,
     fewer above 1 MiB so that a sweep's time stays bounded."""
     iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
     for call in calls.values():
         for _ in range(args.w):
+            call()
+    # `auto`'s first allreduces of a size class are its online trial (collectives/online.py),
+    # which a job goes through in its first steps: warm up past it (the same calls on every
+    # rank: every rank ends a trial in the same call)
+    topo = topology.get()
+    for _ in range(TRIAL_WARMUP):
+        if not topo.trials:
+            break
+        for call in calls.values():
             call()
     times = {name: [] for name in calls}
     for _ in range(args.rounds):
