@@ -18,7 +18,7 @@ it settles (the fast entry would run the described algorithm without counting).
 
 Size classes are factors of 4 (select.size_class); those holding a size that rides are
 left to the first measurement. Cost: ROUNDS x candidates calls per class, at
-most CLOSE x the best's time each, and one allreduce when the class settles."""
+at most CLOSE x the estimated best's time each (as far as the estimate holds), and one allreduce when the class settles."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ from . import select
 from .engine import ENGINE
 from .topology import Topology
 
-#: Candidates `auto` rates within this multiple of the best are tried.
-CLOSE = 2.0
+#: Candidates `auto` rates within this multiple of the best are tried: wide enough for a
+#: measurement taken in a slow spell (shm's 64 MiB allreduce measured 3.7x its steady time
+#: at one init, which a factor of 2 left out of the trial).
+CLOSE = 4.0
 #: Calls per candidate in a trial (the fastest counts: interference only adds time).
 ROUNDS = 3
 #: Seconds of one call; replaced by tests to inject per-rank noise.
