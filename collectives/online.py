@@ -17,8 +17,9 @@ that one on every rank and counts for no trial. A class's calls take the general
 it settles (the fast entry would run the described algorithm without counting).
 
 Size classes are factors of 4 (select.size_class); those holding a size that rides are
-left to the first measurement. Cost: ROUNDS x candidates calls per class, at
-at most CLOSE x the estimated best's time each (as far as the estimate holds), and one allreduce when the class settles."""
+left to the first measurement. Cost: ROUNDS x candidates calls per class, each at most
+CLOSE x the estimated best's time (as far as the estimate holds), and one allreduce when
+the class settles."""
 
 from __future__ import annotations
 
