@@ -1,6 +1,6 @@
 """`auto` checks its choice online: the first allreduces of each size class too large to
 ride in the agreement try every algorithm `auto` rates within CLOSE of the best, ROUNDS
-times each in turns, and the class settles on the fastest for the rest of the job.
+turns of BURST calls each, and the class settles on the fastest for the rest of the job.
 
 Why: the first job's measurement (autotune.py) runs in the two or three seconds of `init`,
 and on a shared machine a slow spell can cover all of it; one in three fresh jobs here
@@ -17,7 +17,7 @@ that one on every rank and counts for no trial. A class's calls take the general
 it settles (the fast entry would run the described algorithm without counting).
 
 Size classes are factors of 4 (select.size_class); those holding a size that rides are
-left to the first measurement. Cost: ROUNDS x candidates calls per class, each at most
+left to the first measurement. Cost: ROUNDS x BURST x candidates calls per class, each at most
 CLOSE x the estimated best's time (as far as the estimate holds), and one allreduce when
 the class settles."""
 
@@ -38,8 +38,12 @@ from .topology import Topology
 #: measurement taken in a slow spell (shm's 64 MiB allreduce measured 3.7x its steady time
 #: at one init, which a factor of 2 left out of the trial).
 CLOSE = 4.0
-#: Calls per candidate in a trial (the fastest counts: interference only adds time).
+#: Turns per candidate in a trial (the fastest counts: interference only adds time).
 ROUNDS = 3
+#: Calls per turn, back to back; only the last is timed: the first after another
+#: algorithm's call finds the caches full of that one's buffers (at 256 KiB such calls
+#: ran 2-5x their steady time and made the trial a coin toss).
+BURST = 2
 #: Seconds of one call; replaced by tests to inject per-rank noise.
 clock: Callable[[], float] = time.perf_counter
 
@@ -73,14 +77,15 @@ def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
     if trial is None:
         reduce(select.choose("allreduce", nbytes, topo))
         return
-    k = trial.calls % len(trial.candidates)
+    k = trial.calls // BURST % len(trial.candidates)
     algo = trial.candidates[k]
     ENGINE.native.credit(topo.stats, "allreduce", algo)
     start = clock()
     reduce(algo)
-    trial.best[k] = min(trial.best[k], (clock() - start) / nbytes)
+    if trial.calls % BURST == BURST - 1:
+        trial.best[k] = min(trial.best[k], (clock() - start) / nbytes)
     trial.calls += 1
-    if trial.calls == ROUNDS * len(trial.candidates):
+    if trial.calls == ROUNDS * BURST * len(trial.candidates):
         slowest = np.empty(len(trial.best))
         topo.comm.Allreduce(np.array(trial.best), slowest, op=MPI.MAX)
         _settle(topo, c, trial.candidates[int(np.argmin(slowest))])

@@ -144,7 +144,7 @@ def _estimates(close: dict[str, float]):
 
 @pytest.mark.mpi(min_size=2)
 def test_online_trial_settles_on_the_slowest_ranks_fastest(comm, trials, monkeypatch):
-    """A class whose close candidates are mpi and ring: they take turns, ROUNDS calls each;
+    """A class whose close candidates are mpi and ring: they take ROUNDS turns of BURST calls;
     rank 0 alone finds mpi faster, the others find ring faster and are slower overall, so
     every rank settles on ring (the slowest rank's times decide); every result exact."""
     monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.5}))
@@ -159,13 +159,14 @@ def test_online_trial_settles_on_the_slowest_ranks_fastest(comm, trials, monkeyp
     x = np.full(_tried(trials), float(r + 1))
     c = select.size_class(x.nbytes)
     before = C.stats()["per_op"].get("allreduce/mpi", {}).get("calls", 0)
-    for i in range(online.ROUNDS * 2):
-        algo = ["mpi", "ring"][i % 2]  # candidates in sorted order
+    turn = online.BURST
+    for i in range(online.ROUNDS * turn * 2):
+        algo = ["mpi", "ring"][i // turn % 2]  # candidates in sorted order
         ticks = iter([0.0, seconds[algo]])
         assert c not in trials.settled
         assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), f"call {i}")
     assert trials.settled[c] == "ring" and c not in trials.trials
-    assert C.stats()["per_op"]["allreduce/mpi"]["calls"] == before + online.ROUNDS
+    assert C.stats()["per_op"]["allreduce/mpi"]["calls"] == before + online.ROUNDS * turn
     assert select.choose("allreduce", x.nbytes, trials) == "ring"
     assert select.choose("allreduce", x.nbytes * 2, trials) == "ring"  # the whole class
     assert select.size_class(x.nbytes * 8) not in trials.settled  # not the next class
@@ -195,7 +196,9 @@ def test_online_trials_under_per_rank_noise_and_a_joined_rank(comm, trials, monk
     n, r = comm.Get_size(), comm.Get_rank()
     base = _tried(trials)
     sizes = [base, 4 * base + 3, 16 * base + 5]
-    steps = 6 if r == 0 else 12
+    trial = online.ROUNDS * online.BURST * 3  # calls of a class's trial: 3 candidates
+    first = trial // 3
+    steps = first if r == 0 else 2 * first
 
     def calls(steps: range, active: int) -> None:
         for step in steps:
@@ -204,11 +207,11 @@ def test_online_trials_under_per_rank_noise_and_a_joined_rank(comm, trials, monk
                 want = active * step + n * (n - 1) // 2  # rank 0 adds r = 0 when active
                 assert_equal(got, np.full(count, float(want)), f"{step} {count} {active}")
 
-    calls(range(6), n)
-    calls(range(6, steps), n - 1)
+    calls(range(first), n)
+    calls(range(first, steps), n - 1)
     assert C.join() == n - 1
-    assert not trials.settled  # 6 counted calls each: the trials of 9 have not ended
-    calls(range(3), n)
+    assert not trials.settled  # `first` counted calls each: no trial has ended
+    calls(range(trial - first), n)
     settled = {c: a for c, a in trials.settled.items()}
     assert len(settled) == len(sizes) and not trials.trials
     assert len({tuple(sorted(s.items(), key=str)) for s in comm.allgather(settled)}) == 1
