@@ -174,9 +174,11 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
         return _compressed(topo, buf, op, algorithm, compressor, inplace)
     call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
     out = buf if inplace else buf.empty(buf.shape)
-    trying = algorithm == "auto" and online.applies(topo, buf.nbytes)
-    if call.fast is not None and not buf.staged and buf.dtype != "bfloat16" and not trying:
-        topo.fast[(op, x.dtype, x.shape, algorithm)] = call  # the next such call takes it
+    fast = call.fast is not None and not buf.staged and buf.dtype != "bfloat16"
+    key = (op, x.dtype, x.shape, algorithm)
+    checked = algorithm == "auto" and online.checks(topo, buf.nbytes)
+    if fast and not checked:
+        topo.fast[key] = call  # the next such call takes the fast entry
     if call.rides:  # the data rides in the agreement
         return call, Job(lambda: _finish(buf, out), buf.flat, out.flat, buf.flat.size,
                          call.dtype_code, call.op_code, call.divisor)
@@ -185,8 +187,10 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
         algorithms.reduce(algo, topo, buf.flat, out.flat, op, buf.dtype)
 
     def move() -> Any:
-        if trying:  # `auto` still checks its choice for this size (online.py)
-            online.run(topo, buf.nbytes, reduce)
+        if checked:  # `auto` picks the algorithm now (online.py)
+            algo = online.run(topo, buf.nbytes, reduce)
+            if fast and algo == call.algorithm and online.settled(topo, buf.nbytes):
+                topo.fast[key] = call  # the choice is final: the next such call is fast
         else:
             reduce(call.algorithm)
         return _finish(buf, out)

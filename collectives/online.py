@@ -13,8 +13,10 @@ every rank takes the slowest rank's time per candidate (one MPI allreduce of a f
 inside that call). The trial's state advances only in the call's data phase (on the engine,
 in submission order, after the agreement), and only while no rank has joined: a joined rank
 (join.py) runs select.choose()'s algorithm, so a call made while some rank has joined runs
-that one on every rank and counts for no trial. A class's calls take the general path until
-it settles (the fast entry would run the described algorithm without counting).
+that one on every rank and counts for no trial. Every call of a checked class picks its
+algorithm in its data phase too (run()), and its fast entry, which runs the algorithm it
+was described with, is registered there only once the class has settled on that algorithm:
+so no call runs a choice its description made before the class settled.
 
 Size classes are factors of 4 (select.size_class); those holding a size that rides are
 left to the first measurement. Cost: ROUNDS x BURST x candidates calls per class, each at most
@@ -60,23 +62,32 @@ class Trial:
         self.calls = 0
 
 
-def applies(topo: Topology, nbytes: int) -> bool:
-    """Whether an `auto` allreduce of nbytes on topo is still tried online: the job measured
-    its machine (a tuning file is the user's word; without measurement nothing is close),
-    no size of its class rides in the agreement, and the class has not settled."""
-    c = select.size_class(nbytes)
+def checks(topo: Topology, nbytes: int) -> bool:
+    """Whether `auto` allreduces of nbytes on topo are checked online (run() picks their
+    algorithm when they run): the job measured its machine (a tuning file is the user's
+    word; without measurement nothing is close) and no size of the class rides in the
+    agreement."""
     return (topo.config.autotune and not topo.config.tuning_file and topo.size > 1
-            and select.class_floor(c) > topo.channel.capacity and c not in topo.settled)
+            and select.class_floor(select.size_class(nbytes)) > topo.channel.capacity)
 
 
-def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
-    """The data phase of an `auto` allreduce of nbytes whose class was open when it was
-    described: reduce(algorithm) with a trial's candidate, else with `auto`'s choice."""
+def settled(topo: Topology, nbytes: int) -> bool:
+    """Whether nbytes' class has settled: its algorithm will not change."""
+    return select.size_class(nbytes) in topo.settled
+
+
+def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> str:
+    """The data phase of an `auto` allreduce of nbytes that checks() covers:
+    reduce(algorithm) with a trial's candidate, else with `auto`'s choice. Returns the
+    algorithm run. The choice is made here, in submission order, not when the call was
+    described: a caller's thread may describe a call while the engine's settles its class."""
     c = select.size_class(nbytes)
     trial = None if ENGINE.native.joined or c in topo.settled else _trial(topo, c, nbytes)
     if trial is None:
-        reduce(select.choose("allreduce", nbytes, topo))
-        return
+        algo = select.choose("allreduce", nbytes, topo)
+        ENGINE.native.credit(topo.stats, "allreduce", algo)
+        reduce(algo)
+        return algo
     k = trial.calls // BURST % len(trial.candidates)
     algo = trial.candidates[k]
     ENGINE.native.credit(topo.stats, "allreduce", algo)
@@ -89,6 +100,7 @@ def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
         slowest = np.empty(len(trial.best))
         topo.comm.Allreduce(np.array(trial.best), slowest, op=MPI.MAX)
         _settle(topo, c, trial.candidates[int(np.argmin(slowest))])
+    return algo
 
 
 def _trial(topo: Topology, c: int, nbytes: int) -> Trial | None:
@@ -107,10 +119,9 @@ def _trial(topo: Topology, c: int, nbytes: int) -> Trial | None:
 
 
 def _settle(topo: Topology, c: int, algo: str | None) -> None:
-    """Class c runs algo from now on (None: select.choose()'s estimate per size); calls
-    described under the old choice are forgotten, so they are described again."""
+    """Class c runs algo from now on (None: select.choose()'s estimate per size). Calls
+    described under the old choice are described again (their fast entries, registered
+    only once a class has settled and only for the algorithm it settled on, stay valid)."""
     topo.trials.pop(c, None)
     topo.settled[c] = algo
-    select.choose.cache_clear()
     topo.calls.clear()
-    topo.fast.clear()

@@ -45,17 +45,23 @@ def _measured(collective: str, nbytes: int, topo: Topology) -> dict[str, float] 
     return out
 
 
-@functools.lru_cache(maxsize=4096)
 def choose(collective: str, nbytes: int, topo: Topology) -> str:
     """The algorithm `auto` runs for this call (the same on every rank: it depends only on
     agreed values and on what every rank settled alike): an allreduce's class settled
-    online (online.py), else the fastest estimate. Memoized per topology;
-    choose.cache_clear() after changing the inputs."""
+    online (online.py; read afresh, as it settles on the engine's thread while callers
+    describe calls), else the fastest estimate, memoized per topology:
+    choose.cache_clear() after changing the estimates' inputs."""
     settled = topo.settled.get(size_class(nbytes)) if collective == "allreduce" else None
-    if settled:
-        return settled
+    return settled or _fastest(collective, nbytes, topo)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fastest(collective: str, nbytes: int, topo: Topology) -> str:
     found = estimates(collective, nbytes, topo)
     return min(found, key=found.get)
+
+
+choose.cache_clear = _fastest.cache_clear  # type: ignore[attr-defined]
 
 
 def estimates(collective: str, nbytes: int, topo: Topology) -> dict[str, float]:

@@ -179,7 +179,7 @@ def test_online_trial_with_one_close_candidate_settles_at_once(comm, trials, mon
     x = np.ones(_tried(trials))
     C.allreduce(x, op=C.Sum)
     assert trials.settled == {select.size_class(x.nbytes): None} and not trials.trials
-    assert not online.applies(trials, x.nbytes)
+    assert online.settled(trials, x.nbytes)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -215,3 +215,21 @@ def test_online_trials_under_per_rank_noise_and_a_joined_rank(comm, trials, monk
     settled = {c: a for c, a in trials.settled.items()}
     assert len(settled) == len(sizes) and not trials.trials
     assert len({tuple(sorted(s.items(), key=str)) for s in comm.allgather(settled)}) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_online_trial_under_async_calls_of_many_shapes(comm, trials, monkeypatch):
+    """Async calls of 40 shapes of one class queued at once: the caller's thread describes
+    new shapes while the engine's thread runs the trial and settles the class. Every call
+    runs the same algorithm on every rank (no hang), every result is exact, and the class
+    settles alike everywhere."""
+    monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.2, "tree": 1.9}))
+    n, r = comm.Get_size(), comm.Get_rank()
+    base = _tried(trials)
+    counts = [base + 8 * i for i in range(40)]
+    assert len({select.size_class(8 * c) for c in counts}) == 1
+    handles = [C.allreduce_async(np.full(c, float(r + i)), op=C.Sum) for i, c in enumerate(counts)]
+    for i, (c, h) in enumerate(zip(counts, handles)):
+        assert_equal(C.synchronize(h), np.full(c, float(n * i + n * (n - 1) // 2)), f"call {i}")
+    assert len(trials.settled) == 1 and not trials.trials
+    assert len({tuple(s.items()) for s in comm.allgather(dict(trials.settled))}) == 1
