@@ -301,14 +301,21 @@ def plot(plt, rows: list[dict], path: str, n: int) -> None:
     fig.savefig(path, dpi=110)
 
 
+def sweep_arguments(p: argparse.ArgumentParser, largest: str, calls: int,
+                    warmup: int) -> None:
+    """The size sweep and timing options that sizes() and median_times() read, with a
+    script's own defaults for the largest size, calls per round and warmup calls."""
+    p.add_argument("-b", type=parse_size, default=parse_size("4K"), help="min size (K/M/G)")
+    p.add_argument("-e", type=parse_size, default=parse_size(largest), help="max size")
+    p.add_argument("-f", type=float, default=4, help="size multiplication factor")
+    p.add_argument("-n", type=int, default=calls, help="iterations per round (fewer above 1 MiB)")
+    p.add_argument("-w", type=int, default=warmup, help="warmup iterations")
+    p.add_argument("-r", "--rounds", type=int, default=5, help="interleaved timing rounds")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-b", type=parse_size, default=parse_size("4K"), help="min size (K/M/G)")
-    p.add_argument("-e", type=parse_size, default=parse_size("64M"), help="max size")
-    p.add_argument("-f", type=float, default=4, help="size multiplication factor")
-    p.add_argument("-n", type=int, default=20, help="iterations per round (fewer above 1 MiB)")
-    p.add_argument("-w", type=int, default=2, help="warmup iterations")
-    p.add_argument("-r", "--rounds", type=int, default=5, help="interleaved timing rounds")
+    sweep_arguments(p, "64M", calls=20, warmup=2)
     p.add_argument("-c", type=int, default=1, help="check correctness (1) or not (0)")
     p.add_argument("--op", default="allreduce", type=lambda s: s.split(","))
     p.add_argument("--algo", default="ring,mpi", type=lambda s: s.split(","))

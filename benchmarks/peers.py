@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from bandwidth import Gloo, median_times, parse_size, sizes
+from bandwidth import Gloo, median_times, sizes, sweep_arguments
 
 #: Column order; a peer that is not installed is left out.
 CALLS = ("deepspeed", "gloo", "mpi", "auto", "auto-oop", "shm")
@@ -139,12 +139,7 @@ def header(calls: dict, n: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-b", type=parse_size, default=parse_size("4K"), help="min size (K/M/G)")
-    p.add_argument("-e", type=parse_size, default=parse_size("256M"), help="max size")
-    p.add_argument("-f", type=float, default=4, help="size multiplication factor")
-    p.add_argument("-n", type=int, default=200, help="iterations per round (fewer above 1 MiB)")
-    p.add_argument("-w", type=int, default=5, help="warmup iterations")
-    p.add_argument("-r", "--rounds", type=int, default=5, help="interleaved timing rounds")
+    sweep_arguments(p, "256M", calls=200, warmup=5)
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     C.init()

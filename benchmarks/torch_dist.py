@@ -19,7 +19,7 @@ import sys
 import collectives  # noqa: F401  (registers the backend)
 import torch
 import torch.distributed as dist
-from bandwidth import median_times, parse_size, sizes
+from bandwidth import median_times, sizes, sweep_arguments
 from mpi4py import MPI
 
 
@@ -65,12 +65,7 @@ def run(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-b", type=parse_size, default=4 << 10, help="smallest size (bytes)")
-    p.add_argument("-e", type=parse_size, default=256 << 20, help="largest size (bytes)")
-    p.add_argument("-f", type=float, default=4, help="size multiplication factor")
-    p.add_argument("-n", type=int, default=50, help="calls per round (fewer past 1 MiB)")
-    p.add_argument("-w", type=int, default=3, help="warm-up calls")
-    p.add_argument("-r", "--rounds", type=int, default=5)
+    sweep_arguments(p, "256M", calls=50, warmup=3)
     p.add_argument("--json", help="write the rows here (rank 0)")
     args = p.parse_args(argv)
     dist.init_process_group("collectives")
