@@ -188,8 +188,8 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
 
     def move() -> Any:
         if checked:  # `auto` picks the algorithm now (online.py)
-            algo = online.run(topo, buf.nbytes, reduce)
-            if fast and algo == call.algorithm and online.settled(topo, buf.nbytes):
+            online.run(topo, buf.nbytes, reduce)
+            if fast and online.settled_on(topo, buf.nbytes, call.algorithm):
                 topo.fast[key] = call  # the choice is final: the next such call is fast
         else:
             reduce(call.algorithm)

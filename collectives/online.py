@@ -76,18 +76,25 @@ def settled(topo: Topology, nbytes: int) -> bool:
     return select.size_class(nbytes) in topo.settled
 
 
-def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> str:
+def settled_on(topo: Topology, nbytes: int, algorithm: str) -> bool:
+    """Whether nbytes' class has settled on algorithm: a call described with it may take its
+    fast entry from now on. (The call that ends a trial ran a candidate, which need not be
+    the one the class settled on.)"""
+    return settled(topo, nbytes) and select.choose("allreduce", nbytes, topo) == algorithm
+
+
+def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
     """The data phase of an `auto` allreduce of nbytes that checks() covers:
-    reduce(algorithm) with a trial's candidate, else with `auto`'s choice. Returns the
-    algorithm run. The choice is made here, in submission order, not when the call was
-    described: a caller's thread may describe a call while the engine's settles its class."""
+    reduce(algorithm) with a trial's candidate, else with `auto`'s choice. The choice is
+    made here, in submission order, not when the call was described: a caller's thread may
+    describe a call while the engine's settles its class."""
     c = select.size_class(nbytes)
     trial = None if ENGINE.native.joined or c in topo.settled else _trial(topo, c, nbytes)
     if trial is None:
         algo = select.choose("allreduce", nbytes, topo)
         ENGINE.native.credit(topo.stats, "allreduce", algo)
         reduce(algo)
-        return algo
+        return
     k = trial.calls // BURST % len(trial.candidates)
     algo = trial.candidates[k]
     ENGINE.native.credit(topo.stats, "allreduce", algo)
@@ -100,7 +107,6 @@ def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> str:
         slowest = np.empty(len(trial.best))
         topo.comm.Allreduce(np.array(trial.best), slowest, op=MPI.MAX)
         _settle(topo, c, trial.candidates[int(np.argmin(slowest))])
-    return algo
 
 
 def _trial(topo: Topology, c: int, nbytes: int) -> Trial | None:

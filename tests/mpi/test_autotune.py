@@ -174,6 +174,38 @@ def test_online_trial_settles_on_the_slowest_ranks_fastest(comm, trials, monkeyp
 
 
 @pytest.mark.mpi(min_size=2)
+def test_settled_class_runs_its_choice_after_a_trial_ending_on_another(comm, trials,
+                                                                       monkeypatch):
+    """Calls described with shm (the estimates' best, which has a C++ fast entry) whose trial
+    ends on a shm call and settles on ring: every later call runs ring, none takes shm's
+    fast entry."""
+    if "shm" not in select.candidates(trials):
+        pytest.skip("shm runs on one node only")
+    monkeypatch.setattr(select, "estimates", _estimates({"shm": 1.0, "ring": 1.5}))
+    seconds = {"ring": 1.0, "shm": 2.0}
+    ticks = iter([])
+    monkeypatch.setattr(online, "clock", lambda: next(ticks))
+    n, r = comm.Get_size(), comm.Get_rank()
+    x = np.full(_tried(trials), float(r + 1))
+    assert select.choose("allreduce", x.nbytes, trials) == "shm"
+    turn = online.BURST
+    for i in range(online.ROUNDS * turn * 2):
+        ticks = iter([0.0, seconds[["ring", "shm"][i // turn % 2]]])  # the last turn: shm
+        C.allreduce(x, op=C.Sum)
+    assert trials.settled == {select.size_class(x.nbytes): "ring"}
+
+    def runs() -> dict[str, int]:
+        per_op = C.stats()["per_op"]
+        return {a: per_op.get(f"allreduce/{a}", {}).get("calls", 0) for a in ("ring", "shm")}
+
+    before = runs()
+    for i in range(6):
+        assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), f"call {i}")
+        C.allreduce_(x.copy(), op=C.Sum)
+    assert runs() == {"ring": before["ring"] + 12, "shm": before["shm"]}
+
+
+@pytest.mark.mpi(min_size=2)
 def test_online_trial_with_one_close_candidate_settles_at_once(comm, trials, monkeypatch):
     monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0}))
     x = np.ones(_tried(trials))
