@@ -189,7 +189,7 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
     def move() -> Any:
         if checked:  # `auto` picks the algorithm now (online.py)
             online.run(topo, buf.nbytes, reduce)
-            if fast and online.settled_on(topo, buf.nbytes, call.algorithm):
+            if fast and online.settled_on(topo, buf.nbytes, call.algorithm, call.fast):
                 topo.fast[key] = call  # the choice is final: the next such call is fast
         else:
             reduce(call.algorithm)

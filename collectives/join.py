@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import agreement, algorithms, calls, process_sets
+from . import agreement, algorithms, calls, online, process_sets
 from .buffers import host_float
 from .compression import Compression
 from .dtypes import FLOATING, STORAGE
@@ -89,6 +89,7 @@ def join(*, comm: Any = None, process_set: Any = None) -> int:
                 except agreement.MismatchError:
                     continue
             if joined == topo.size:
+                online.rejoined(topo)
                 return last
             collective, fields = topo.comm.bcast(None, root=first_active)
             try:

@@ -18,22 +18,37 @@ algorithm in its data phase too (run()), and its fast entry, which runs the algo
 was described with, is registered there only once the class has settled on that algorithm:
 so no call runs a choice its description made before the class settled.
 
+A settled class stays watched, because the machine changes under a job: on the two-core
+machine here shm's allreduces run 3-4x their time for seconds at a stretch, while ring's
+get 10% faster. Every WATCH_S seconds of a class's calls (a count of calls fixed when it
+settles, the same on every rank) the ranks compare the best time since the last review with
+the one the class settled with (the slowest rank's, one allreduce of a float); beyond DRIFT
+either way, the class is tried again. A change the settled algorithm does not feel (another
+candidate getting faster) is found by trying the class again anyway once it has run long
+enough for its trial to cost RETRY_SHARE of the time. The count is kept in C++
+(_C.CallWatch), where the class's fast entries count and time their calls too; a call that
+comes due leaves its fast entry and reviews here, in its data phase. While a rank has
+joined, no call counts on it, so every watch is renewed when the join ends (rejoined()).
+
 Size classes are factors of 4 (select.size_class); those holding a size that rides are
 left to the first measurement. Cost: ROUNDS x BURST x candidates calls per class, each at most
 CLOSE x the estimated best's time (as far as the estimate holds), and one allreduce when
-the class settles."""
+the class settles; then one allreduce of a float per review, and a trial again when the time
+drifts or RETRY_SHARE allows."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import select
 from .engine import ENGINE
+from .kernels import _C
 from .topology import Topology
 
 #: Candidates `auto` rates within this multiple of the best are tried: wide enough for a
@@ -46,6 +61,13 @@ ROUNDS = 3
 #: algorithm's call finds the caches full of that one's buffers (at 256 KiB such calls
 #: ran 2-5x their steady time and made the trial a coin toss).
 BURST = 2
+#: Seconds of a settled class's calls between reviews (at least MIN_WATCH calls).
+WATCH_S = 0.05
+MIN_WATCH = 4
+#: A settled class whose time changed more than this, either way, is tried again.
+DRIFT = 1.5
+#: A settled class is tried again once its trial would cost this share of its calls' time.
+RETRY_SHARE = 0.05
 #: Seconds of one call; replaced by tests to inject per-rank noise.
 clock: Callable[[], float] = time.perf_counter
 
@@ -62,6 +84,21 @@ class Trial:
         self.calls = 0
 
 
+class Watch:
+    """A settled class's watch: the count of its calls and their best time since the last
+    review (native, shared with the class's fast entries), the slowest rank's seconds per
+    byte it settled with, calls per review, and reviews left before it is tried again."""
+
+    __slots__ = ("native", "settled_with", "window", "reviews_left")
+
+    def __init__(self, seconds_per_byte: float, window: int, reviews: int):
+        self.native = _C.CallWatch()
+        self.native.renew(window)
+        self.settled_with = seconds_per_byte
+        self.window = window
+        self.reviews_left = reviews
+
+
 def checks(topo: Topology, nbytes: int) -> bool:
     """Whether `auto` allreduces of nbytes on topo are checked online (run() picks their
     algorithm when they run): the job measured its machine (a tuning file is the user's
@@ -76,11 +113,22 @@ def settled(topo: Topology, nbytes: int) -> bool:
     return select.size_class(nbytes) in topo.settled
 
 
-def settled_on(topo: Topology, nbytes: int, algorithm: str) -> bool:
+def settled_on(topo: Topology, nbytes: int, algorithm: str, entry: Any) -> bool:
     """Whether nbytes' class has settled on algorithm: a call described with it may take its
-    fast entry from now on. (The call that ends a trial ran a candidate, which need not be
-    the one the class settled on.)"""
-    return settled(topo, nbytes) and select.choose("allreduce", nbytes, topo) == algorithm
+    fast entry from now on, which is put under the class's watch. (The call that ends a
+    trial ran a candidate, which need not be the one the class settled on.)"""
+    if not settled(topo, nbytes) or select.choose("allreduce", nbytes, topo) != algorithm:
+        return False
+    watch = topo.watches.get(select.size_class(nbytes))
+    entry.watch(None if watch is None else watch.native)
+    return True
+
+
+def rejoined(topo: Topology) -> None:
+    """A join on topo ended (on every rank at once): renew every watch, as the joined ranks
+    counted none of the calls made meanwhile."""
+    for watch in topo.watches.values():
+        watch.native.renew(watch.window)
 
 
 def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
@@ -89,11 +137,18 @@ def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
     made here, in submission order, not when the call was described: a caller's thread may
     describe a call while the engine's settles its class."""
     c = select.size_class(nbytes)
-    trial = None if ENGINE.native.joined or c in topo.settled else _trial(topo, c, nbytes)
+    joined = ENGINE.native.joined
+    watch = None if joined else topo.watches.get(c)
+    if watch is not None and not watch.native.take():  # due
+        watch = _review(topo, c, watch)
+    trial = None if joined or c in topo.settled else _trial(topo, c, nbytes)
     if trial is None:
         algo = select.choose("allreduce", nbytes, topo)
         ENGINE.native.credit(topo.stats, "allreduce", algo)
+        start = clock()
         reduce(algo)
+        if watch is not None:
+            watch.native.record((clock() - start) / nbytes)
         return
     k = trial.calls // BURST % len(trial.candidates)
     algo = trial.candidates[k]
@@ -106,7 +161,33 @@ def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
     if trial.calls == ROUNDS * BURST * len(trial.candidates):
         slowest = np.empty(len(trial.best))
         topo.comm.Allreduce(np.array(trial.best), slowest, op=MPI.MAX)
-        _settle(topo, c, trial.candidates[int(np.argmin(slowest))])
+        k = int(np.argmin(slowest))
+        _settle(topo, c, trial.candidates[k])
+        # agreed inputs only, so every rank watches alike
+        call = float(slowest[k]) * nbytes
+        window = max(MIN_WATCH, math.ceil(WATCH_S / call))
+        cost = float(np.sum(slowest)) * nbytes * ROUNDS * BURST
+        topo.watches[c] = Watch(float(slowest[k]), window,
+                                math.ceil(cost / RETRY_SHARE / (window * call)))
+
+
+def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:
+    """Class c's watch came due: the slowest rank's best time since the last review against
+    the one the class settled with. Renewed (and this call counted) when it held and reviews
+    are left; else the class is tried again from this call (None)."""
+    best = np.empty(1)
+    topo.comm.Allreduce(np.array([watch.native.best]), best, op=MPI.MAX)
+    drift = best[0] / watch.settled_with  # inf: no call timed (all made while one joined)
+    watch.reviews_left -= 1
+    if watch.reviews_left > 0 and (1 / DRIFT <= drift <= DRIFT or math.isinf(drift)):
+        watch.native.renew(watch.window)
+        watch.native.take()
+        return watch
+    watch.native.renew(0)  # its fast entries decline from now on
+    del topo.watches[c], topo.settled[c]
+    topo.calls.clear()
+    topo.fast.clear()
+    return None
 
 
 def _trial(topo: Topology, c: int, nbytes: int) -> Trial | None:

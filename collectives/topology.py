@@ -57,9 +57,11 @@ class Topology:
         self.stats = _C.Stats()
         self.calls: dict[tuple, object] = {}  # described calls (collectives/calls.py)
         self.fast: dict[tuple, object] = {}   # the allreduce fast entry's table
-        # `auto` allreduce's online trials (collectives/online.py): running, and settled
+        # `auto` allreduce's online trials (collectives/online.py): running, settled, and
+        # the watches of classes settled by a trial
         self.trials: dict[int, object] = {}
         self.settled: dict[int, str | None] = {}
+        self.watches: dict[int, object] = {}
 
     def shard_owner(self, shard: int) -> int:
         """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to

@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 #include <memory>
@@ -297,6 +298,32 @@ class PyEngine {
 // nchunks, window), the layout shm.py cuts it into and a function returning the shared
 // window it runs on (made or grown collectively, so called after the agreement, where
 // shm.py's own path makes it, and again only once that window is freed).
+// A settled `auto` allreduce class's watch (collectives/online.py): the calls left before
+// the ranks compare notes, and this rank's best seconds per byte since then. Taken and
+// recorded in the calls' submission order (on the engine's thread, or by a fast entry that
+// claimed the engine), so every rank counts the same calls and comes due in the same one.
+class CallWatch {
+ public:
+  // Count one call; false (nothing counted) once none is left: the call goes to Python.
+  bool take() {
+    if (left_ == 0) return false;
+    --left_;
+    return true;
+  }
+  void record(double seconds_per_byte) { best_ = std::min(best_, seconds_per_byte); }
+  void renew(int64_t calls) {
+    if (calls < 0) throw py::value_error("calls: must be >= 0");
+    left_ = calls;
+    best_ = std::numeric_limits<double>::infinity();
+  }
+  int64_t left() const { return left_; }
+  double best() const { return best_; }
+
+ private:
+  int64_t left_ = 0;
+  double best_ = std::numeric_limits<double>::infinity();
+};
+
 class FastAllreduce {
  public:
   FastAllreduce(py::object engine, py::object channel, py::object call, int64_t count,
@@ -339,6 +366,7 @@ class FastAllreduce {
       PyEngine* engine;
       ~Release() { engine->release(); }
     } release{engine_};
+    if (watch_ != nullptr && !watch_->take()) return py::none();  // due: Python reviews
     execute(x.data(), out.mutable_data());
     return std::move(out);
   }
@@ -353,8 +381,15 @@ class FastAllreduce {
       PyEngine* engine;
       ~Release() { engine->release(); }
     } release{engine_};
+    if (watch_ != nullptr && !watch_->take()) return false;  // due: Python reviews
     execute(reinterpret_cast<const void*>(src), reinterpret_cast<void*>(dst));
     return true;
+  }
+
+  // Count and time this entry's calls under w (None: unwatched): its class's watch.
+  void watch(py::object w) {
+    watch_ = w.is_none() ? nullptr : w.cast<CallWatch*>();
+    watch_obj_ = std::move(w);
   }
 
  private:
@@ -378,6 +413,7 @@ class FastAllreduce {
           size * e_ * dtype_size(dtype_) > window_->slot_bytes)
         throw std::logic_error("FastAllreduce: the window does not fit the pipeline");
     }
+    const auto start = std::chrono::steady_clock::now();
     {
       py::gil_scoped_release release;
       shm_reduce(*window_, src, dst, bounds_, e_, nchunks_, dtype_, op_, true);
@@ -387,6 +423,10 @@ class FastAllreduce {
     if (divisor > 1) {
       py::gil_scoped_release release;
       divide(dst, count_, dtype_, divisor);
+    }
+    if (watch_ != nullptr && engine_->joined() == 0 && nbytes_ > 0) {  // as online.run times
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      watch_->record(took.count() / static_cast<double>(nbytes_));
     }
     return py::none();
   }
@@ -405,6 +445,8 @@ class FastAllreduce {
   py::object window_fn_ = py::none();
   py::object window_obj_;  // owns window_
   ShmWindow* window_ = nullptr;
+  py::object watch_obj_;  // owns watch_
+  CallWatch* watch_ = nullptr;
 };
 
 // tree.py's allreduce: the agreement's recursive doubling without the check (the call was
@@ -492,6 +534,17 @@ void bind_runtime(py::module_& m) {
       .def_property_readonly("failed", &PyEngine::failed)
       .def("snapshot", &PyEngine::snapshot,
            "The stall record: (state, calls, collective, detail, age in s)");
+  py::class_<CallWatch>(m, "CallWatch",
+                        "A settled `auto` allreduce class's watch (collectives/online.py)")
+      .def(py::init<>())
+      .def("take", &CallWatch::take, "Count a call; False (none counted) when none is left")
+      .def("record", &CallWatch::record, py::arg("seconds_per_byte"),
+           "Keep the best time of a call")
+      .def("renew", &CallWatch::renew, py::arg("calls"),
+           "calls more calls before the next review; forget the best time")
+      .def_property_readonly("left", &CallWatch::left)
+      .def_property_readonly("best", &CallWatch::best,
+                             "Best seconds per byte since renewed (inf: none)");
   py::class_<FastAllreduce>(m, "FastAllreduce",
                             "An allreduce's C++ call path with its arguments bound")
       .def(py::init<py::object, py::object, py::object, int64_t, int, int, int64_t, py::object>(),
@@ -502,7 +555,10 @@ void bind_runtime(py::module_& m) {
            "entry does not apply")
       .def("at", &FastAllreduce::run_at, py::arg("src"), py::arg("dst"),
            "The call between raw host addresses of the planned dtype and size (dst may be "
-           "src); False if the engine is busy");
+           "src); False if the engine is busy")
+      .def("watch", &FastAllreduce::watch, py::arg("watch"),
+           "Count and time the calls under a CallWatch (None: unwatched); a call coming "
+           "due is not taken");
   m.def("tree_allreduce", &tree_allreduce, py::arg("engine"), py::arg("comm"), py::arg("tag"),
         py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("dtype"), py::arg("op"),
         "Recursive-doubling allreduce of send into recv (GIL released)");

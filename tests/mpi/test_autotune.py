@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_equal
 
 import collectives as C
-from collectives import autotune, config, costmodel, online, select, topology
+from collectives import algorithms, autotune, config, costmodel, online, select, topology
 
 SMALL = (8, 4 << 10)  # sizes that keep a test's measurement short
 
@@ -120,6 +120,7 @@ def trials(monkeypatch):
     topo = topology.get()
     monkeypatch.setattr(topo, "trials", {})
     monkeypatch.setattr(topo, "settled", {})
+    monkeypatch.setattr(topo, "watches", {})
     monkeypatch.setattr(topo, "config", config.Config())
     select.choose.cache_clear()
     yield topo
@@ -142,6 +143,26 @@ def _estimates(close: dict[str, float]):
     return estimates
 
 
+def _fake_time(monkeypatch, seconds) -> None:
+    """online's clock reads a fake time that each reduction run in Python by algorithm a
+    advances by seconds(a) (the test's choice, per rank), whatever the call's role."""
+    now = [0.0]
+    reduce = algorithms.reduce
+
+    def timed(algo, *args, **kwargs):
+        reduce(algo, *args, **kwargs)
+        now[0] += seconds(algo)
+
+    monkeypatch.setattr(algorithms, "reduce", timed)
+    monkeypatch.setattr(online, "clock", lambda: now[0])
+
+
+def _runs(*algos: str) -> dict[str, int]:
+    """Allreduce calls run so far per algorithm."""
+    per_op = C.stats()["per_op"]
+    return {a: per_op.get(f"allreduce/{a}", {}).get("calls", 0) for a in algos}
+
+
 @pytest.mark.mpi(min_size=2)
 def test_online_trial_settles_on_the_slowest_ranks_fastest(comm, trials, monkeypatch):
     """A class whose close candidates are mpi and ring: they take ROUNDS turns of BURST calls;
@@ -150,23 +171,16 @@ def test_online_trial_settles_on_the_slowest_ranks_fastest(comm, trials, monkeyp
     monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.5}))
     n, r = comm.Get_size(), comm.Get_rank()
     seconds = {"mpi": 1.0, "ring": 2.0} if r == 0 else {"mpi": 3.0, "ring": 2.5}
-    ticks = iter([])
-
-    def clock() -> float:  # each trial call reads the clock twice: start, end
-        return next(ticks)
-
-    monkeypatch.setattr(online, "clock", clock)
+    _fake_time(monkeypatch, seconds.get)
     x = np.full(_tried(trials), float(r + 1))
     c = select.size_class(x.nbytes)
-    before = C.stats()["per_op"].get("allreduce/mpi", {}).get("calls", 0)
+    before = _runs("mpi")["mpi"]
     turn = online.BURST
     for i in range(online.ROUNDS * turn * 2):
-        algo = ["mpi", "ring"][i // turn % 2]  # candidates in sorted order
-        ticks = iter([0.0, seconds[algo]])
         assert c not in trials.settled
         assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), f"call {i}")
     assert trials.settled[c] == "ring" and c not in trials.trials
-    assert C.stats()["per_op"]["allreduce/mpi"]["calls"] == before + online.ROUNDS * turn
+    assert _runs("mpi")["mpi"] == before + online.ROUNDS * turn
     assert select.choose("allreduce", x.nbytes, trials) == "ring"
     assert select.choose("allreduce", x.nbytes * 2, trials) == "ring"  # the whole class
     assert select.size_class(x.nbytes * 8) not in trials.settled  # not the next class
@@ -182,27 +196,122 @@ def test_settled_class_runs_its_choice_after_a_trial_ending_on_another(comm, tri
     if "shm" not in select.candidates(trials):
         pytest.skip("shm runs on one node only")
     monkeypatch.setattr(select, "estimates", _estimates({"shm": 1.0, "ring": 1.5}))
-    seconds = {"ring": 1.0, "shm": 2.0}
-    ticks = iter([])
-    monkeypatch.setattr(online, "clock", lambda: next(ticks))
+    _fake_time(monkeypatch, {"ring": 1.0, "shm": 2.0}.get)
     n, r = comm.Get_size(), comm.Get_rank()
     x = np.full(_tried(trials), float(r + 1))
     assert select.choose("allreduce", x.nbytes, trials) == "shm"
-    turn = online.BURST
-    for i in range(online.ROUNDS * turn * 2):
-        ticks = iter([0.0, seconds[["ring", "shm"][i // turn % 2]]])  # the last turn: shm
+    for _ in range(online.ROUNDS * online.BURST * 2):  # the last turn is shm's
         C.allreduce(x, op=C.Sum)
     assert trials.settled == {select.size_class(x.nbytes): "ring"}
-
-    def runs() -> dict[str, int]:
-        per_op = C.stats()["per_op"]
-        return {a: per_op.get(f"allreduce/{a}", {}).get("calls", 0) for a in ("ring", "shm")}
-
-    before = runs()
-    for i in range(6):
+    before = _runs("ring", "shm")
+    for i in range(online.MIN_WATCH // 2):  # within the watch's first window
         assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), f"call {i}")
         C.allreduce_(x.copy(), op=C.Sum)
-    assert runs() == {"ring": before["ring"] + 12, "shm": before["shm"]}
+    assert _runs("ring", "shm") == {"ring": before["ring"] + 2 * (online.MIN_WATCH // 2),
+                                    "shm": before["shm"]}
+
+
+def _settle_ring_over_mpi(comm, trials, monkeypatch, seconds: dict) -> np.ndarray:
+    """A class tried between ring and mpi and settled on ring at seconds' times (ring 1 s,
+    mpi 2 s a call on every rank); returns the x of its calls (rank + 1 everywhere)."""
+    monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.5}))
+    seconds.update(ring=1.0, mpi=2.0)
+    x = np.full(_tried(trials), comm.Get_rank() + 1.0)
+    for _ in range(online.ROUNDS * online.BURST * 2):
+        C.allreduce(x, op=C.Sum)
+    c = select.size_class(x.nbytes)
+    assert trials.settled == {c: "ring"}
+    assert trials.watches[c].window == online.MIN_WATCH  # 1 s calls: the fewest
+    return x
+
+
+def _calls(comm, x: np.ndarray, count: int, joined: int = 0) -> None:
+    """count calls of x (rank + 1 everywhere) while ranks 0..joined-1 have joined."""
+    n = comm.Get_size()
+    want = n * (n + 1) // 2 - joined * (joined + 1) // 2
+    for i in range(count):
+        assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, float(want)), f"call {i}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_settled_class_is_tried_again_when_its_time_drifts(comm, trials, monkeypatch):
+    """Settled on ring; a review of calls at their settled time renews the watch; then ring
+    slows to 3 s a call on the last rank alone: the next review (the slowest rank's time)
+    tries the class again, and every rank settles on mpi. A join in between (rank 0's, while
+    the others call) does not put the ranks' counts out of step."""
+    seconds: dict[str, float] = {}
+    r, last = comm.Get_rank(), comm.Get_size() - 1
+    _fake_time(monkeypatch, lambda a: seconds[a])
+    x = _settle_ring_over_mpi(comm, trials, monkeypatch, seconds)
+    c = select.size_class(x.nbytes)
+    watch = trials.watches[c]
+    _calls(comm, x, online.MIN_WATCH + 1)  # the last one is due: reviewed, renewed
+    assert trials.settled[c] == "ring" and watch.native.left == online.MIN_WATCH - 1
+    if r != 0:
+        _calls(comm, x, 5, joined=1)
+    C.join()
+    assert watch.native.left == online.MIN_WATCH  # renewed on every rank
+    if r == last:
+        seconds["ring"] = 3.0
+    _calls(comm, x, online.MIN_WATCH)
+    assert trials.settled[c] == "ring"
+    before = _runs("mpi")["mpi"]
+    _calls(comm, x, online.ROUNDS * online.BURST * 2)  # due: reviewed, tried again
+    assert trials.settled == {c: "mpi"} and trials.watches[c] is not watch
+    assert _runs("mpi")["mpi"] == before + online.ROUNDS * online.BURST
+    assert watch.native.left == 0  # the old watch is closed
+    assert len({tuple(s.items()) for s in comm.allgather(dict(trials.settled))}) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_settled_class_is_tried_again_when_its_reviews_run_out(comm, trials, monkeypatch):
+    """Settled on ring, whose time then holds while mpi gets faster (which no review sees):
+    once the class has run long enough for a trial to cost RETRY_SHARE of its time, it is
+    tried again and settles on mpi."""
+    seconds: dict[str, float] = {}
+    _fake_time(monkeypatch, lambda a: seconds[a])
+    # a trial of 6 x (1 + 2) s over reviews of 4 x 1 s: 2 reviews at this share
+    monkeypatch.setattr(online, "RETRY_SHARE", 2.5)
+    x = _settle_ring_over_mpi(comm, trials, monkeypatch, seconds)
+    c = select.size_class(x.nbytes)
+    assert trials.watches[c].reviews_left == 2
+    seconds["mpi"] = 0.5
+    _calls(comm, x, online.MIN_WATCH + 1)  # one review: renewed
+    assert trials.settled[c] == "ring"
+    _calls(comm, x, online.MIN_WATCH + online.ROUNDS * online.BURST * 2)
+    assert trials.settled == {c: "mpi"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_watched_fast_entries_under_reviews_trials_and_a_join(comm, trials, monkeypatch):
+    """A class settled on shm, whose calls take the C++ fast entry (which counts and times
+    them against the watch in C++): with fake trial times of a second and real ones of
+    microseconds, every review finds a drift and tries the class again, so calls go from the
+    fast entry to reviews to trials and back (only if the fast entry counts and times its
+    calls); rank 0 joins for a while. No hang, every result exact, and every rank ends with
+    the same table."""
+    if "shm" not in select.candidates(trials):
+        pytest.skip("shm runs on one node only")
+    monkeypatch.setattr(select, "estimates", _estimates({"shm": 1.0, "ring": 1.5}))
+    _fake_time(monkeypatch, {"ring": 2.0, "shm": 1.0}.get)
+    n, r = comm.Get_size(), comm.Get_rank()
+    x = np.full(_tried(trials), float(r + 1))
+    fast, watches = 0, set()
+    for i in range(60):
+        joined = 25 <= i < 33  # rank 0 joins at 25, the others at 33
+        if i == (25 if r == 0 else 33):
+            C.join()
+        if joined and r == 0:
+            continue
+        start = online.clock()
+        want = n * (n + 1) / 2.0 - joined
+        assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, want), f"call {i}")
+        fast += online.clock() == start  # no reduction in Python: the fast entry
+        watches.add(trials.watches.get(select.size_class(x.nbytes)))
+    # settled, fast, due, tried again, settled...: several settlings, each with its watch
+    assert fast > 0 and len(watches - {None}) >= 3
+    table = (dict(trials.settled), {k: w.native.left for k, w in trials.watches.items()})
+    assert len({repr(t) for t in comm.allgather(table)}) == 1
 
 
 @pytest.mark.mpi(min_size=2)
