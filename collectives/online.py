@@ -22,19 +22,20 @@ A settled class stays watched, because the machine changes under a job: on the t
 machine here shm's allreduces run 3-4x their time for seconds at a stretch, while ring's
 get 10% faster. Every WATCH_S seconds of a class's calls (a count of calls fixed when it
 settles, the same on every rank) the ranks compare the best time since the last review with
-the one the class settled with (the slowest rank's, one allreduce of a float); beyond DRIFT
-either way, the class is tried again. A change the settled algorithm does not feel (another
-candidate getting faster) is found by trying the class again anyway once it has run long
-enough for its trial to cost RETRY_SHARE of the time. The count is kept in C++
-(_C.CallWatch), where the class's fast entries count and time their calls too; a call that
-comes due leaves its fast entry and reviews here, in its data phase. While a rank has
-joined, no call counts on it, so every watch is renewed when the join ends (rejoined()).
+the first review's (the slowest rank's, one allreduce of a float); beyond DRIFT either way,
+the class is tried again. A change the settled algorithm does not feel (another candidate
+getting faster) is found by trying the class again anyway after RETRY_S seconds of its
+calls, or later, once its trial costs no more than RETRY_SHARE of their time. The count is
+kept in C++ (_C.CallWatch), where the class's fast entries count and time their calls too;
+a call that comes due leaves its fast entry and reviews here, in its data phase. While a
+rank has joined, no call counts on it, so every watch is renewed when the join ends
+(rejoined()).
 
 Size classes are factors of 4 (select.size_class); those holding a size that rides are
 left to the first measurement. Cost: ROUNDS x BURST x candidates calls per class, each at most
 CLOSE x the estimated best's time (as far as the estimate holds), and one allreduce when
 the class settles; then one allreduce of a float per review, and a trial again when the time
-drifts or RETRY_SHARE allows."""
+drifts or RETRY_S has passed."""
 
 from __future__ import annotations
 
@@ -61,12 +62,16 @@ ROUNDS = 3
 #: algorithm's call finds the caches full of that one's buffers (at 256 KiB such calls
 #: ran 2-5x their steady time and made the trial a coin toss).
 BURST = 2
-#: Seconds of a settled class's calls between reviews (at least MIN_WATCH calls).
+#: Seconds of a settled class's calls between reviews (at least MIN_WATCH calls). A review
+#: costs a call's trip through Python and the engine's thread plus an allreduce: at 256 KiB
+#: (20 us calls) 2-3% of the time at 0.01 s, within the noise at this value.
 WATCH_S = 0.05
 MIN_WATCH = 4
 #: A settled class whose time changed more than this, either way, is tried again.
 DRIFT = 1.5
-#: A settled class is tried again once its trial would cost this share of its calls' time.
+#: A settled class is tried again after RETRY_S seconds of its calls, or later if its
+#: trial would cost more than RETRY_SHARE of that time.
+RETRY_S = 5.0
 RETRY_SHARE = 0.05
 #: Seconds of one call; replaced by tests to inject per-rank noise.
 clock: Callable[[], float] = time.perf_counter
@@ -86,15 +91,16 @@ class Trial:
 
 class Watch:
     """A settled class's watch: the count of its calls and their best time since the last
-    review (native, shared with the class's fast entries), the slowest rank's seconds per
-    byte it settled with, calls per review, and reviews left before it is tried again."""
+    review (native, shared with the class's fast entries), the slowest rank's best seconds
+    per byte in the first review (its steady time: None before), calls per review, and
+    reviews left before the class is tried again."""
 
-    __slots__ = ("native", "settled_with", "window", "reviews_left")
+    __slots__ = ("native", "steady", "window", "reviews_left")
 
-    def __init__(self, seconds_per_byte: float, window: int, reviews: int):
+    def __init__(self, window: int, reviews: int):
         self.native = _C.CallWatch()
         self.native.renew(window)
-        self.settled_with = seconds_per_byte
+        self.steady: float | None = None
         self.window = window
         self.reviews_left = reviews
 
@@ -167,17 +173,21 @@ def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
         call = float(slowest[k]) * nbytes
         window = max(MIN_WATCH, math.ceil(WATCH_S / call))
         cost = float(np.sum(slowest)) * nbytes * ROUNDS * BURST
-        topo.watches[c] = Watch(float(slowest[k]), window,
-                                math.ceil(cost / RETRY_SHARE / (window * call)))
+        retry = max(RETRY_S, cost / RETRY_SHARE)
+        topo.watches[c] = Watch(window, math.ceil(retry / (window * call)))
 
 
 def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:
     """Class c's watch came due: the slowest rank's best time since the last review against
-    the one the class settled with. Renewed (and this call counted) when it held and reviews
-    are left; else the class is tried again from this call (None)."""
+    the first review's (like against like: a trial's best of ROUNDS calls is no steady
+    time; at 256 KiB the best of 450 calls ran 0.6x it). Renewed (and this call counted)
+    when it held and reviews are left; else the class is tried again from this call
+    (None)."""
     best = np.empty(1)
     topo.comm.Allreduce(np.array([watch.native.best]), best, op=MPI.MAX)
-    drift = best[0] / watch.settled_with  # inf: no call timed (all made while one joined)
+    if watch.steady is None and math.isfinite(best[0]):
+        watch.steady = float(best[0])
+    drift = best[0] / watch.steady if watch.steady else 1.0  # inf: none timed (a join)
     watch.reviews_left -= 1
     if watch.reviews_left > 0 and (1 / DRIFT <= drift <= DRIFT or math.isinf(drift)):
         watch.native.renew(watch.window)

@@ -235,10 +235,10 @@ def _calls(comm, x: np.ndarray, count: int, joined: int = 0) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_a_settled_class_is_tried_again_when_its_time_drifts(comm, trials, monkeypatch):
-    """Settled on ring; a review of calls at their settled time renews the watch; then ring
-    slows to 3 s a call on the last rank alone: the next review (the slowest rank's time)
-    tries the class again, and every rank settles on mpi. A join in between (rank 0's, while
-    the others call) does not put the ranks' counts out of step."""
+    """Settled on ring; the first review takes the steady time (1 s a call) and renews the
+    watch; then ring slows to 3 s a call on the last rank alone: the next review (the
+    slowest rank's time) tries the class again, and every rank settles on mpi. A join in
+    between (rank 0's, while the others call) does not put the ranks' counts out of step."""
     seconds: dict[str, float] = {}
     r, last = comm.Get_rank(), comm.Get_size() - 1
     _fake_time(monkeypatch, lambda a: seconds[a])
@@ -266,11 +266,12 @@ def test_a_settled_class_is_tried_again_when_its_time_drifts(comm, trials, monke
 @pytest.mark.mpi(min_size=2)
 def test_a_settled_class_is_tried_again_when_its_reviews_run_out(comm, trials, monkeypatch):
     """Settled on ring, whose time then holds while mpi gets faster (which no review sees):
-    once the class has run long enough for a trial to cost RETRY_SHARE of its time, it is
-    tried again and settles on mpi."""
+    once the class has run long enough (RETRY_S, RETRY_SHARE), it is tried again and settles
+    on mpi."""
     seconds: dict[str, float] = {}
     _fake_time(monkeypatch, lambda a: seconds[a])
     # a trial of 6 x (1 + 2) s over reviews of 4 x 1 s: 2 reviews at this share
+    monkeypatch.setattr(online, "RETRY_S", 0.0)
     monkeypatch.setattr(online, "RETRY_SHARE", 2.5)
     x = _settle_ring_over_mpi(comm, trials, monkeypatch, seconds)
     c = select.size_class(x.nbytes)
@@ -284,20 +285,21 @@ def test_a_settled_class_is_tried_again_when_its_reviews_run_out(comm, trials, m
 
 @pytest.mark.mpi(min_size=2)
 def test_watched_fast_entries_under_reviews_trials_and_a_join(comm, trials, monkeypatch):
-    """A class settled on shm, whose calls take the C++ fast entry (which counts and times
-    them against the watch in C++): with fake trial times of a second and real ones of
-    microseconds, every review finds a drift and tries the class again, so calls go from the
-    fast entry to reviews to trials and back (only if the fast entry counts and times its
+    """A class settled on shm, whose calls take the C++ fast entry (which counts them against
+    the watch in C++ and times them): a trial every second review (RETRY_SHARE), so calls go
+    from the fast entry to reviews to trials and back (only if the fast entry counts its
     calls); rank 0 joins for a while. No hang, every result exact, and every rank ends with
     the same table."""
     if "shm" not in select.candidates(trials):
         pytest.skip("shm runs on one node only")
     monkeypatch.setattr(select, "estimates", _estimates({"shm": 1.0, "ring": 1.5}))
     _fake_time(monkeypatch, {"ring": 2.0, "shm": 1.0}.get)
+    monkeypatch.setattr(online, "RETRY_S", 0.0)
+    monkeypatch.setattr(online, "RETRY_SHARE", 2.5)  # 6 x (1 + 2) s over 4 x 1 s: 2 reviews
     n, r = comm.Get_size(), comm.Get_rank()
     x = np.full(_tried(trials), float(r + 1))
     fast, watches = 0, set()
-    for i in range(60):
+    for i in range(90):
         joined = 25 <= i < 33  # rank 0 joins at 25, the others at 33
         if i == (25 if r == 0 else 33):
             C.join()
