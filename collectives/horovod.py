@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 import collectives as _C
 from collectives import adasum as _adasum
+from collectives import meet as _meet
 from collectives import process_sets as _process_sets
 from collectives import topology as _topology
 from collectives.compression import Compression
@@ -597,7 +598,14 @@ def join(device: int = -1) -> int:
 
 
 def barrier(process_set=global_process_set) -> None:
-    _C.barrier(process_set=_set(process_set))
+    """Every rank of the set reaches this point before any leaves. As Horovod's, it neither
+    waits for this rank's outstanding async calls nor is held up by them, even by a call
+    the other ranks start only after it (collectives/meet.py); below MPI_THREAD_MULTIPLE it
+    is the library's barrier, behind them."""
+    if _meet.available():
+        _meet.meet(_topology_of(process_set))
+    else:
+        _C.barrier(process_set=_set(process_set))
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set) -> None:

@@ -216,3 +216,40 @@ def test_an_optimizer_outside_its_process_set_steps_alone(comm):
 def test_reducescatter_refuses_adasum():
     with pytest.raises(RuntimeError, match="reducescatter does not support Adasum"):
         hvd.reducescatter(torch.ones(4), op=hvd.Adasum)
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "allgather", "broadcast", "reducescatter"])
+def test_a_barrier_meets_beside_a_named_call_in_flight(comm, collective):
+    """Rank 0 starts a named async call and meets the others at a barrier before they start
+    theirs (Horovod's duplicate-name tests): the barrier is not held up by it, a second call
+    of the name raises on every rank while the first is in flight, and the first completes
+    exactly once the others start theirs."""
+    if comm.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    if not hvd.mpi_threads_supported():
+        pytest.skip("the barrier meets beside the engine only under MPI_THREAD_MULTIPLE")
+    r, n = comm.Get_rank(), comm.Get_size()
+    x = torch.full((17, 17, 17), float(r + 1))
+    extra = {"broadcast": {"root_rank": 0}}.get(collective, {})
+    start = getattr(hvd, f"{collective}_async")
+    name = f"duplicate_name.{collective}"
+
+    def start_twice():
+        handle = start(x, name=name, **extra)
+        with pytest.raises(ValueError, match="same name as another tensor"):
+            start(x, name=name, **extra)
+        return handle
+
+    handle = start_twice() if r == 0 else None
+    hvd.barrier()
+    if r > 0:
+        handle = start_twice()
+    got = hvd.synchronize(handle)
+    hvd.barrier()
+    want = {"allreduce": x * 0 + (n + 1) / 2.0,
+            "allgather": torch.cat([torch.full((17, 17, 17), float(k + 1)) for k in range(n)]),
+            "broadcast": torch.ones(17, 17, 17)}.get(collective)
+    if collective == "reducescatter":
+        rows = [len(a) for a in np.array_split(np.arange(17), n)]
+        want = torch.full((rows[r], 17, 17), (n + 1) / 2.0)
+    assert torch.equal(got, want)

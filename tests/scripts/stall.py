@@ -1,4 +1,5 @@
-"""Rank 1 stays out of the collective: rank 0 must warn who is missing, then raise."""
+"""Rank 1 stays out of the collective (argv[2] "barrier": of Horovod's barrier, which
+meets beside the engine): rank 0 must warn who is missing, then raise."""
 
 import os
 import sys
@@ -7,6 +8,7 @@ import time
 import numpy as np
 
 import collectives as C
+import collectives.horovod as hvd
 
 C.init()
 if C.rank() == 1:
@@ -14,7 +16,10 @@ if C.rank() == 1:
     print("rank 1 joining late", flush=True)
     os._exit(0)
 try:
-    C.allreduce(np.ones(4))
+    if sys.argv[2:] == ["barrier"]:
+        hvd.barrier()
+    else:
+        C.allreduce(np.ones(4))
 except C.StallError as exc:
     print(f"StallError: {exc}", flush=True)
     try:

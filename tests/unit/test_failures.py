@@ -45,3 +45,12 @@ def test_stall_warns_then_raises():
     assert "StallError: allreduce #1 timed out after 2." in out, out
     assert "refused after stall" in out, out
     assert elapsed < 30
+
+
+def test_a_barrier_beside_the_engine_warns_then_raises():
+    env = {"COLLECTIVES_STALL_WARNING_S": "0.5", "COLLECTIVES_STALL_TIMEOUT_S": "2"}
+    code, out, elapsed = mpirun(2, "stall.py", "4", "barrier", env=env)
+    assert "collectives stall: rank 0 has waited" in out and "in a barrier for rank 1" in out, out
+    assert "StallError: barrier timed out after 2." in out, out
+    assert "waiting for rank 1" in out and "refused after stall" in out, out
+    assert elapsed < 30
