@@ -85,6 +85,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
 
 def shutdown() -> None:
     _process_sets.shutdown()
+    with _lock:
+        _in_flight.clear()
+        _started.clear()
+        _outstanding.clear()
 
 
 def is_initialized() -> bool:
@@ -163,20 +167,33 @@ def _as_horovod(op: Any, postscale: Any, process_set: Any) -> tuple[Any, Any]:
 
 
 _lock = threading.Lock()
-_in_flight: dict[str, Handle] = {}  # names of async calls not yet synchronized
+# names of async calls in flight: until synchronize() or a poll() that found them finished
+# (Horovod frees a name when its call finishes, which takes at least a cycle of its
+# coordinator; here a call may finish within microseconds, so a name stays taken until the
+# caller has seen it finish)
+_in_flight: dict[str, Handle] = {}
+# per process set's topology: async calls started so far, and those not known finished with
+# their place in that count (what barrier() waits for)
+_started: dict[Any, int] = {}
+_outstanding: dict[Any, list[tuple[int, Handle]]] = {}
 
 
-def _named(name: str | None, start) -> Handle:
-    """Start an async call under name, refusing a name still in flight (as Horovod)."""
-    if name is None:
-        return start()
+def _named(name: str | None, process_set: Any, start) -> Handle:
+    """Start an async call under name, refusing a name still in flight (as Horovod), and
+    count it for barrier()."""
+    topo = _topology_of(process_set)
     with _lock:
-        if name in _in_flight and not _in_flight[name].done():
+        if name is not None and name in _in_flight:
             raise ValueError(f"Requested to collect a tensor with the same name as another "
                              f"tensor that is currently being processed ({name!r}). If you "
                              f"want to request another tensor, use a different tensor name.")
         handle = start()
-        _in_flight[name] = handle
+        if name is not None:
+            _in_flight[name] = handle
+        index = _started.get(topo, 0)
+        _started[topo] = index + 1
+        pending = [(i, h) for i, h in _outstanding.get(topo, ()) if not h.done()]
+        _outstanding[topo] = pending + [(index, handle)]
     return handle
 
 
@@ -185,14 +202,22 @@ def synchronize(handle: Handle) -> Any:
     try:
         return _C.synchronize(handle)
     finally:
-        with _lock:
-            for name, h in list(_in_flight.items()):
-                if h is handle:
-                    del _in_flight[name]
+        _seen_finished(handle)
 
 
 def poll(handle: Handle) -> bool:
-    return _C.poll(handle)
+    if not _C.poll(handle):
+        return False
+    _seen_finished(handle)
+    return True
+
+
+def _seen_finished(handle: Handle) -> None:
+    """The caller has seen handle's call finish: its name is free again."""
+    with _lock:
+        for name, h in list(_in_flight.items()):
+            if h is handle:
+                del _in_flight[name]
 
 
 def _no_adasum(op: Any, collective: str) -> None:
@@ -241,7 +266,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
     op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
-    return _named(name, lambda: _C.allreduce_async(
+    return _named(name, process_set, lambda: _C.allreduce_async(
         tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
         name=name, process_set=_set(process_set)))
 
@@ -256,7 +281,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> Handle:
     op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
-    return _named(name, lambda: _C.allreduce_async_(
+    return _named(name, process_set, lambda: _C.allreduce_async_(
         tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
         name=name, process_set=_set(process_set)))
 
@@ -295,7 +320,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
     op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
-    return _named(name, lambda: _C.grouped_allreduce_async(
+    return _named(name, process_set, lambda: _C.grouped_allreduce_async(
         list(tensors), op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))
 
@@ -309,7 +334,7 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> Handle:
     op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
-    return _named(name, lambda: _C.grouped_allreduce_async_(
+    return _named(name, process_set, lambda: _C.grouped_allreduce_async_(
         list(tensors), op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))
 
@@ -346,7 +371,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
     parts = [_C.allgather_async(t, process_set=_set(process_set))
              for t in (grad.indices().t().contiguous(), grad.values())]
     handle = _SparseHandle(*parts, tensor.shape, 1.0 / n if op == Average else 1.0)
-    return _named(name, lambda: handle)
+    return _named(name, process_set, lambda: handle)
 
 
 # ------------------------------------------------------------------------------ allgather
@@ -380,7 +405,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
-    return _named(name, lambda: _C.allgather_async(tensor, name=name,
+    return _named(name, process_set, lambda: _C.allgather_async(tensor, name=name,
                                                    process_set=_set(process_set)))
 
 
@@ -409,7 +434,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> lis
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
-    return _named(name, lambda: _C.grouped_allgather_async(list(tensors), name=name,
+    return _named(name, process_set, lambda: _C.grouped_allgather_async(list(tensors), name=name,
                                                            process_set=_set(process_set)))
 
 
@@ -443,7 +468,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
-    return _named(name, lambda: _C.broadcast_async(tensor, root_rank=root_rank, name=name,
+    return _named(name, process_set, lambda: _C.broadcast_async(tensor, root_rank=root_rank, name=name,
                                                    process_set=_set(process_set)))
 
 
@@ -452,7 +477,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
-    return _named(name, lambda: _C.broadcast_async_(tensor, root_rank=root_rank, name=name,
+    return _named(name, process_set, lambda: _C.broadcast_async_(tensor, root_rank=root_rank, name=name,
                                                     process_set=_set(process_set)))
 
 
@@ -503,7 +528,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
-    return _named(name, lambda: _C.alltoall_async(tensor, splits=splits, name=name,
+    return _named(name, process_set, lambda: _C.alltoall_async(tensor, splits=splits, name=name,
                                                   process_set=_set(process_set)))
 
 
@@ -544,7 +569,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     _no_adasum(op, "reducescatter")
-    return _named(name, lambda: _C.reducescatter_async(
+    return _named(name, process_set, lambda: _C.reducescatter_async(
         tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
         name=name, process_set=_set(process_set)))
 
@@ -584,7 +609,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average,
                                 process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0) -> Handle:
     _no_adasum(op, "reducescatter")
-    return _named(name, lambda: _C.grouped_reducescatter_async(
+    return _named(name, process_set, lambda: _C.grouped_reducescatter_async(
         list(tensors), op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))
 
@@ -598,14 +623,27 @@ def join(device: int = -1) -> int:
 
 
 def barrier(process_set=global_process_set) -> None:
-    """Every rank of the set reaches this point before any leaves. As Horovod's, it neither
-    waits for this rank's outstanding async calls nor is held up by them, even by a call
-    the other ranks start only after it (collectives/meet.py); below MPI_THREAD_MULTIPLE it
-    is the library's barrier, behind them."""
-    if _meet.available():
-        _meet.meet(_topology_of(process_set))
-    else:
+    """Every rank of the set reaches this point before any leaves, and the async calls that
+    every rank started before it have finished. As Horovod's (whose coordinator runs the
+    barrier after the calls ready on every rank), it is not held up by a call that only
+    some ranks have started, even one the others start only after it: the ranks meet
+    beside the engine (collectives/meet.py), agreeing on how many async calls all of them
+    started, and then wait for those. Below MPI_THREAD_MULTIPLE it is the library's
+    barrier, behind every outstanding call."""
+    if not _meet.available():
         _C.barrier(process_set=_set(process_set))
+        return
+    topo = _topology_of(process_set)
+    with _lock:
+        started = _started.get(topo, 0)
+        pending = list(_outstanding.get(topo, ()))
+    everyone = _meet.meet(topo, started)
+    for index, handle in pending:
+        if index < everyone:
+            try:
+                handle.wait()  # its error, if any, stays for synchronize()
+            except Exception:  # the caller's synchronize() raises it
+                pass
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set) -> None:

@@ -52,13 +52,16 @@ def test_allreduce_average_and_op(comm):
 
 
 def test_a_name_in_flight_cannot_be_reused(comm):
+    """A name is taken until the caller has seen its call finish: synchronize() or a poll()
+    that returns True."""
     big = torch.ones(1 << 18)
     first = hvd.allreduce_async(big, name="grad.w")
-    try:
-        with pytest.raises(ValueError, match="same name as another tensor"):
-            hvd.allreduce_async(big, name="grad.w")
-    finally:
-        hvd.synchronize(first)  # (it may have finished already: then no error is needed)
+    with pytest.raises(ValueError, match="same name as another tensor"):
+        hvd.allreduce_async(big, name="grad.w")
+    hvd.synchronize(first)
+    second = hvd.allreduce_async(big, name="grad.w")
+    while not hvd.poll(second):
+        pass
     hvd.synchronize(hvd.allreduce_async(big, name="grad.w"))
 
 
@@ -222,8 +225,8 @@ def test_reducescatter_refuses_adasum():
 def test_a_barrier_meets_beside_a_named_call_in_flight(comm, collective):
     """Rank 0 starts a named async call and meets the others at a barrier before they start
     theirs (Horovod's duplicate-name tests): the barrier is not held up by it, a second call
-    of the name raises on every rank while the first is in flight, and the first completes
-    exactly once the others start theirs."""
+    of the name raises on every rank while the first is in flight, the next barrier returns
+    only once the call (which every rank then started) has finished, and it is exact."""
     if comm.Get_size() == 1:
         pytest.skip("needs two ranks")
     if not hvd.mpi_threads_supported():
@@ -240,12 +243,15 @@ def test_a_barrier_meets_beside_a_named_call_in_flight(comm, collective):
             start(x, name=name, **extra)
         return handle
 
-    handle = start_twice() if r == 0 else None
+    if r == 0:
+        handle = start_twice()
+        assert not hvd.poll(handle)  # the others start it only after the barrier
     hvd.barrier()
     if r > 0:
         handle = start_twice()
-    got = hvd.synchronize(handle)
     hvd.barrier()
+    assert hvd.poll(handle)
+    got = hvd.synchronize(handle)
     want = {"allreduce": x * 0 + (n + 1) / 2.0,
             "allgather": torch.cat([torch.full((17, 17, 17), float(k + 1)) for k in range(n)]),
             "broadcast": torch.ones(17, 17, 17)}.get(collective)
