@@ -31,11 +31,12 @@ a call that comes due leaves its fast entry and reviews here, in its data phase.
 rank has joined, no call counts on it, so every watch is renewed when the join ends
 (rejoined()).
 
-Size classes are factors of 4 (select.size_class); those holding a size that rides are
-left to the first measurement. Cost: ROUNDS x BURST x candidates calls per class, each at most
-CLOSE x the estimated best's time (as far as the estimate holds), and one allreduce when
-the class settles; then one allreduce of a float per review, and a trial again when the time
-drifts or RETRY_S has passed."""
+Size classes are factors of 4 (select.size_class); sizes that ride in the agreement are
+left to the first measurement, and a settled class holds for its sizes that do not. Cost:
+ROUNDS x BURST x candidates calls per class, each at most CLOSE x the estimated best's time
+(as far as the estimate holds), and one allreduce when the class settles; then one
+allreduce of a float per review, and a trial again when the time drifts or RETRY_S has
+passed."""
 
 from __future__ import annotations
 
@@ -108,10 +109,10 @@ class Watch:
 def checks(topo: Topology, nbytes: int) -> bool:
     """Whether `auto` allreduces of nbytes on topo are checked online (run() picks their
     algorithm when they run): the job measured its machine (a tuning file is the user's
-    word; without measurement nothing is close) and no size of the class rides in the
-    agreement."""
+    word; without measurement nothing is close) and the call does not ride in the
+    agreement (a riding call runs the agreement's own algorithm, whatever its class)."""
     return (topo.config.autotune and not topo.config.tuning_file and topo.size > 1
-            and select.class_floor(select.size_class(nbytes)) > topo.channel.capacity)
+            and nbytes > topo.channel.capacity)
 
 
 def settled(topo: Topology, nbytes: int) -> bool:

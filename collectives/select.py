@@ -48,10 +48,13 @@ def _measured(collective: str, nbytes: int, topo: Topology) -> dict[str, float] 
 def choose(collective: str, nbytes: int, topo: Topology) -> str:
     """The algorithm `auto` runs for this call (the same on every rank: it depends only on
     agreed values and on what every rank settled alike): an allreduce's class settled
-    online (online.py; read afresh, as it settles on the engine's thread while callers
-    describe calls), else the fastest estimate, memoized per topology:
+    online, for its sizes too large to ride in the agreement (online.py; read afresh, as it
+    settles on the engine's thread while callers describe calls), else the fastest
+    estimate, memoized per topology:
     choose.cache_clear() after changing the estimates' inputs."""
-    settled = topo.settled.get(size_class(nbytes)) if collective == "allreduce" else None
+    settled = topo.settled.get(size_class(nbytes)) \
+        if collective == "allreduce" and topo.settled and nbytes > topo.channel.capacity \
+        else None
     return settled or _fastest(collective, nbytes, topo)
 
 
@@ -72,14 +75,9 @@ def estimates(collective: str, nbytes: int, topo: Topology) -> dict[str, float]:
 
 
 def size_class(nbytes: int) -> int:
-    """Sizes within a factor of 4 share a class c, [class_floor(c), 4 class_floor(c))
-    bytes: what online.py settles an allreduce's algorithm for."""
+    """Sizes within a factor of 4 share a class c, [4^(c-1), 4^c) bytes: what online.py
+    settles an allreduce's algorithm for."""
     return (max(nbytes, 1).bit_length() + 1) // 2
-
-
-def class_floor(c: int) -> int:
-    """The smallest size of class c."""
-    return 1 << (2 * c - 2)
 
 
 def predict(collective: str, nbytes: int, layout: Layout, p: costmodel.Params

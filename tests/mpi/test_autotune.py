@@ -130,9 +130,10 @@ def trials(monkeypatch):
 
 
 def _tried(topo) -> int:
-    """A float64 count whose size class holds no size that rides: it is tried online."""
-    count = 4 * topo.channel.capacity // 8 + 1
-    assert select.class_floor(select.size_class(8 * count)) > topo.channel.capacity
+    """A float64 count too large to ride in the agreement: it is tried online (its class
+    also holds sizes that ride)."""
+    count = topo.channel.capacity // 8 + 1
+    assert online.checks(topo, 8 * count) and not online.checks(topo, 8 * count - 8)
     return count
 
 
@@ -203,6 +204,9 @@ def test_settled_class_runs_its_choice_after_a_trial_ending_on_another(comm, tri
     for _ in range(online.ROUNDS * online.BURST * 2):  # the last turn is shm's
         C.allreduce(x, op=C.Sum)
     assert trials.settled == {select.size_class(x.nbytes): "ring"}
+    riding = trials.channel.capacity  # of the same class, but riding: not settled
+    assert select.size_class(riding) == select.size_class(x.nbytes)
+    assert select.choose("allreduce", riding, trials) == "shm"
     before = _runs("ring", "shm")
     for i in range(online.MIN_WATCH // 2):  # within the watch's first window
         assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), f"call {i}")
