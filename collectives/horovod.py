@@ -669,7 +669,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
                          op: Any = Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set):
-    """optim.DistributedOptimizer with Horovod's signature (a torch.optim.Optimizer)."""
+    """optim.DistributedOptimizer with Horovod's signature (a torch.optim.Optimizer) and
+    Horovod's averaging: under join(), over every rank of the set, joined ones adding
+    zeros."""
     if op == Adasum:
         return _optim_adasum.DistributedAdasumOptimizer(
             optimizer, named_parameters=named_parameters,
@@ -678,5 +680,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
         optimizer, named_parameters=named_parameters, compression=compression,
         backward_passes_per_step=backward_passes_per_step, op=op,
         gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-        groups=groups, sparse_as_dense=sparse_as_dense, process_set=_set(process_set))
+        groups=groups, sparse_as_dense=sparse_as_dense, process_set=_set(process_set),
+        divide_by_initial_world_size=True)
 

@@ -221,8 +221,8 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-def _check_reduction(op: object, factor: object, algorithm: object,
-                     compression: object, process_set: Any) -> _Reduction:
+def _check_reduction(op: object, factor: object, algorithm: object, compression: object,
+                     process_set: Any, initial_size: object = False) -> _Reduction:
     if op is not C.Average and op is not C.Sum:
         raise ValueError(f"op: expected collectives.Average or collectives.Sum, got {op!r}")
     if (isinstance(factor, bool) or not isinstance(factor, (int, float))
@@ -239,9 +239,15 @@ def _check_reduction(op: object, factor: object, algorithm: object,
     if process_set is not None and not isinstance(process_set, C.ProcessSet):
         raise TypeError(f"process_set: expected a collectives.ProcessSet, got "
                         f"{type(process_set).__name__}")
-    if factor == 1:
+    if not isinstance(initial_size, bool):
+        raise TypeError(f"divide_by_initial_world_size: expected a bool, got "
+                        f"{type(initial_size).__name__}")
+    if op is C.Sum:
         return _Reduction(op, algorithm, compression, process_set=process_set)
-    # Sum of x / f over the ranks, then * f / size: the average, with smaller partial sums.
+    # x / f averaged, then * f: the average, with smaller partial sums; over the initial
+    # size, a Sum (where joined ranks add zeros) then * f / size
+    if not initial_size:
+        return _Reduction(C.Average, algorithm, compression, 1.0 / factor, factor, process_set)
     size = C.size() if process_set is None else process_set.size()
     return _Reduction(C.Sum, algorithm, compression, 1.0 / factor, factor / size, process_set)
 
@@ -367,6 +373,11 @@ class DistributedOptimizer(WrappedOptimizer):
     allgathered and summed into a sparse gradient, as Horovod does), process_set (reduce
     over that set's ranks; on a rank outside the set it is the wrapped optimizer as it
     is, as in Horovod).
+
+    While some ranks have joined (collectives.join), Average is over the ranks still
+    active; divide_by_initial_world_size=True (torch Join's argument of that name) makes it
+    over every rank of the set, the joined ones adding zeros, as Horovod's optimizer and
+    DDP under Join by default do.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -376,7 +387,7 @@ class DistributedOptimizer(WrappedOptimizer):
                  fusion_threshold_bytes: int = 64 << 20, algorithm: str = "auto",
                  process_set: C.ProcessSet | None = None, num_groups: int = 0,
                  groups: Iterable[Iterable[torch.Tensor]] | None = None,
-                 sparse_as_dense: bool = False):
+                 sparse_as_dense: bool = False, divide_by_initial_world_size: bool = False):
         super().__init__(optimizer)
         self._num_groups = _check_int("num_groups", num_groups, 0)
         self._groups = _check_groups(groups, optimizer)
@@ -387,7 +398,8 @@ class DistributedOptimizer(WrappedOptimizer):
         self._passes = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
         self._threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
         self._how = dataclasses.replace(
-            _check_reduction(op, gradient_predivide_factor, algorithm, compression, process_set),
+            _check_reduction(op, gradient_predivide_factor, algorithm, compression, process_set,
+                             divide_by_initial_world_size),
             sparse_as_dense=sparse_as_dense)
         # a rank outside process_set reduces nothing: it steps on its own gradients
         self._member = process_set is None or process_set.included()

@@ -12,6 +12,7 @@ import torch
 from conftest import assert_equal, assert_same_on_all_ranks, cast_like, make_input, reference_reduce
 
 import collectives as C
+import collectives.horovod as hvd
 from collectives import algorithms, topology
 from optim import DistributedOptimizer, broadcast_parameters
 
@@ -113,10 +114,13 @@ def test_join_with_nothing_left_returns_a_rank(comm):
     assert len(set(comm.allgather(last))) == 1
 
 
-def test_distributed_optimizer_with_uneven_batches(comm):
+@pytest.mark.parametrize("make", ["active", "predivided", "initial", "horovod"])
+def test_distributed_optimizer_with_uneven_batches(comm, make):
     """Rank r trains on 2 + r batches, then joins; the last rank to join has the replica
     a single process computes (each step averaging the gradients of the ranks still
-    active); after broadcasting from it, every replica is that one."""
+    active, with or without a gradient_predivide_factor; or, over the initial size, with
+    divide_by_initial_world_size and in Horovod's optimizer, summing them over n); after
+    broadcasting from it, every replica is that one."""
     r, n = comm.Get_rank(), comm.Get_size()
 
     def batch(q: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +133,13 @@ def test_distributed_optimizer_with_uneven_batches(comm):
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     model, opt = model_and_opt()
-    dist = DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    named = model.named_parameters()
+    dist = {"active": lambda: DistributedOptimizer(opt, named_parameters=named),
+            "predivided": lambda: DistributedOptimizer(opt, named_parameters=named,
+                                                       gradient_predivide_factor=2.0),
+            "initial": lambda: DistributedOptimizer(opt, named_parameters=named,
+                                                    divide_by_initial_world_size=True),
+            "horovod": lambda: hvd.DistributedOptimizer(opt, named_parameters=named)}[make]()
     for step in range(2 + r):
         dist.zero_grad()
         x, y = batch(r, step)
@@ -149,7 +159,8 @@ def test_distributed_optimizer_with_uneven_batches(comm):
             torch.nn.functional.mse_loss(ref(x), y).backward()
             grads.append([p.grad.clone() for p in ref.parameters()])
         for i, p in enumerate(ref.parameters()):
-            p.grad = sum(g[i] for g in grads) / len(active)
+            p.grad = sum(g[i] for g in grads) / (n if make in ("initial", "horovod")
+                                                 else len(active))
         ref_opt.step()
     mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
