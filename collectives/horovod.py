@@ -368,10 +368,13 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
         raise ValueError(f"op: sparse allreduce supports Sum and Average, got {op!r}")
     grad = tensor.coalesce()
     n = _topology_of(process_set).size
-    parts = [_C.allgather_async(t, process_set=_set(process_set))
-             for t in (grad.indices().t().contiguous(), grad.values())]
-    handle = _SparseHandle(*parts, tensor.shape, 1.0 / n if op == Average else 1.0)
-    return _named(name, process_set, lambda: handle)
+
+    def start() -> Handle:  # only once the name is known free
+        parts = [_C.allgather_async(t, process_set=_set(process_set))
+                 for t in (grad.indices().t().contiguous(), grad.values())]
+        return _SparseHandle(*parts, tensor.shape, 1.0 / n if op == Average else 1.0)
+
+    return _named(name, process_set, start)
 
 
 # ------------------------------------------------------------------------------ allgather

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import assert_same_on_all_ranks
 
+import collectives as C
 import collectives.horovod as hvd
 
 
@@ -259,3 +260,21 @@ def test_a_barrier_meets_beside_a_named_call_in_flight(comm, collective):
         rows = [len(a) for a in np.array_split(np.arange(17), n)]
         want = torch.full((rows[r], 17, 17), (n + 1) / 2.0)
     assert torch.equal(got, want)
+
+
+def test_a_sparse_allreduce_refuses_a_name_in_flight_before_starting(comm):
+    """A refused sparse allreduce starts none of its allgathers."""
+
+    def allgathers() -> int:
+        return sum(v["calls"] for k, v in C.stats()["per_op"].items()
+                   if k.startswith("allgather/"))
+
+    r, n = comm.Get_rank(), comm.Get_size()
+    x = torch.sparse_coo_tensor([[r]], [1.0], (n,))
+    before = allgathers()
+    first = hvd.sparse_allreduce_async(x, name="embedding", op=hvd.Sum)
+    with pytest.raises(ValueError, match="same name as another tensor"):
+        hvd.sparse_allreduce_async(x, name="embedding", op=hvd.Sum)
+    assert torch.equal(hvd.synchronize(first).to_dense(), torch.ones(n))
+    hvd.allreduce(torch.ones(1))  # runs after anything still queued
+    assert allgathers() == before + 2  # indices and values, once
