@@ -101,7 +101,7 @@ def is_homogeneous() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    return _meet.available()
 
 
 def mpi_enabled() -> bool:

@@ -222,7 +222,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 def _check_reduction(op: object, factor: object, algorithm: object, compression: object,
-                     process_set: Any, initial_size: object = False) -> _Reduction:
+                     process_set: Any, initial_size: object) -> _Reduction:
     if op is not C.Average and op is not C.Sum:
         raise ValueError(f"op: expected collectives.Average or collectives.Sum, got {op!r}")
     if (isinstance(factor, bool) or not isinstance(factor, (int, float))
