@@ -2,14 +2,15 @@
 // csrc/kernels/dtypes.h (round to nearest even, NaN stays NaN), so CPU and GPU agree bit for
 // bit without relying on cuda_fp16.h, which run-time compilation may not find.
 #pragma once
+#include "ieee.cuh"
 
 __device__ __forceinline__ float half_to_float_bits(unsigned short h) {
   const unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
   const unsigned int em = (unsigned int)(h & 0x7fffu) << 13;
   const unsigned int exp = em & 0x0f800000u;
   if (exp == 0)  // zero / subnormal: 2^-14 * (1 + man/1024) - 2^-14 = man * 2^-24, exact
-    return __uint_as_float(__float_as_uint(__uint_as_float(em + 0x38800000u) -
-                                           6.103515625e-05f) | sign);
+    return __uint_as_float(__float_as_uint(sub_f32(__uint_as_float(em + 0x38800000u),
+                                                   6.103515625e-05f)) | sign);
   return __uint_as_float((em + (exp == 0x0f800000u ? 0x70000000u : 0x38000000u)) | sign);
 }
 
@@ -23,7 +24,7 @@ __device__ __forceinline__ unsigned short float_to_half_bits(float f) {
   } else if (ax >= 0x477ff000u) {
     h = 0x7c00u;  // |f| >= 65520 rounds to inf
   } else if (ax < 0x38800000u) {  // adding 0.5 rounds to a multiple of 2^-24, nearest even
-    h = __float_as_uint(__fadd_rn(__uint_as_float(ax), 0.5f)) - 0x3f000000u;
+    h = __float_as_uint(add_f32(__uint_as_float(ax), 0.5f)) - 0x3f000000u;
   } else {  // rebias 127 -> 15, round the 13 dropped bits to nearest even
     h = (ax + 0xc8000fffu + ((ax >> 13) & 1u)) >> 13;
   }

@@ -6,6 +6,7 @@
 //   onebit_pack           one thread per byte of bits: 8 signs, and the 8 new errors
 // Launch onebit_partial_sumsq with SUMSQ_THREADS threads per CTA.
 #define SUMSQ_THREADS 256
+#include "ieee.cuh"
 
 extern "C" __global__ void onebit_partial_sumsq(const float* x, const float* error,
                                                 long long n, long long block, long long seg,
@@ -18,7 +19,7 @@ extern "C" __global__ void onebit_partial_sumsq(const float* x, const float* err
     const long long hi = min(lo + seg, min((b + 1) * block, n));
     double acc = 0.0;
     for (long long i = lo + threadIdx.x; i < hi; i += SUMSQ_THREADS) {
-      const double c = __fadd_rn(x[i], error[i]);
+      const double c = f32_to_f64(add_f32(x[i], error[i]));
       acc += c * c;
     }
     lane[threadIdx.x] = acc;
@@ -40,7 +41,7 @@ extern "C" __global__ void onebit_scales(const double* partial, long long pieces
     double sum = 0.0;
     for (long long p = 0; p < pieces_per_block; ++p) sum += partial[b * pieces_per_block + p];
     const long long len = min(block, n - b * block);
-    scales[b] = (float)sqrt(sum / (double)len);
+    scales[b] = f64_to_f32(sqrt(sum / (double)len));
   }
 }
 
@@ -53,11 +54,11 @@ extern "C" __global__ void onebit_pack(const float* x, float* error, unsigned ch
     for (int j = 0; j < 8; ++j) {
       const long long i = 8 * k + j;
       if (i < n) {
-        const float c = __fadd_rn(x[i], error[i]);
-        const bool positive = c >= 0.0f;  // false for NaN
+        const float c = add_f32(x[i], error[i]);
+        const bool positive = ge_f32(c, 0.0f);  // false for NaN
         const float s = scales[i / block];
         byte |= (unsigned int)positive << (7 - j);
-        error[i] = __fsub_rn(c, positive ? s : -s);
+        error[i] = sub_f32(c, positive ? s : neg_f32(s));
       }
     }
     bits[k] = (unsigned char)byte;
@@ -69,7 +70,7 @@ extern "C" __global__ void onebit_decompress(const unsigned char* bits, const fl
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x) {
     const float s = scales[i / block];
-    out[i] = (bits[i >> 3] >> (7 - (i & 7))) & 1 ? s : -s;
+    out[i] = (bits[i >> 3] >> (7 - (i & 7))) & 1 ? s : neg_f32(s);
   }
 }
 
@@ -82,7 +83,7 @@ extern "C" __global__ void onebit_accumulate(float* acc, const unsigned char* co
     float a = acc[i];
     for (int k = 0; k < nchunks; ++k) {
       const float s = scales[k][i / block];
-      a = __fadd_rn(a, (bits[k][i >> 3] >> (7 - (i & 7))) & 1 ? s : -s);
+      a = add_f32(a, (bits[k][i >> 3] >> (7 - (i & 7))) & 1 ? s : neg_f32(s));
     }
     acc[i] = a;
   }

@@ -32,21 +32,23 @@ template <typename T>
 struct Copy {
   __device__ T operator()(T x) const { return x; }
 };
+__device__ __forceinline__ float times(float x, float s) { return mul_f32(x, s); }
+__device__ __forceinline__ double times(double x, double s) { return __dmul_rn(x, s); }
 template <typename T>
 struct Scale {
   T s;
-  __device__ T operator()(T x) const { return x * s; }
+  __device__ T operator()(T x) const { return times(x, s); }
 };
 struct ScaleHalf {  // multiply in float32, round once
   float s;
   __device__ unsigned short operator()(unsigned short x) const {
-    return float_to_half_bits(half_to_float_bits(x) * s);
+    return float_to_half_bits(mul_f32(half_to_float_bits(x), s));
   }
 };
 struct ScaleBf16 {
   float s;
   __device__ unsigned short operator()(unsigned short x) const {
-    return float_to_bf16_bits(bf16_to_float_bits(x) * s);
+    return float_to_bf16_bits(mul_f32(bf16_to_float_bits(x), s));
   }
 };
 

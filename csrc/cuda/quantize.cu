@@ -29,10 +29,10 @@ extern "C" __global__ void quantize_int8(const float* x, signed char* q, float* 
     atomicMax(&amax, bits);
     __syncthreads();
     const float scale = amax >= 0x7f800000u ? __uint_as_float(0x7fc00000u)  // NaN
-                                            : __fdiv_rn(__uint_as_float(amax), 127.0f);
+                                            : div_f32(__uint_as_float(amax), 127.0f);
     if (threadIdx.x == 0) scales[b] = scale;
     if (i < n) {
-      const int v = scale > 0.0f ? (int)rintf(__fdiv_rn(x[i], scale)) : 0;
+      const int v = gt_f32(scale, 0.0f) ? rint_to_int(div_f32(x[i], scale)) : 0;
       q[i] = (signed char)min(127, max(-127, v));
     }
     __syncthreads();  // amax is reused by the next block
@@ -43,5 +43,5 @@ extern "C" __global__ void dequantize_int8(const signed char* q, const float* sc
                                            float* x, long long n) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
        i += (long long)gridDim.x * blockDim.x)
-    x[i] = __fmul_rn((float)q[i], scales[i / INT8_BLOCK]);
+    x[i] = mul_f32((float)q[i], scales[i / INT8_BLOCK]);
 }

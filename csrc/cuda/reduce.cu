@@ -3,8 +3,9 @@
 // on into dst by the caller, which is the same fold), integers wrapping (two's complement),
 // half types computed in float32 and rounded to nearest even after every op, Min/Max
 // propagating NaN (as numpy.minimum); divide is correctly rounded for floats and floor
-// division for integers. Every float op is an explicit _rn intrinsic, so no compiler
-// option (contraction, approximate division) can change a result bit.
+// division for integers. Every float op is explicitly rounded to nearest even (float32:
+// ieee.cuh, which also keeps subnormals under -ftz=true; float64: _rn intrinsics), so no
+// compiler option (contraction, approximate division, flushing) can change a result bit.
 #include "convert.cuh"
 
 // How an element type is loaded into arithmetic form (M), rounded to the element type,
@@ -34,12 +35,12 @@ struct BFloat {
 template <typename I> struct Wide { typedef unsigned int T; };
 template <> struct Wide<long long> { typedef unsigned long long T; };
 
-__device__ __forceinline__ bool is_nan(float x) { return x != x; }
+__device__ __forceinline__ bool is_nan(float x) { return nan_f32(x); }
 __device__ __forceinline__ bool is_nan(double x) { return x != x; }
 template <typename I> __device__ __forceinline__ bool is_nan(I) { return false; }
 
 struct Sum {
-  __device__ static float apply(float a, float b) { return __fadd_rn(a, b); }
+  __device__ static float apply(float a, float b) { return add_f32(a, b); }
   __device__ static double apply(double a, double b) { return __dadd_rn(a, b); }
   template <typename I> __device__ static I apply(I a, I b) {
     typedef typename Wide<I>::T W;
@@ -47,7 +48,7 @@ struct Sum {
   }
 };
 struct Product {
-  __device__ static float apply(float a, float b) { return __fmul_rn(a, b); }
+  __device__ static float apply(float a, float b) { return mul_f32(a, b); }
   __device__ static double apply(double a, double b) { return __dmul_rn(a, b); }
   template <typename I> __device__ static I apply(I a, I b) {
     typedef typename Wide<I>::T W;
@@ -55,11 +56,13 @@ struct Product {
   }
 };
 struct Min {  // NaN in either operand wins
+  __device__ static float apply(float a, float b) { return (lt_f32(a, b) || is_nan(a)) ? a : b; }
   template <typename M> __device__ static M apply(M a, M b) {
     return (a < b || is_nan(a)) ? a : b;
   }
 };
 struct Max {
+  __device__ static float apply(float a, float b) { return (gt_f32(a, b) || is_nan(a)) ? a : b; }
   template <typename M> __device__ static M apply(M a, M b) {
     return (a > b || is_nan(a)) ? a : b;
   }
@@ -88,7 +91,7 @@ __device__ void fold(typename Traits::S* dst, const typename Traits::S* a,
   }
 }
 
-__device__ __forceinline__ float quotient(float a, float d) { return __fdiv_rn(a, d); }
+__device__ __forceinline__ float quotient(float a, float d) { return div_f32(a, d); }
 __device__ __forceinline__ double quotient(double a, double d) { return __ddiv_rn(a, d); }
 template <typename I> __device__ __forceinline__ bool negative(I x) { return x < (I)0; }
 __device__ __forceinline__ bool negative(unsigned char) { return false; }

@@ -1,0 +1,155 @@
+"""Device memory: the CUDA kernels' throughput, and the collectives on torch CUDA tensors.
+
+    python benchmarks/gpu.py kernels                       # one process, one GPU
+    mpirun -np 2 python benchmarks/gpu.py allreduce -e 256M
+
+`kernels`: each CUDA kernel (csrc/cuda) on 64 Mi float32 values, timed with CUDA events
+(median of 20 after 3 warm-ups), as GB/s of the bytes it must read and write, beside a
+device-to-device copy (read + write) of the same bytes: the copy is the ceiling.
+
+`allreduce`: an in-place float32 Average on a torch CUDA tensor (which the library stages
+through host memory: device to host, the host algorithm, host to device), beside the same
+call on a host tensor and gloo's all_reduce on the CUDA tensor; the slowest rank's median
+per-call time over interleaved rounds. `vs_host` = host time / CUDA time; `vs_gloo` = gloo's
+CUDA time / ours (>1 = faster)."""
+
+from __future__ import annotations  # noqa: I001  (collectives first: see bandwidth.py)
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import collectives as C
+from collectives import kernels as K
+import torch
+
+MIB = 1 << 20
+
+
+def device_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn on the current stream, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernels(count: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(count, device="cuda", generator=g)
+    other = torch.randn(count, device="cuda", generator=g)
+    out = torch.empty_like(x)
+    error = torch.zeros_like(x)
+    pieces = list(torch.randn(count, device="cuda", generator=g).split(count // 1000))
+    half = K.quantize_fp16(x)
+    q, scales = K.quantize_int8(x)
+    four = 4 * count
+    # (name, call, bytes read + written)
+    cases = [
+        ("device copy", lambda: out.copy_(x), 2 * four),
+        ("reduce sum 2 srcs", lambda: K.reduce(out, [x, other], "float32", C.Sum), 3 * four),
+        ("pack 1000 tensors", lambda: K.pack(pieces, out), 2 * four),
+        ("unpack 1000 tensors", lambda: K.unpack(out, pieces), 2 * four),
+        ("quantize_fp16", lambda: K.quantize_fp16(x), four + four // 2),
+        ("dequantize_fp16", lambda: K.dequantize_fp16(half), four // 2 + four),
+        ("quantize_int8", lambda: K.quantize_int8(x), four + count),
+        ("dequantize_int8", lambda: K.dequantize_int8(q, scales, count), count + four),
+        ("onebit_compress", lambda: K.onebit_compress(x, error), 3 * four + count // 8),
+    ]
+    copy_gbs = None
+    print(f"{'kernel':<22}{'ms':>9}{'GB/s':>9}{'of copy':>9}   ({count} float32 values, "
+          f"{torch.cuda.get_device_name()})")
+    for name, fn, nbytes in cases:
+        ms = device_ms(fn)
+        gbs = nbytes / ms / 1e6
+        copy_gbs = copy_gbs or gbs
+        print(f"{name:<22}{ms:>9.3f}{gbs:>9.0f}{gbs / copy_gbs:>9.2f}")
+
+
+def allreduce(lo: int, hi: int, rounds: int) -> None:
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    C.init()
+    torch.cuda.set_device(C.local_rank() % torch.cuda.device_count())
+    dist.init_process_group("gloo", init_method=_tcp(comm),
+                            rank=comm.rank, world_size=comm.size)
+    if comm.rank == 0:
+        print(f"{'size':>10}{'cuda us':>11}{'host us':>11}{'gloo us':>11}{'vs_host':>9}"
+              f"{'vs_gloo':>9}   (np {comm.size}, {torch.cuda.get_device_name()})")
+    nbytes = lo
+    while nbytes <= hi:
+        count = nbytes // 4
+        dev = torch.ones(count, device="cuda")
+        cpu = torch.ones(count)
+        calls = max(2, min(200, (64 * MIB) // nbytes))
+        runs = {
+            "cuda": lambda: C.allreduce_(dev, op=C.Average),  # noqa: B023
+            "host": lambda: C.allreduce_(cpu, op=C.Average),  # noqa: B023
+            "gloo": lambda: dist.all_reduce(dev),  # noqa: B023
+        }
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for fn in runs.values():
+            fn()
+        for _ in range(rounds):
+            for name, fn in runs.items():
+                comm.Barrier()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+                times[name].append(comm.allreduce((time.perf_counter() - start) / calls,
+                                                  MPI.MAX))
+        us = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+        if comm.rank == 0:
+            print(f"{_size(nbytes):>10}{us['cuda']:>11.1f}{us['host']:>11.1f}{us['gloo']:>11.1f}"
+                  f"{us['host'] / us['cuda']:>9.2f}{us['gloo'] / us['cuda']:>9.2f}", flush=True)
+        nbytes *= 4
+    dist.destroy_process_group()
+
+
+def _tcp(comm) -> str:
+    import socket
+
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{comm.bcast(port)}"
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("M", MIB), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("kernels", "allreduce"))
+    p.add_argument("-b", default="4K", help="allreduce: smallest size (K/M)")
+    p.add_argument("-e", default="64M", help="allreduce: largest size (K/M)")
+    p.add_argument("-r", "--rounds", type=int, default=5)
+    p.add_argument("--count", type=int, default=64 * MIB, help="kernels: float32 values")
+    args = p.parse_args()
+    parse = {"K": 1 << 10, "M": MIB}
+    lo, hi = (int(s[:-1]) * parse[s[-1].upper()] for s in (args.b, args.e))
+    if args.what == "kernels":
+        kernels(args.count)
+    else:
+        allreduce(lo, hi, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

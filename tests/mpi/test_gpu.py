@@ -1,0 +1,255 @@
+"""The collectives on device memory: CuPy arrays and torch CUDA tensors, every algorithm, op
+and dtype, in place and out of place, against the NumPy reference and against the same call
+on host memory (the CUDA kernels that pack, quantize and compress on the device must give the
+bits the C++ kernels give on the host). Also DistributedOptimizer, a DDP step on the
+torch.distributed backend, and compression, on a CUDA model.
+
+Skipped where no CUDA GPU is visible (CI has none); run on a GPU machine with
+`ci/mpitest.sh 2 "" -k gpu`. Ranks share the GPUs round-robin by local rank."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    DTYPES,
+    OPS,
+    assert_equal,
+    assert_same_on_all_ranks,
+    make_input,
+    reference_reduce,
+)
+
+import collectives as C
+
+pytestmark = pytest.mark.mpi
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible to torch: device-memory collectives need one",
+                allow_module_level=True)
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed: the CUDA kernels run through it")
+
+ALGOS = list(C.ALGORITHMS)
+BIG = (1 << 20) + 3
+FRAMEWORKS = ("cupy", "torch")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def device():
+    index = C.local_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    cupy.cuda.Device(index).use()
+    return index
+
+
+def counts(n: int) -> list[int]:
+    return sorted({0, 1, n - 1, n + 1, 17, 1001}) + [BIG]
+
+
+def on_device(a: np.ndarray, dtype: str, framework: str):
+    """a (float64 for bfloat16) as a CuPy array or torch CUDA tensor of dtype."""
+    if framework == "cupy":
+        return cupy.asarray(a.astype(dtype))
+    return torch.from_numpy(a.copy()).to(getattr(torch, dtype)).cuda()
+
+
+def host(x) -> np.ndarray:
+    """A device result as a NumPy array (float64 for bfloat16), for comparison."""
+    if isinstance(x, torch.Tensor):
+        assert x.is_cuda, f"result on {x.device}, expected the input's CUDA device"
+        x = x.cpu()
+        return x.double().numpy() if x.dtype == torch.bfloat16 else x.numpy()
+    assert isinstance(x, cupy.ndarray), f"result is {type(x).__name__}, expected cupy.ndarray"
+    return cupy.asnumpy(x)
+
+
+def frameworks(dtype: str) -> tuple[str, ...]:
+    return ("torch",) if dtype == "bfloat16" else FRAMEWORKS  # CuPy has no bfloat16
+
+
+def run_case(call, x, inplace: bool, what: str) -> tuple[np.ndarray, np.ndarray]:
+    before = host(x).copy()
+    y = call(x)
+    if inplace:
+        assert y is x, f"{what}: in-place call must return its input"
+    else:
+        assert_equal(host(x), before, f"{what}: input modified")
+        assert type(y) is type(x) and y.dtype == x.dtype, f"{what}: {type(y)} {y.dtype}"
+    return before, host(y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_gpu_allreduce(comm, algo, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    for k, op in enumerate(OPS):
+        for count in counts(n):
+            for j, framework in enumerate(frameworks(dtype)):
+                for inplace in (False, True) if count < BIG else ((k + j) % 2 == 0,):
+                    what = f"allreduce {algo} {op.name} {dtype} ({count},) {framework} {inplace=}"
+                    x = on_device(make_input(dtype, (count,), 7919 * k + 31 * count + r),
+                                  dtype, framework)
+                    fn = C.allreduce_ if inplace else C.allreduce
+                    before, got = run_case(lambda t: fn(t, op=op, algorithm=algo), x,  # noqa: B023
+                                           inplace, what)
+                    assert_equal(got, reference_reduce(comm.allgather(before), op, dtype, n), what)
+                    assert_same_on_all_ranks(comm, got, what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_gpu_allgather_reducescatter_broadcast(comm, algo, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    for count in counts(n):
+        for framework in frameworks(dtype):
+            rows = count + r % 2  # uneven allgather
+            x = on_device(make_input(dtype, (rows,), 13 * count + r), dtype, framework)
+            what = f"allgather {algo} {dtype} ({rows},) {framework}"
+            before, got = run_case(lambda t: C.allgather(t, algorithm=algo), x, False, what)  # noqa: B023
+            assert_equal(got, np.concatenate(comm.allgather(before)), what)
+
+            x = on_device(make_input(dtype, (count,), 17 * count + r), dtype, framework)
+            what = f"reducescatter {algo} {dtype} ({count},) {framework}"
+            before, got = run_case(lambda t: C.reducescatter(t, op=C.Sum, algorithm=algo),  # noqa: B023
+                                   x, False, what)
+            full = reference_reduce(comm.allgather(before), C.Sum, dtype, n)
+            split = [count // n + (1 if i < count % n else 0) for i in range(n)]
+            assert_equal(got, full[sum(split[:r]):sum(split[:r + 1])], what)
+
+            root = (count + 1) % n
+            x = on_device(make_input(dtype, (count,), 19 * count + r), dtype, framework)
+            what = f"broadcast {algo} root={root} {dtype} ({count},) {framework}"
+            before, got = run_case(lambda t: C.broadcast_(t, root_rank=root, algorithm=algo),  # noqa: B023
+                                   x, True, what)
+            assert_equal(got, comm.allgather(before)[root], what)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_gpu_alltoall_grouped_and_async(comm, framework):
+    n, r = comm.Get_size(), comm.Get_rank()
+    splits = np.array([(r + j) % 3 for j in range(n)], dtype=np.int64)
+    x = on_device(make_input("float32", (int(splits.sum()), 2), 23 + r), "float32", framework)
+    got, received = C.alltoall(x, splits=splits)
+    sent = comm.alltoall(np.split(host(x), np.cumsum(splits)[:-1]))
+    assert_equal(host(got), np.concatenate(sent), f"alltoall {framework}")
+    assert list(np.asarray(received)) == [len(s) for s in sent]
+
+    for dtype in ("float32", "int32"):  # one dtype per group
+        tensors = [on_device(make_input(dtype, (c,), 29 * c + r), dtype, framework)
+                   for c in (5, 1001, 0, BIG)]
+        befores = [host(t).copy() for t in tensors]
+        outs = C.grouped_allreduce(tensors, op=C.Sum)
+        for before, out, t in zip(befores, outs, tensors, strict=True):
+            assert_equal(host(out), reference_reduce(comm.allgather(before), C.Sum, dtype, n),
+                         f"grouped_allreduce {framework} {dtype} ({before.size},)")
+            assert_equal(host(t), before, "grouped_allreduce modified its input")
+
+    x = on_device(make_input("float32", (BIG,), 31 + r), "float32", framework)
+    before = host(x).copy()
+    handle = C.allreduce_async_(x, op=C.Max)
+    assert C.synchronize(handle) is x
+    assert_equal(host(x), reference_reduce(comm.allgather(before), C.Max, "float32", n),
+                 f"allreduce_async_ {framework}")
+
+
+@pytest.mark.parametrize("compression", ["fp16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_gpu_compression_gives_the_host_bits(comm, compression, dtype):
+    """Quantized on the device by the CUDA kernels, on the host by the C++ kernels: the
+    same bits, on every rank."""
+    g = torch.Generator().manual_seed(37 + comm.Get_rank())
+    for count in (1, 1000, BIG):
+        x = torch.randn(count, generator=g).to(getattr(torch, dtype))
+        kind = getattr(C.Compression, compression)
+        on_host = C.allreduce(x, op=C.Average, compression=kind)
+        on_gpu = C.allreduce(x.cuda(), op=C.Average, compression=kind)
+        what = f"{compression} {dtype} ({count},)"
+        assert on_gpu.is_cuda and on_gpu.dtype == x.dtype, what
+        assert torch.equal(on_gpu.cpu(), on_host), f"{what}: device and host bits differ"
+        assert_same_on_all_ranks(comm, on_gpu.cpu().view(torch.uint8).numpy(), what)
+
+
+def test_gpu_onebit_gives_the_host_bits(comm):
+    """The 1-bit compressed allreduce with error feedback, on CUDA tensors and CUDA error
+    buffers, over three calls: the host's bits, and both error buffers updated in place."""
+    n = comm.Get_size()
+    g = torch.Generator().manual_seed(41 + comm.Get_rank())
+    count = 300001
+    worker, server = C.onebit.error_sizes(count, n)
+    errors = {dev: (torch.zeros(worker, device=dev), torch.zeros(server, device=dev))
+              for dev in ("cpu", "cuda")}
+    for step in range(3):
+        x = torch.randn(count, generator=g)
+        out = {dev: C.compressed_allreduce(x.to(dev), *errors[dev]) for dev in ("cpu", "cuda")}
+        assert out["cuda"].is_cuda
+        assert torch.equal(out["cuda"].cpu(), out["cpu"]), f"step {step}: results differ"
+        for a, b in zip(errors["cuda"], errors["cpu"], strict=True):
+            assert torch.equal(a.cpu(), b), f"step {step}: error buffers differ"
+        assert bool(errors["cpu"][0].abs().sum() > 0), "error feedback never written"
+
+
+def _sgd_steps(comm, device: str, steps: int = 3) -> list[torch.Tensor]:
+    """DistributedOptimizer(SGD) on device, gradients set to rank-dependent values: the
+    parameters after each step. lr 1 and no momentum: the update p - g is one correctly
+    rounded subtraction on either device, so any difference is the library's."""
+    from optim import DistributedOptimizer
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape).to(device))
+              for shape in ((300, 7), (7,), (BIG,), (1,))]
+    opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0))
+    g = torch.Generator().manual_seed(43 + comm.Get_rank())
+    history = []
+    for _ in range(steps):
+        opt.zero_grad()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(device)
+        opt.step()
+        history.append(torch.cat([p.detach().reshape(-1) for p in params]).cpu())
+    return history
+
+
+def test_gpu_distributed_optimizer_gives_the_host_bits(comm):
+    """Gradients fused into buckets by the CUDA pack kernel and averaged: the same
+    parameters, bit for bit, as the same steps on the host, on every rank."""
+    for step, (gpu, cpu) in enumerate(zip(_sgd_steps(comm, "cuda"), _sgd_steps(comm, "cpu"),
+                                          strict=True)):
+        assert torch.equal(gpu, cpu), f"step {step}: {int((gpu != cpu).sum())} values differ"
+        assert_same_on_all_ranks(comm, gpu.numpy(), f"step {step}")
+
+
+def test_gpu_ddp_step_on_the_torch_backend(comm):
+    """DDP over a CUDA model on the `collectives` process group: every rank's gradients are
+    the average of the ranks' own, and all_reduce / all_gather take CUDA tensors."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n, r = comm.Get_size(), comm.Get_rank()
+    dist.init_process_group("collectives")
+    try:
+        t = torch.arange(5, dtype=torch.int64, device="cuda") * (r + 1)
+        dist.all_reduce(t)
+        assert t.is_cuda and t.tolist() == [i * n * (n + 1) // 2 for i in range(5)]
+        parts = [torch.empty(3, device="cuda") for _ in range(n)]
+        dist.all_gather(parts, torch.full((3,), float(r), device="cuda"))
+        assert [p.tolist() for p in parts] == [[float(j)] * 3 for j in range(n)]
+
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 3)).cuda()
+        model = DDP(copy.deepcopy(plain), device_ids=[torch.cuda.current_device()])
+        g = torch.Generator().manual_seed(47 + r)
+        x, y = torch.randn(16, 20, generator=g).cuda(), torch.randint(0, 3, (16,), generator=g).cuda()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.functional.cross_entropy(plain(x), y).backward()
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            mine = q.grad.double().cpu().numpy()
+            expected = sum(comm.allgather(mine)) / n
+            np.testing.assert_allclose(p.grad.double().cpu().numpy(), expected, rtol=1e-5,
+                                       atol=1e-6)
+            assert_same_on_all_ranks(comm, p.grad.cpu().numpy(), "DDP gradient")
+    finally:
+        dist.destroy_process_group()
