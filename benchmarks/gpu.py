@@ -8,10 +8,11 @@
 device-to-device copy (read + write) of the same bytes: the copy is the ceiling.
 
 `allreduce`: an in-place float32 Average on a torch CUDA tensor (which the library stages
-through host memory: device to host, the host algorithm, host to device), beside the same
-call on a host tensor and gloo's all_reduce on the CUDA tensor; the slowest rank's median
-per-call time over interleaved rounds. `vs_host` = host time / CUDA time; `vs_gloo` = gloo's
-CUDA time / ours (>1 = faster)."""
+through pinned host memory: device to host, the host algorithm, host to device), beside the
+same call on a host tensor, the staging copies alone (`copies`: to a pinned host tensor and
+back), and gloo's all_reduce on the CUDA tensor; the slowest rank's median per-call time
+over interleaved rounds. `vs_gloo` = gloo's CUDA time / ours (>1 = faster). With several
+ranks on one GPU, the copies share it."""
 
 from __future__ import annotations  # noqa: I001  (collectives first: see bandwidth.py)
 
@@ -84,17 +85,19 @@ def allreduce(lo: int, hi: int, rounds: int) -> None:
     dist.init_process_group("gloo", init_method=_tcp(comm),
                             rank=comm.rank, world_size=comm.size)
     if comm.rank == 0:
-        print(f"{'size':>10}{'cuda us':>11}{'host us':>11}{'gloo us':>11}{'vs_host':>9}"
+        print(f"{'size':>10}{'cuda us':>11}{'host us':>11}{'copies us':>11}{'gloo us':>11}"
               f"{'vs_gloo':>9}   (np {comm.size}, {torch.cuda.get_device_name()})")
     nbytes = lo
     while nbytes <= hi:
         count = nbytes // 4
         dev = torch.ones(count, device="cuda")
         cpu = torch.ones(count)
+        pinned = torch.ones(count, pin_memory=True)
         calls = max(2, min(200, (64 * MIB) // nbytes))
         runs = {
             "cuda": lambda: C.allreduce_(dev, op=C.Average),  # noqa: B023
             "host": lambda: C.allreduce_(cpu, op=C.Average),  # noqa: B023
+            "copies": lambda: dev.copy_(pinned.copy_(dev)),  # noqa: B023
             "gloo": lambda: dist.all_reduce(dev),  # noqa: B023
         }
         times: dict[str, list[float]] = {k: [] for k in runs}
@@ -111,8 +114,8 @@ def allreduce(lo: int, hi: int, rounds: int) -> None:
                                                   MPI.MAX))
         us = {k: statistics.median(v) * 1e6 for k, v in times.items()}
         if comm.rank == 0:
-            print(f"{_size(nbytes):>10}{us['cuda']:>11.1f}{us['host']:>11.1f}{us['gloo']:>11.1f}"
-                  f"{us['host'] / us['cuda']:>9.2f}{us['gloo'] / us['cuda']:>9.2f}", flush=True)
+            print(f"{_size(nbytes):>10}{us['cuda']:>11.1f}{us['host']:>11.1f}{us['copies']:>11.1f}"
+                  f"{us['gloo']:>11.1f}{us['gloo'] / us['cuda']:>9.2f}", flush=True)
         nbytes *= 4
     dist.destroy_process_group()
 

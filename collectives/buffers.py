@@ -3,7 +3,10 @@ algorithms work on, and back to the caller's type, device, dtype and shape.
 
 Contiguous host input is viewed, never copied. Non-contiguous input is copied (and, for
 in-place calls, the result is copied back). Device memory (torch CUDA, CuPy) is staged
-through host memory: the algorithms hand only host buffers to MPI."""
+through page-locked host memory (torch's and CuPy's caching pinned allocators): the
+algorithms hand only host buffers to MPI, and a staging copy runs at the bus's speed with no
+page faults (pageable memory, fresh each call, made a 256 MiB allreduce 3.7x the time of
+the same call on host memory)."""
 
 from __future__ import annotations
 
@@ -23,20 +26,24 @@ except ImportError:  # torch is optional for NumPy-only users
 
 try:
     import cupy
+    import cupyx
 except ImportError:
-    cupy = None
+    cupy = cupyx = None
 
 class Buffer:
     """A caller's array seen as one C-contiguous 1-D host array (`flat`).
 
     `dtype` is our dtype name; `flat` holds its storage type (bfloat16 as uint16)."""
 
-    __slots__ = ("orig", "kind", "flat", "dtype", "shape", "staged")
+    __slots__ = ("orig", "kind", "flat", "dtype", "shape", "staged", "pinned")
 
     def __init__(self, orig: Any, kind: str, flat: np.ndarray, dtype: str, shape: tuple,
-                 staged: bool):
+                 staged: bool, pinned: Any = None):
         self.orig, self.kind, self.flat = orig, kind, flat
         self.dtype, self.shape, self.staged = dtype, shape, staged
+        # device data's page-locked host copy, which flat views (a torch CPU tensor or a
+        # NumPy array), None for host data; orig then gives the device, dtype and shape
+        self.pinned = pinned
 
     @property
     def nbytes(self) -> int:
@@ -44,7 +51,10 @@ class Buffer:
 
     def empty(self, shape: tuple) -> Buffer:
         """A new buffer of the caller's kind, dtype and device with this shape (host memory
-        from the result pool: host_empty)."""
+        from the result pool: host_empty). For device data, a pinned host buffer whose
+        result() makes the device array: nothing is copied to the host first."""
+        if self.pinned is not None:
+            return _pinned_like(self.orig, self.kind, self.dtype, tuple(shape))
         if self.kind == "numpy":
             return wrap(host_empty(shape, self.flat.dtype), "out")
         if self.kind == "torch":
@@ -61,6 +71,14 @@ class Buffer:
         """The caller-type object holding this buffer's data (device data written back)."""
         if not self.staged:
             return self.orig
+        if self.pinned is not None:
+            if self.kind == "torch":
+                out = torch.empty(self.shape, dtype=self.orig.dtype, device=self.orig.device)
+                return out.copy_(self.pinned.view(self.shape))
+            with self.orig.device:
+                out = cupy.empty(self.shape, dtype=self.orig.dtype)
+                out.set(self.pinned.reshape(self.shape))
+                return out
         data = self.flat.reshape(self.shape)
         if self.kind == "numpy":
             return data
@@ -75,7 +93,15 @@ class Buffer:
         """Copy a staged buffer's data into the caller's original object (in-place calls)."""
         if not self.staged:
             return
-        if self.kind == "numpy":
+        if self.pinned is not None and self.kind == "torch":
+            with torch.no_grad():
+                self.orig.copy_(self.pinned.view(self.shape))
+        elif self.pinned is not None and self.orig.flags.c_contiguous:
+            with self.orig.device:
+                self.orig.set(self.pinned.reshape(self.shape))
+        elif self.pinned is not None:
+            self.orig[...] = self.result()
+        elif self.kind == "numpy":
             self.orig[...] = self.flat.reshape(self.shape)
         elif self.kind == "torch":
             with torch.no_grad():
@@ -149,6 +175,10 @@ def wrap(x: Any, name: str = "x") -> Buffer:
         t = x.detach() if x.requires_grad else x
         if t.is_cpu and t.is_contiguous() and dtype != "bfloat16":  # a view (the common case)
             return Buffer(x, "torch", t.numpy().reshape(-1), dtype, tuple(x.shape), False)
+        if t.device.type == "cuda":
+            buf = _pinned_like(x, "torch", dtype, tuple(x.shape))
+            buf.pinned.copy_(t)  # waits for the copy: the algorithms read it next
+            return buf
         staged = not t.is_contiguous() or t.device.type != "cpu"
         t = t.contiguous().cpu().reshape(-1)
         if dtype == "bfloat16":
@@ -159,8 +189,22 @@ def wrap(x: Any, name: str = "x") -> Buffer:
         dtype = numpy_dtype_name(np.dtype(x.dtype))
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
-        flat = cupy.asnumpy(x).reshape(-1)
-        return Buffer(x, "cupy", flat, dtype, x.shape, True)
+        buf = _pinned_like(x, "cupy", dtype, x.shape)
+        # (cupy.ascontiguousarray makes a 0-d array 1-d: only strided arrays go through it)
+        (x if x.flags.c_contiguous else cupy.ascontiguousarray(x)).get(out=buf.pinned)
+        return buf
     raise TypeError(
         f"{name}: expected a numpy.ndarray, torch.Tensor or cupy.ndarray, got {type(x).__name__}"
     )
+
+
+def _pinned_like(like: Any, kind: str, dtype: str, shape: tuple) -> Buffer:
+    """A staged Buffer for device data of like's kind, dtype and device with this shape: an
+    uninitialized page-locked host array, flat viewing it."""
+    if kind == "torch":
+        host = torch.empty(shape, dtype=like.dtype, pin_memory=True)
+        view = host.view(torch.int16) if dtype == "bfloat16" else host
+        flat = view.reshape(-1).numpy().view(STORAGE[dtype])
+        return Buffer(like, kind, flat, dtype, shape, True, host)
+    host = cupyx.empty_pinned(shape, dtype=like.dtype)
+    return Buffer(like, kind, host.reshape(-1), dtype, shape, True, host)

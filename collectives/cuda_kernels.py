@@ -12,7 +12,7 @@ import functools
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import cupy
 import numpy as np
@@ -172,17 +172,51 @@ def divide(buf: Array, dtype: str, divisor: int) -> None:
 
 # ---- pack / unpack ----------------------------------------------------------------------
 
-def _tensor_list(tensors: Sequence[Array], dtype: str | None) -> tuple[list, str]:
-    arrays, names = [], []
+class _List(NamedTuple):
+    """A tensor list as the pack/unpack kernels take it: where each tensor lives and where it
+    starts in the packed buffer, in one device array (one host-to-device copy per launch)."""
+    table: cupy.ndarray  # int64: n pointers, then n + 1 offsets (the total last)
+    n: int
+    total: int
+    largest: int
+    dtype: str
+
+    @property
+    def pointers(self) -> cupy.ndarray:
+        return self.table[:self.n]
+
+    @property
+    def offsets(self) -> cupy.ndarray:
+        return self.table[self.n:]
+
+
+def _tensor_list(tensors: Sequence[Array], dtype: str | None) -> _List:
+    """The list's table, checking each tensor (CUDA, contiguous, one dtype). torch tensors
+    are read through their own attributes, not DLPack: a DLPack view costs ~30 us a tensor,
+    30 ms for a bucket of 1000 gradients against a pack of 0.2 ms."""
+    n = len(tensors)
+    host = np.zeros(2 * n + 1, np.int64)
     for i, t in enumerate(tensors):
-        arr, got = _device(t, f"tensors[{i}]")
-        arrays.append(arr.reshape(-1))
-        names.append(got)
-    dtype = dtype or (names[0] if names else "float32")
-    for i, got in enumerate(names):
+        name = f"tensors[{i}]"
+        if _is_torch(t):
+            if t.device.type != "cuda":
+                raise TypeError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+            got = torch_dtype_name(t.dtype)
+            if got is None:
+                raise _unsupported(name, str(t.dtype).removeprefix("torch."))
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: must be C-contiguous")
+            host[i], size = t.data_ptr(), t.numel()
+        else:
+            arr, got = _device(t, name)
+            host[i], size = arr.data.ptr, arr.size
+        dtype = dtype or got
         if got != dtype:
-            raise TypeError(f"tensors[{i}]: dtype {got} differs from {dtype}")
-    return arrays, dtype
+            raise TypeError(f"{name}: dtype {got} differs from {dtype}")
+        host[n + i + 1] = host[n + i] + size
+    sizes = np.diff(host[n:])
+    return _List(cupy.asarray(host), n, int(host[-1]), int(sizes.max(initial=0)),
+                 dtype or "float32")
 
 
 def _pack_kernel(direction: str, dtype: str, scale: float) -> tuple[str, tuple]:
@@ -194,19 +228,11 @@ def _pack_kernel(direction: str, dtype: str, scale: float) -> tuple[str, tuple]:
     return f"{direction}_{dtype}", ((np.float64 if dtype == "float64" else np.float32)(scale),)
 
 
-def _offsets(arrays: Sequence[cupy.ndarray]) -> tuple[cupy.ndarray, int]:
-    """Where each tensor starts in the packed buffer (and the total, last), on the device."""
-    offsets = np.zeros(len(arrays) + 1, np.int64)
-    np.cumsum([a.size for a in arrays], out=offsets[1:])
-    return cupy.asarray(offsets), int(offsets[-1])
-
-
-def _launch_list(kernel: str, arrays: Sequence[cupy.ndarray], args: tuple) -> None:
+def _launch_list(kernel: str, tensors: _List, args: tuple) -> None:
     """One pack/unpack launch: blockIdx.y per tensor, a few CTAs along each tensor."""
-    largest = max((a.size for a in arrays), default=0)
-    if largest:
-        ny = min(len(arrays), MAX_BLOCKS)
-        nx = min(-(-largest // THREADS), max(1, LIST_BLOCKS // ny))
+    if tensors.largest:
+        ny = min(tensors.n, MAX_BLOCKS)
+        nx = min(-(-tensors.largest // THREADS), max(1, LIST_BLOCKS // ny))
         _module("pack").get_function(kernel)((nx, ny), (THREADS,), args)
 
 
@@ -215,8 +241,8 @@ def pack(tensors: Sequence[Array], out: Array | None, scale: float) -> Array:
     ref = tensors[0] if tensors else out
     with _context(ref):
         out_dtype = _device(out, "out")[1] if out is not None else None
-        arrays, dtype = _tensor_list(tensors, out_dtype)
-        offsets, total = _offsets(arrays)
+        tlist = _tensor_list(tensors, out_dtype)
+        dtype, total = tlist.dtype, tlist.total
         if out is None:
             flat = cupy.empty(total, STORAGE[dtype])
             out = _like(flat, ref, dtype) if ref is not None else flat
@@ -224,8 +250,8 @@ def pack(tensors: Sequence[Array], out: Array | None, scale: float) -> Array:
             flat = _typed(out, "out", dtype)
             _need(flat, "out", total)
         kernel, extra = _pack_kernel("pack", dtype, scale)
-        _launch_list(kernel, arrays,
-                     (_pointers(arrays), offsets, np.int32(len(arrays)), flat) + extra)
+        _launch_list(kernel, tlist,
+                     (tlist.pointers, tlist.offsets, np.int32(tlist.n), flat) + extra)
     return out.reshape(-1)[:total]
 
 
@@ -233,12 +259,11 @@ def unpack(buffer: Array, tensors: Sequence[Array], scale: float) -> None:
     """kernels.unpack for device tensors: one launch for the whole list."""
     with _context(buffer):
         flat, dtype = _device(buffer, "buffer")
-        arrays, dtype = _tensor_list(tensors, dtype)
-        offsets, total = _offsets(arrays)
-        _need(flat.reshape(-1), "buffer", total)
-        kernel, extra = _pack_kernel("unpack", dtype, scale)
-        _launch_list(kernel, arrays,
-                     (flat, _pointers(arrays), offsets, np.int32(len(arrays))) + extra)
+        tlist = _tensor_list(tensors, dtype)
+        _need(flat.reshape(-1), "buffer", tlist.total)
+        kernel, extra = _pack_kernel("unpack", tlist.dtype, scale)
+        _launch_list(kernel, tlist,
+                     (flat, tlist.pointers, tlist.offsets, np.int32(tlist.n)) + extra)
 
 
 # ---- fp16 / int8 ------------------------------------------------------------------------

@@ -155,6 +155,24 @@ def test_gpu_alltoall_grouped_and_async(comm, framework):
                  f"allreduce_async_ {framework}")
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_gpu_strided_views_are_read_and_written_back(comm, framework):
+    """A strided device view: read through a contiguous copy, and the in-place result
+    written back into the view alone."""
+    n = comm.Get_size()
+    start = np.arange(40, dtype=np.float32).reshape(8, 5)
+    base = on_device(start, "float32", framework)
+    view = base[:, ::2]
+    expected = start[:, ::2] * n
+    assert_equal(host(C.allreduce(view, op=C.Sum)), expected, f"{framework} strided")
+    assert_equal(host(base), start, f"{framework} strided: input modified")
+    assert C.allreduce_(view, op=C.Sum) is view
+    assert_equal(host(base)[:, ::2], expected, f"{framework} strided, in place")
+    assert_equal(host(base)[:, 1::2], start[:, 1::2], f"{framework}: beside the view")
+    scalar = on_device(np.array(2.5, np.float32), "float32", framework)
+    assert float(host(C.allreduce(scalar, op=C.Sum))) == 2.5 * n
+
+
 @pytest.mark.parametrize("compression", ["fp16", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_gpu_compression_gives_the_host_bits(comm, compression, dtype):
