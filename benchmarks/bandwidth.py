@@ -201,11 +201,11 @@ def time_round(call, iters: int, comm: MPI.Comm) -> float:
 TRIAL_WARMUP = 50
 
 
-def median_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, float]:
-    """Each zero-argument call's median seconds per call over args.rounds interleaved
-    rounds (the slowest rank's), after args.w warmup calls each (more while `auto` still
-    tries its choice online); args.n calls per round,
-    fewer above 1 MiB so that a sweep's time stays bounded."""
+def round_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, list[float]]:
+    """Each zero-argument call's seconds per call in each of args.rounds interleaved rounds
+    (the slowest rank's), after args.w warmup calls each (more while `auto` still tries its
+    choice online); args.n calls per round, fewer above 1 MiB so that a sweep's time stays
+    bounded."""
     iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
     for call in calls.values():
         for _ in range(args.w):
@@ -223,7 +223,13 @@ def median_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, fl
     for _ in range(args.rounds):
         for name, call in calls.items():
             times[name].append(time_round(call, iters, comm))
-    return {name: float(np.median(ts)) for name, ts in times.items()}
+    return times
+
+
+def median_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, float]:
+    """Each call's median over round_times' rounds."""
+    return {name: float(np.median(ts))
+            for name, ts in round_times(calls, nbytes, args, comm).items()}
 
 
 def run(args, comm: MPI.Comm) -> list[dict]:
@@ -240,15 +246,16 @@ def run(args, comm: MPI.Comm) -> list[dict]:
         x = local_input(op, nbytes, dtype, comm)
         calls = {a: make_call(op, a, x, gloo, args.inplace) for a in args.algo}
         calls = {a: c for a, c in calls.items() if c is not None}
-        median = median_times(calls, nbytes, args, comm)
+        rounds = round_times(calls, nbytes, args, comm)
         size = x.nbytes * (n if op == "allgather" else 1)
         for a in calls:
-            t = median[a]
+            t = float(np.median(rounds[a]))
             algbw = size / t / 1e9
             rows.append({
                 "size": size, "count": size // dtype.itemsize, "type": dtype.name,
                 "redop": "sum" if op in ("allreduce", "reducescatter") else "none",
-                "op": op, "algo": a, "time_us": t * 1e6, "algbw": algbw,
+                "op": op, "algo": a, "time_us": t * 1e6,
+                "rounds_us": [r * 1e6 for r in rounds[a]], "algbw": algbw,
                 "busbw": algbw * BUS_FACTOR[op](n),
                 "wrong": count_wrong(op, a, x, comm, gloo) if args.c else -1,
             })
@@ -349,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.csv:
         with open(args.csv, "w") as f:
             f.write(",".join(rows[0]) + "\n")
-            f.writelines(",".join(str(v) for v in r.values()) + "\n" for r in rows)
+            f.writelines(",".join(" ".join(f"{t:.1f}" for t in v) if isinstance(v, list)
+                                  else str(v) for v in r.values()) + "\n" for r in rows)
     if args.plot:
         plot(plt, rows, args.plot, comm.size)
 

@@ -7,3 +7,9 @@ void bind_kernels(pybind11::module_& m);  // kernels.cpp: the pure kernels
 void bind_runtime(pybind11::module_& m);  // runtime.cpp: engine, agreement, stats, tree
 void bind_shm(pybind11::module_& m);      // shm.cpp: the shared-memory stages
 void bind_pool(pybind11::module_& m);     // pool.cpp: memory for results, reused
+
+namespace collectives {
+class Pool;
+}
+// The result pool (pool.cpp), or nullptr before collectives/buffers.py creates it.
+collectives::Pool* result_pool();

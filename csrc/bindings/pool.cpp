@@ -29,6 +29,8 @@ struct Block {
 
 }  // namespace
 
+Pool* result_pool() { return pool; }
+
 void bind_pool(py::module_& m) {
   m.def("set_pool_capacity", [](int64_t capacity) {
         if (capacity < 0) throw py::value_error("capacity: must be >= 0");

@@ -450,7 +450,8 @@ class FastAllreduce {
 };
 
 // tree.py's allreduce: the agreement's recursive doubling without the check (the call was
-// agreed already), GIL released; bytes counted on the engine.
+// agreed already), GIL released, its buffers from the result pool; bytes counted on the
+// engine.
 void tree_allreduce(PyEngine& engine, py::handle comm, int tag, py::handle send,
                     py::handle recv, int64_t count, int dtype_code, int op_code) {
   const DType dtype = check::dtype(dtype_code);
@@ -463,7 +464,8 @@ void tree_allreduce(PyEngine& engine, py::handle comm, int tag, py::handle send,
   {
     py::gil_scoped_release release;
     r = agree_exchange(c, tag, 0, src, dst, count, dtype, op, count * dtype_size(dtype),
-                       std::numeric_limits<double>::infinity(), [](double) { return 0.0; });
+                       std::numeric_limits<double>::infinity(), [](double) { return 0.0; },
+                       Role::active, result_pool());
   }
   engine.add_bytes(r.payload_sent, r.payload_sent);
 }

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -44,21 +45,50 @@ void check(int rc, const char* what) {
   throw std::runtime_error(std::string(what) + " failed: " + std::string(text, len));
 }
 
+// need bytes for one call: kept's (grown if short), else a block of pool given back when
+// the call ends, else memory of this call's own.
+class Scratch {
+ public:
+  Scratch(size_t need, Bytes* kept, Pool* pool) : pool_(kept ? nullptr : pool), bytes_(need) {
+    if (kept) {
+      if (kept->size() < need) kept->resize(need);
+      data_ = kept->data();
+    } else if (pool_) {
+      data_ = static_cast<unsigned char*>(pool_->take(need));
+    } else {
+      own_.reset(new unsigned char[need]);
+      data_ = own_.get();
+    }
+  }
+  ~Scratch() {
+    if (pool_) pool_->give(data_, bytes_);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  unsigned char* data() { return data_; }
+
+ private:
+  Pool* pool_;
+  size_t bytes_;
+  std::unique_ptr<unsigned char[]> own_;
+  unsigned char* data_ = nullptr;
+};
+
 class Exchange {
  public:
   Exchange(MPI_Comm comm, int tag, int64_t digest, int64_t count, DType dtype, ReduceOp op,
-           int64_t capacity, double first_wait, const OnWait& on_wait, Bytes& mine,
-           Bytes& theirs, int rank, Role role)
+           int64_t capacity, double first_wait, const OnWait& on_wait, unsigned char* mine,
+           unsigned char* theirs, int rank, Role role)
       : comm_(comm), tag_(tag), digest_(digest), count_(count),
         nbytes_(count * dtype_size(dtype)), capacity_(capacity), dtype_(dtype), op_(op),
-        first_wait_(first_wait), on_wait_(on_wait), mine_(&mine), theirs_(&theirs),
+        first_wait_(first_wait), on_wait_(on_wait), mine_(mine), theirs_(theirs),
         joined_(role == Role::active ? 0 : 1),
         first_active_(role == Role::active ? rank : kNone),
         last_joiner_(role == Role::joining ? rank : -1) {
     if (role != Role::active) nbytes_ = count_ = 0;
   }
 
-  unsigned char* payload() { return mine_->data() + kHeader; }
+  unsigned char* payload() { return mine_ + kHeader; }
   bool bad() const { return bad_; }
   int64_t sent() const { return sent_; }
   int joined() const { return joined_; }
@@ -104,7 +134,7 @@ class Exchange {
   enum class Absorb { fold_lower, fold_higher, take };
 
   void post_recv(int peer, MPI_Request* req) {
-    check(MPI_Irecv(theirs_->data(), static_cast<int>(kHeader + capacity_), MPI_BYTE, peer,
+    check(MPI_Irecv(theirs_, static_cast<int>(kHeader + capacity_), MPI_BYTE, peer,
                     tag_, comm_, req),
           "MPI_Irecv");
   }
@@ -112,8 +142,8 @@ class Exchange {
   void post_send(int peer, MPI_Request* req) {
     Header head{digest_, nbytes_, bad_ ? 1 : 0, joined_, static_cast<int32_t>(dtype_),
                 static_cast<int32_t>(op_), first_active_, last_joiner_};
-    std::memcpy(mine_->data(), &head, kHeader);
-    check(MPI_Isend(mine_->data(), static_cast<int>(kHeader + nbytes_), MPI_BYTE, peer, tag_,
+    std::memcpy(mine_, &head, kHeader);
+    check(MPI_Isend(mine_, static_cast<int>(kHeader + nbytes_), MPI_BYTE, peer, tag_,
                     comm_, req),
           "MPI_Isend");
     sent_ += nbytes_;
@@ -123,7 +153,7 @@ class Exchange {
     int got = 0;
     MPI_Get_count(&st, MPI_BYTE, &got);
     Header head{};
-    if (got >= kHeader) std::memcpy(&head, theirs_->data(), kHeader);
+    if (got >= kHeader) std::memcpy(&head, theirs_, kHeader);
     if (got < kHeader || head.bad || got != kHeader + head.nbytes) bad_ = true;
     if (bad_) return;
     const bool i_active = first_active_ != kNone, they_active = head.first_active != kNone;
@@ -150,7 +180,7 @@ class Exchange {
       bad_ = true;
       return;
     }
-    unsigned char* their_payload = theirs_->data() + kHeader;
+    unsigned char* their_payload = theirs_ + kHeader;
     if (how == Absorb::fold_higher) {
       const void* srcs[2] = {payload(), their_payload};
       reduce_many(payload(), srcs, 2, count_, dtype_, op_);
@@ -197,8 +227,8 @@ class Exchange {
   ReduceOp op_;
   double first_wait_;
   const OnWait& on_wait_;
-  Bytes* mine_;    // header + this rank's partial result
-  Bytes* theirs_;  // receive space: header + capacity
+  unsigned char* mine_;    // header + this rank's partial result
+  unsigned char* theirs_;  // receive space: header + capacity
   int32_t joined_, first_active_, last_joiner_;
   bool bad_ = false;
   int64_t sent_ = 0;
@@ -208,7 +238,7 @@ class Exchange {
 
 AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* send, void* out,
                            int64_t count, DType dtype, ReduceOp op, int64_t capacity,
-                           double first_wait, const OnWait& on_wait, Role role) {
+                           double first_wait, const OnWait& on_wait, Role role, Pool* large) {
   const int64_t nbytes = role == Role::active ? count * dtype_size(dtype) : 0;
   if (nbytes > capacity)
     throw std::invalid_argument("payload of " + std::to_string(nbytes) +
@@ -217,18 +247,17 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
   check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   check(MPI_Comm_size(comm, &n), "MPI_Comm_size");
   // Buffers up to kKeep bytes are kept per thread across calls (every small call needs
-  // them); larger ones (tree allreduces of big buffers) live for one call only.
+  // them); larger ones (tree allreduces of big buffers) come from `large`, already faulted
+  // in when a call of that size ran before (fresh memory costs a page fault and the
+  // kernel's zeroing per page: at 64 MiB that made a tree allreduce 7x ring's time).
   constexpr size_t kKeep = size_t{1} << 20;
   thread_local Bytes kept_a, kept_b;
-  Bytes once_a, once_b;
   const size_t need = static_cast<size_t>(kHeader + capacity);
-  Bytes& a = need <= kKeep ? kept_a : once_a;
-  Bytes& b = need <= kKeep ? kept_b : once_b;
-  if (a.size() < need) a.resize(need);
-  if (b.size() < need) b.resize(need);
+  Scratch a(need, need <= kKeep ? &kept_a : nullptr, large);
+  Scratch b(need, need <= kKeep ? &kept_b : nullptr, large);
 
-  Exchange ex(comm, tag, digest, count, dtype, op, capacity, first_wait, on_wait, a, b, rank,
-              role);
+  Exchange ex(comm, tag, digest, count, dtype, op, capacity, first_wait, on_wait, a.data(),
+              b.data(), rank, role);
   if (nbytes) std::memcpy(ex.payload(), send, nbytes);
   int p = 1;
   while (p * 2 <= n) p *= 2;

@@ -14,6 +14,7 @@
 
 #include "kernels/dtypes.h"
 #include "kernels/reduce.h"
+#include "runtime/pool.h"
 #include "runtime/shm.h"  // ShmWindow, OnWait
 
 namespace collectives {
@@ -37,11 +38,12 @@ struct AgreeResult {
 // every active rank's payload (count elements of dtype; lower ranks' data folded first, so
 // every rank gets the same bits); otherwise out is untouched. Every rank returns the same
 // result. Payloads of any rank are at most `capacity` bytes (the receive size). Not
-// thread-safe per communicator: callers serialize, as with any MPI collective.
+// thread-safe per communicator: callers serialize, as with any MPI collective. Buffers
+// over 1 MiB (a tree allreduce's) come from `large` when given, and go back to it.
 AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* send, void* out,
                            int64_t count, DType dtype, ReduceOp op, int64_t capacity,
                            double first_wait, const OnWait& on_wait,
-                           Role role = Role::active);
+                           Role role = Role::active, Pool* large = nullptr);
 
 // The same exchange, with the same result, for ranks that share memory (agree_shared.cpp):
 // one single-step round on a shared window (shm.h's shm_single, its next chunk) in which every
