@@ -8,7 +8,12 @@ parameters measured on this machine (costmodel.Params' defaults, or --tuning FIL
 algorithm is priced by its own cost() (the formula its module states, select.predict adds
 the agreement's exchange), and 1-bit compressed allreduce by onebit.cost. The table gives
 microseconds per call, `auto`'s choice (the model's minimum: on a real cluster the first job
-also measures) and its speedup over `mpi`, the MPI library's own collective."""
+also measures) and its speedup over `mpi`, the MPI library's own collective.
+
+    python -m collectives.simulate --nodes 2 --ranks-per-node 1 --gbits 1 --latency-us 30 \\
+        --min-bytes 1048576 --compare measured.json
+
+checks the model against a `benchmarks/bandwidth.py --json` run on such a cluster."""
 
 from __future__ import annotations
 
@@ -41,6 +46,61 @@ def table(collective: str, layout: Layout, p: Params, sizes: list[int],
             row["times"]["onebit"] = onebit.cost(nbytes, layout, p, block_size)
         rows.append(row)
     return rows
+
+
+def compare(measured: dict, layout: Layout, p: Params, min_bytes: int = 1 << 20,
+            block_size: int | None = 32) -> list[dict]:
+    """The model beside a measurement: for each allreduce row of `benchmarks/bandwidth.py
+    --json` (its {"np", "rows"}) of at least min_bytes whose algorithm the model prices,
+    {"algo", "size", "predicted", "median", "best"} in seconds (median and best of its
+    timing rounds). Raises ValueError when the measurement ran on another number of ranks."""
+    if measured["np"] != layout.size:
+        raise ValueError(f"the measurement ran on {measured['np']} ranks, the described "
+                         f"cluster has {layout.size}")
+    out = []
+    for row in measured["rows"]:
+        if row["op"] != "allreduce" or row["size"] < min_bytes:
+            continue
+        times = table("allreduce", layout, p, [row["size"]], block_size)[0]["times"]
+        if row["algo"] not in times:
+            continue
+        rounds = row.get("rounds_us") or [row["time_us"]]
+        out.append({"algo": row["algo"], "size": row["size"],
+                    "predicted": times[row["algo"]], "median": row["time_us"] * 1e-6,
+                    "best": min(rounds) * 1e-6})
+    return out
+
+
+def _format_compare(points: list[dict], tolerance: float = 0.3) -> list[str]:
+    """A markdown table, one row per algorithm: predicted / median ms (predicted / median;
+    predicted / best round), `**` where the median is off by more than tolerance."""
+    sizes = sorted({pt["size"] for pt in points})
+    lines = ["| algorithm | " + " | ".join(_size_text(s) for s in sizes) + " |",
+             "|---" * (len(sizes) + 1) + "|"]
+    for algo in dict.fromkeys(pt["algo"] for pt in points):
+        cells = []
+        for size in sizes:
+            pt = next((q for q in points if q["algo"] == algo and q["size"] == size), None)
+            if pt is None:
+                cells.append("-")
+                continue
+            ratio, best = pt["predicted"] / pt["median"], pt["predicted"] / pt["best"]
+            flag = " **" if abs(ratio - 1) > tolerance else ""
+            cells.append(f"{pt['predicted'] * 1e3:.1f} / {pt['median'] * 1e3:.1f} "
+                         f"({ratio:.2f}; {best:.2f}){flag}")
+        lines.append(f"| {algo} | " + " | ".join(cells) + " |")
+    within = sum(abs(pt["predicted"] / pt["median"] - 1) <= tolerance for pt in points)
+    best = sum(abs(pt["predicted"] / pt["best"] - 1) <= tolerance for pt in points)
+    lines.append(f"\nwithin {tolerance:.0%}: {within} of {len(points)} points against the "
+                 f"median, {best} against the best round")
+    return lines
+
+
+def _size_text(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
 
 
 def _format(rows: list[dict]) -> list[str]:
@@ -77,12 +137,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=32, help="1-bit scales' block")
     ap.add_argument("--json", help="write every table here")
     ap.add_argument("--plot", help="write allreduce busbw per algorithm here (PNG)")
+    ap.add_argument("--compare", metavar="JSON",
+                    help="a `benchmarks/bandwidth.py --json` measurement on the described "
+                         "cluster (one --nodes value): print predicted / measured allreduce "
+                         "times from --min-bytes up instead of the tables")
     args = ap.parse_args(argv)
     base = None
     if args.tuning:
         with open(args.tuning) as f:
             base = Params(**json.load(f)["params"])
     p = params(args.gbits, args.latency_us, base)
+    if args.compare:
+        _compare_main(args, p)
+        return
     sizes = _sizes(args.min_bytes, args.max_bytes)
     out = {}
     for nodes in (int(n) for n in args.nodes.split(",")):
@@ -101,6 +168,23 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(out, f, indent=1)
     if args.plot:
         _plot(out, args.plot)
+
+
+def _compare_main(args: argparse.Namespace, p: Params) -> None:
+    nodes = args.nodes.split(",")
+    if len(nodes) != 1:
+        raise SystemExit(f"--compare: give one --nodes value, got {args.nodes!r}")
+    with open(args.compare) as f:
+        measured = json.load(f)
+    layout = Layout((args.ranks_per_node,) * int(nodes[0]))
+    try:
+        points = compare(measured, layout, p, args.min_bytes, args.block_size or None)
+    except ValueError as e:
+        raise SystemExit(f"--compare {args.compare}: {e}") from None
+    print(f"# allreduce, {nodes[0]} nodes x {args.ranks_per_node} ranks, {args.gbits:g} "
+          f"Gbit/s, {args.latency_us:g} us: predicted / measured ms (ratio to the median; "
+          f"to the best round)")
+    print("\n".join(_format_compare(points)))
 
 
 def _plot(out: dict, path: str) -> None:

@@ -38,3 +38,48 @@ def test_main_prints_and_writes_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "# allreduce, 4 nodes x 2 ranks, 10 Gbit/s" in printed
     assert set(json.loads(out.read_text())) == {"2x2 allreduce", "4x2 allreduce"}
+
+
+def _measured(np_: int, rows: list[tuple[str, int, list[float]]]) -> dict:
+    """bandwidth.py --json's shape: allreduce rows with each round's microseconds."""
+    return {"np": np_, "rows": [
+        {"op": "allreduce", "algo": algo, "size": size, "rounds_us": rounds,
+         "time_us": sorted(rounds)[len(rounds) // 2]} for algo, size, rounds in rows]}
+
+
+def test_compare_puts_the_model_beside_each_measured_allreduce():
+    layout, p = Layout((1, 1)), simulate.params(gbits=1, latency_us=30)
+    ring = select.predict("allreduce", 4 << 20, layout, p)["ring"]
+    measured = _measured(2, [
+        ("ring", 4 << 20, [ring * 1e6, ring * 2e6, ring * 3e6]),  # median 2x the model
+        ("onebit", 4 << 20, [100.0]),
+        ("gloo", 4 << 20, [100.0]),          # no model: left out
+        ("ring", 1 << 10, [1.0]),            # below min_bytes: left out
+    ])
+    points = simulate.compare(measured, layout, p, min_bytes=1 << 20)
+    assert [(pt["algo"], pt["size"]) for pt in points] == [("ring", 4 << 20),
+                                                           ("onebit", 4 << 20)]
+    assert points[0]["predicted"] == ring
+    assert points[0]["median"] == pytest.approx(2 * ring)
+    assert points[0]["best"] == pytest.approx(ring)
+    assert points[1]["predicted"] == onebit.cost(4 << 20, layout, p)
+    with pytest.raises(ValueError, match="ran on 2 ranks, the described cluster has 4"):
+        simulate.compare(measured, Layout((2, 2)), p)
+
+
+def test_main_compare_flags_points_off_by_more_than_30_percent(tmp_path, capsys):
+    layout, p = Layout((1, 1)), simulate.params(gbits=1, latency_us=30)
+    t = {s: select.predict("allreduce", s, layout, p)["tree"] for s in (1 << 20, 4 << 20)}
+    path = tmp_path / "rig.json"
+    path.write_text(json.dumps(_measured(2, [("tree", 1 << 20, [t[1 << 20] * 1.1e6]),
+                                             ("tree", 4 << 20, [t[4 << 20] * 2e6])])))
+    simulate.main(["--nodes", "2", "--ranks-per-node", "1", "--gbits", "1",
+                   "--latency-us", "30", "--min-bytes", str(1 << 20), "--compare", str(path)])
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if line.startswith("| tree"))
+    first, second = row.split(" | ")[1:3]
+    assert "(0.91; 0.91)" in first and "**" not in first
+    assert "(0.50; 0.50) **" in second
+    assert "within 30%: 1 of 2 points against the median, 1 against the best round" in printed
+    with pytest.raises(SystemExit, match="one --nodes value"):
+        simulate.main(["--nodes", "2,4", "--compare", str(path)])
