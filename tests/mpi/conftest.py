@@ -110,3 +110,17 @@ def assert_equal(result: np.ndarray, expected: np.ndarray, what: str) -> None:
         raise AssertionError(f"{what}: {int((~same).sum())} wrong elements, first at {bad}: "
                              f"got {result[tuple(np.array(bad).T)]}, "
                              f"expected {expected[tuple(np.array(bad).T)]}")
+
+
+def run_case(call, x, inplace: bool, what: str, host=to_numpy) -> tuple[np.ndarray, np.ndarray]:
+    """(x before, call(x)) as host arrays, after checking the call's contract: in place, the
+    input returned; out of place, the input untouched and a result of its type and dtype."""
+    before = host(x).copy()
+    y = call(x)
+    if inplace:
+        assert y is x, f"{what}: in-place call must return its input"
+    else:
+        assert_equal(host(x), before, f"{what}: input modified")
+        assert type(y) is type(x), f"{what}: result type {type(y)} != {type(x)}"
+        assert y.dtype == x.dtype, f"{what}: result dtype {y.dtype} != {x.dtype}"
+    return before, host(y)

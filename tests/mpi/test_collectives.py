@@ -15,8 +15,8 @@ from conftest import (
     assert_same_on_all_ranks,
     make_input,
     reference_reduce,
+    run_case,
     to_framework,
-    to_numpy,
 )
 
 import collectives as C
@@ -44,18 +44,6 @@ def seed_of(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) % (1 << 31)
 
 
-def run_case(comm, call, x, inplace: bool, what: str):
-    before = to_numpy(x).copy()
-    y = call(x)
-    if inplace:
-        assert y is x, f"{what}: in-place call must return its input"
-    else:
-        assert_equal(to_numpy(x), before, f"{what}: input modified")
-        assert type(y) is type(x), f"{what}: result type {type(y)} != {type(x)}"
-        assert y.dtype == x.dtype, f"{what}: result dtype {y.dtype} != {x.dtype}"
-    return before, to_numpy(y)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("algo", ALGOS)
 def test_allreduce(comm, algo, dtype):
@@ -68,7 +56,7 @@ def test_allreduce(comm, algo, dtype):
                 seed = seed_of(op.name, count, framework, inplace) * 17 + r
                 x = to_framework(make_input(dtype, shape, seed), dtype, framework)
                 fn = C.allreduce_ if inplace else C.allreduce
-                before, got = run_case(comm, lambda t: fn(t, op=op, algorithm=algo), x,  # noqa: B023
+                before, got = run_case(lambda t: fn(t, op=op, algorithm=algo), x,  # noqa: B023
                                        inplace, what)
                 expected = reference_reduce(comm.allgather(before), op, dtype, n)
                 assert_equal(got, expected, what)
@@ -86,7 +74,7 @@ def test_reducescatter(comm, algo, dtype):
                 what = f"reducescatter {algo} {op.name} {dtype} {shape} {framework}"
                 seed = seed_of("rs", op.name, rows, framework) * 17 + r
                 x = to_framework(make_input(dtype, shape, seed), dtype, framework)
-                before, got = run_case(comm, lambda t: C.reducescatter(t, op=op, algorithm=algo),  # noqa: B023
+                before, got = run_case(lambda t: C.reducescatter(t, op=op, algorithm=algo),  # noqa: B023
                                        x, False, what)
                 full = reference_reduce(comm.allgather(before), op, dtype, n)
                 split = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
@@ -106,7 +94,7 @@ def test_allgather(comm, algo, dtype):
                 what = f"allgather {algo} {dtype} {shape} {framework} uneven={uneven}"
                 seed = seed_of("ag", count, uneven, framework) * 17 + r
                 x = to_framework(make_input(dtype, shape, seed), dtype, framework)
-                before, got = run_case(comm, lambda t: C.allgather(t, algorithm=algo), x,  # noqa: B023
+                before, got = run_case(lambda t: C.allgather(t, algorithm=algo), x,  # noqa: B023
                                        False, what)
                 assert_equal(got, np.concatenate(comm.allgather(before)), what)
                 assert_same_on_all_ranks(comm, got, what)
@@ -123,7 +111,7 @@ def test_broadcast(comm, algo, dtype):
                 seed = seed_of("bc", root, count, framework, inplace) * 17 + r
                 x = to_framework(make_input(dtype, (count,), seed), dtype, framework)
                 fn = C.broadcast_ if inplace else C.broadcast
-                before, got = run_case(comm, lambda t: fn(t, root_rank=root, algorithm=algo),  # noqa: B023
+                before, got = run_case(lambda t: fn(t, root_rank=root, algorithm=algo),  # noqa: B023
                                        x, inplace, what)
                 assert_equal(got, comm.allgather(before)[root], what)
 

@@ -21,6 +21,7 @@ from conftest import (
     assert_same_on_all_ranks,
     make_input,
     reference_reduce,
+    run_case,
 )
 
 import collectives as C
@@ -70,17 +71,6 @@ def frameworks(dtype: str) -> tuple[str, ...]:
     return ("torch",) if dtype == "bfloat16" else FRAMEWORKS  # CuPy has no bfloat16
 
 
-def run_case(call, x, inplace: bool, what: str) -> tuple[np.ndarray, np.ndarray]:
-    before = host(x).copy()
-    y = call(x)
-    if inplace:
-        assert y is x, f"{what}: in-place call must return its input"
-    else:
-        assert_equal(host(x), before, f"{what}: input modified")
-        assert type(y) is type(x) and y.dtype == x.dtype, f"{what}: {type(y)} {y.dtype}"
-    return before, host(y)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("algo", ALGOS)
 def test_gpu_allreduce(comm, algo, dtype):
@@ -94,7 +84,7 @@ def test_gpu_allreduce(comm, algo, dtype):
                                   dtype, framework)
                     fn = C.allreduce_ if inplace else C.allreduce
                     before, got = run_case(lambda t: fn(t, op=op, algorithm=algo), x,  # noqa: B023
-                                           inplace, what)
+                                           inplace, what, host)
                     assert_equal(got, reference_reduce(comm.allgather(before), op, dtype, n), what)
                     assert_same_on_all_ranks(comm, got, what)
 
@@ -108,13 +98,14 @@ def test_gpu_allgather_reducescatter_broadcast(comm, algo, dtype):
             rows = count + r % 2  # uneven allgather
             x = on_device(make_input(dtype, (rows,), 13 * count + r), dtype, framework)
             what = f"allgather {algo} {dtype} ({rows},) {framework}"
-            before, got = run_case(lambda t: C.allgather(t, algorithm=algo), x, False, what)  # noqa: B023
+            before, got = run_case(lambda t: C.allgather(t, algorithm=algo), x, False, what,  # noqa: B023
+                                   host)
             assert_equal(got, np.concatenate(comm.allgather(before)), what)
 
             x = on_device(make_input(dtype, (count,), 17 * count + r), dtype, framework)
             what = f"reducescatter {algo} {dtype} ({count},) {framework}"
             before, got = run_case(lambda t: C.reducescatter(t, op=C.Sum, algorithm=algo),  # noqa: B023
-                                   x, False, what)
+                                   x, False, what, host)
             full = reference_reduce(comm.allgather(before), C.Sum, dtype, n)
             split = [count // n + (1 if i < count % n else 0) for i in range(n)]
             assert_equal(got, full[sum(split[:r]):sum(split[:r + 1])], what)
@@ -123,7 +114,7 @@ def test_gpu_allgather_reducescatter_broadcast(comm, algo, dtype):
             x = on_device(make_input(dtype, (count,), 19 * count + r), dtype, framework)
             what = f"broadcast {algo} root={root} {dtype} ({count},) {framework}"
             before, got = run_case(lambda t: C.broadcast_(t, root_rank=root, algorithm=algo),  # noqa: B023
-                                   x, True, what)
+                                   x, True, what, host)
             assert_equal(got, comm.allgather(before)[root], what)
 
 
