@@ -49,11 +49,7 @@ def _is_torch(x: object) -> bool:
 def _device(x: Array, name: str) -> tuple[cupy.ndarray, str]:
     """x as a C-contiguous CuPy array (no copy) and its dtype name (bfloat16 as uint16)."""
     if _is_torch(x):
-        if x.device.type != "cuda":
-            raise TypeError(f"{name}: expected a CUDA tensor, got one on {x.device}")
-        dtype = torch_dtype_name(x.dtype)
-        if dtype is None:
-            raise _unsupported(name, str(x.dtype).removeprefix("torch."))
+        dtype = _torch_cuda_dtype(x, name)
         t = x.detach()
         if dtype == "bfloat16":  # CuPy has no bfloat16: move the bits as uint16
             t = t.view(sys.modules["torch"].int16)
@@ -69,6 +65,17 @@ def _device(x: Array, name: str) -> tuple[cupy.ndarray, str]:
     if not arr.flags.c_contiguous:
         raise ValueError(f"{name}: must be C-contiguous")
     return arr, dtype
+
+
+def _torch_cuda_dtype(x: Any, name: str) -> str:
+    """A torch tensor's dtype name; raises unless it lives on a CUDA device and its dtype is
+    one we support."""
+    if x.device.type != "cuda":
+        raise TypeError(f"{name}: expected a CUDA tensor, got one on {x.device}")
+    dtype = torch_dtype_name(x.dtype)
+    if dtype is None:
+        raise _unsupported(name, str(x.dtype).removeprefix("torch."))
+    return dtype
 
 
 def _unsupported(name: str, dtype: str) -> TypeError:
@@ -199,11 +206,7 @@ def _tensor_list(tensors: Sequence[Array], dtype: str | None) -> _List:
     for i, t in enumerate(tensors):
         name = f"tensors[{i}]"
         if _is_torch(t):
-            if t.device.type != "cuda":
-                raise TypeError(f"{name}: expected a CUDA tensor, got one on {t.device}")
-            got = torch_dtype_name(t.dtype)
-            if got is None:
-                raise _unsupported(name, str(t.dtype).removeprefix("torch."))
+            got = _torch_cuda_dtype(t, name)
             if not t.is_contiguous():
                 raise ValueError(f"{name}: must be C-contiguous")
             host[i], size = t.data_ptr(), t.numel()

@@ -139,12 +139,13 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     in_c = dataclasses.replace(p, overhead=0.0)
     if collective == "alltoall":  # pairwise, as the library does it, steps in C
         return pairwise.cost(collective, nbytes, layout, in_c) + p.mpi_call
-    flat = min(ring.cost(collective, nbytes, layout, in_c),
-               tree.cost(collective, nbytes, layout, in_c))
+
+    def flat(on: Layout) -> float:
+        return min(ring.cost(collective, nbytes, on, in_c), tree.cost(collective, nbytes, on, in_c))
+
+    best = flat(layout)
     if collective == "allreduce" and layout.nodes > 1 and layout.max_local > 1:
-        node, across = layout.intra(), layout.inter()
-        two_level = (2 * tree.cost("broadcast", nbytes, node, in_c) + nbytes * p.gamma
-                     + min(ring.cost(collective, nbytes, across, in_c),
-                           tree.cost(collective, nbytes, across, in_c)))
-        flat = min(flat, two_level)
-    return flat + p.mpi_call
+        node_reduce_and_broadcast = 2 * tree.cost("broadcast", nbytes, layout.intra(), in_c) \
+            + nbytes * p.gamma
+        best = min(best, node_reduce_and_broadcast + flat(layout.inter()))
+    return best + p.mpi_call
