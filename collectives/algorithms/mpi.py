@@ -12,14 +12,28 @@ never changes an answer.
 Average is a Sum here too: the caller divides once.
 
 Cost, as cost() computes it: the library picks among algorithms like ours and runs their
-steps in C, so the better of ring's and tree's formulas with no per-message overhead (o = 0),
-plus one mpi_call of fixed cost; alltoall: pairwise exchange's formula the same way. An
-allreduce over several nodes with several ranks on some node may also run in two levels:
+steps in C, so the best of ring's and tree's formulas with no per-message overhead (o = 0),
+plus one mpi_call of fixed cost; alltoall: pairwise exchange's formula the same way. Its
+allreduce has one more: Rabenseifner's, which coll/tuned's fixed rules pick for commutative
+ops past a few KiB at most group sizes (at 4 ranks from 8 KiB): a recursive-halving
+reduce-scatter and a recursive-doubling allgather among the largest power of two q <= n,
+the e = n - q extra ranks folded in and served at the end,
+  2 log2 q alpha + 2 (q-1)/q m beta + (q-1)/q m gamma + [e>0] (3 alpha + 2 m beta + m/2 gamma)
+ring's bandwidth in 2 log2 q steps instead of 2 (n-1); with extra ranks the fold's 2 m beta
+leaves large messages to ring.
+
+An allreduce over several nodes with several ranks on some node may also run in two levels:
 Open MPI 5's coll/han takes precedence over coll/tuned by default (`ompi_info`: priority 35
-against 30) and reduces inside each node to a leader, allreduces the whole buffer among the
-leaders and broadcasts it inside the node; priced as a binomial reduce and broadcast of m on
-the largest node plus the better flat allreduce of m across one rank per node (on 2 hosts x
-2 ranks at 1 Gbit/s it measured 564 ms for 64 MiB, a flat ring 873)."""
+against 30). Segment by segment it reduces inside each node to a leader, reduces and
+broadcasts among the leaders with libnbc's non-blocking collectives, and broadcasts inside
+the node. Priced as the better of a flat allreduce (a node layout the library does not
+see, as simulated nodes, runs flat) and a binomial reduce and broadcast of m on the largest
+node plus the best flat allreduce of m across one rank per node. On 2 hosts x 2
+ranks at 1 Gbit/s it measured 564 ms for 64 MiB (this price 583, a flat ring 873): between
+2 leaders a reduce and a broadcast move what an allreduce does. Between more, libnbc's
+broadcast goes linear up to 4 leaders and binomial above, so its root sends each segment
+N-1 or log2 N times where an allreduce sends 2 (N-1)/N: there the price is a lower bound
+on the library's time, not measured."""
 
 from __future__ import annotations
 
@@ -141,7 +155,8 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
         return pairwise.cost(collective, nbytes, layout, in_c) + p.mpi_call
 
     def flat(on: Layout) -> float:
-        return min(ring.cost(collective, nbytes, on, in_c), tree.cost(collective, nbytes, on, in_c))
+        best = min(ring.cost(collective, nbytes, on, in_c), tree.cost(collective, nbytes, on, in_c))
+        return min(best, _halving_doubling(nbytes, on, in_c)) if collective == "allreduce" else best
 
     best = flat(layout)
     if collective == "allreduce" and layout.nodes > 1 and layout.max_local > 1:
@@ -149,3 +164,14 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
             + nbytes * p.gamma
         best = min(best, node_reduce_and_broadcast + flat(layout.inter()))
     return best + p.mpi_call
+
+
+def _halving_doubling(nbytes: int, layout: Layout, p: Params) -> float:
+    """Rabenseifner's allreduce of nbytes on layout (the module docstring's formula)."""
+    n, m = layout.size, nbytes
+    q = 1 << (n.bit_length() - 1)
+    alpha, beta = layout.message(p)
+    share = (q - 1) / q * m
+    folded = 3 * alpha + 2 * m * beta + m / 2 * p.gamma if n > q else 0.0
+    return 2 * (q.bit_length() - 1) * alpha + 2 * share * beta + share * p.gamma + folded
+

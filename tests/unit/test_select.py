@@ -188,3 +188,28 @@ def test_alltoall_chooses_among_the_modules_that_run_it():
             assert select.choose("alltoall", nbytes, FakeTopology(*sizes)) in ("mpi", "pairwise")
     # our pairwise exchange pays o per step where the library's runs in C
     assert select.choose("alltoall", 8, FakeTopology(8)) == "mpi"
+
+
+def test_mpi_allreduce_is_priced_with_halving_and_doubling_where_it_is_cheapest():
+    """The library's Rabenseifner allreduce: ring's bytes in 2 log2 n steps at a power of
+    two (cheaper than ring and tree from a few KiB at 64 ranks); with an extra rank its
+    fold costs 2 m beta more, and large messages go back to ring's price."""
+    from collectives.algorithms import mpi, ring
+    p = dataclasses.replace(Params(), overhead=0.0)
+    m = 64 << 20
+
+    def priced(n: int) -> tuple[float, float, float]:
+        layout = Layout((1,) * n)
+        return (mpi.cost("allreduce", m, layout, p) - p.mpi_call,
+                ring.cost("allreduce", m, layout, p), tree.cost("allreduce", m, layout, p))
+
+    alpha, beta = Layout((1,) * 64).message(p)
+    library, by_ring, by_tree = priced(64)
+    assert library == pytest.approx(by_ring - (2 * 63 - 2 * 6) * alpha)
+    assert library < min(by_ring, by_tree)
+    library, by_ring, by_tree = priced(65)
+    assert library == pytest.approx(min(by_ring, by_tree))
+    # no other collective gains it
+    assert mpi.cost("allgather", m, Layout((1,) * 64), p) - p.mpi_call == pytest.approx(
+        min(ring.cost("allgather", m, Layout((1,) * 64), p),
+            tree.cost("allgather", m, Layout((1,) * 64), p)))
