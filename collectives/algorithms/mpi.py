@@ -168,10 +168,9 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
 
 def _halving_doubling(nbytes: int, layout: Layout, p: Params) -> float:
     """Rabenseifner's allreduce of nbytes on layout (the module docstring's formula)."""
-    n, m = layout.size, nbytes
-    q = 1 << (n.bit_length() - 1)
+    m = nbytes
+    q, extra = tree.fold_shape(layout.size)
     alpha, beta = layout.message(p)
     share = (q - 1) / q * m
-    folded = 3 * alpha + 2 * m * beta + m / 2 * p.gamma if n > q else 0.0
+    folded = 3 * alpha + 2 * m * beta + m / 2 * p.gamma if extra else 0.0
     return 2 * (q.bit_length() - 1) * alpha + 2 * share * beta + share * p.gamma + folded
-

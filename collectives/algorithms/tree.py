@@ -45,7 +45,7 @@ def _exchange(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, peer: int, tag
     MPI.Request.Waitall(reqs)
 
 
-def _fold_shape(n: int) -> tuple[int, int]:
+def fold_shape(n: int) -> tuple[int, int]:
     """(p, e): the largest power of two <= n and the number of extra ranks."""
     p = 1 << (n.bit_length() - 1)
     return p, n - p
@@ -97,7 +97,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
     if n == 1:
         recv[...] = send
         return
-    p, e = _fold_shape(n)
+    p, e = fold_shape(n)
     acc = send.copy()
     tmp = np.empty_like(acc)
     _fold(comm, acc, tmp, e, op, dtype)
@@ -176,7 +176,7 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
 def doubling_steps(n: int) -> int:
     """Steps of recursive doubling over n ranks: log2 p, plus the fold in and out of the
     extra ranks when n is not a power of two (also the agreement exchange's step count)."""
-    p, e = _fold_shape(n)
+    p, e = fold_shape(n)
     return p.bit_length() - 1 + (2 if e else 0)
 
 
@@ -186,7 +186,7 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     if n <= 1:
         return 0.0
     step, beta = layout.message(p)
-    pow2, extra = _fold_shape(n)
+    pow2, extra = fold_shape(n)
     d = doubling_steps(n)
     if collective == "allreduce":
         return d * step + d * m * beta + (d - (1 if extra else 0)) * m * p.gamma

@@ -203,13 +203,13 @@ def test_mpi_allreduce_is_priced_with_halving_and_doubling_where_it_is_cheapest(
         return (mpi.cost("allreduce", m, layout, p) - p.mpi_call,
                 ring.cost("allreduce", m, layout, p), tree.cost("allreduce", m, layout, p))
 
-    alpha, beta = Layout((1,) * 64).message(p)
+    alpha, _ = Layout((1,) * 64).message(p)
     library, by_ring, by_tree = priced(64)
     assert library == pytest.approx(by_ring - (2 * 63 - 2 * 6) * alpha)
     assert library < min(by_ring, by_tree)
     library, by_ring, by_tree = priced(65)
     assert library == pytest.approx(min(by_ring, by_tree))
     # no other collective gains it
-    assert mpi.cost("allgather", m, Layout((1,) * 64), p) - p.mpi_call == pytest.approx(
-        min(ring.cost("allgather", m, Layout((1,) * 64), p),
-            tree.cost("allgather", m, Layout((1,) * 64), p)))
+    layout = Layout((1,) * 64)
+    assert mpi.cost("allgather", m, layout, p) - p.mpi_call == pytest.approx(
+        min(ring.cost("allgather", m, layout, p), tree.cost("allgather", m, layout, p)))
