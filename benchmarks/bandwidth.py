@@ -197,8 +197,31 @@ def time_round(call, iters: int, comm: MPI.Comm) -> float:
     return comm.allreduce(elapsed, op=MPI.MAX)
 
 
-#: At most this many more warmup rounds while `auto` still runs an online trial.
-TRIAL_WARMUP = 50
+#: At most this many more warmup calls while `auto` still runs an online trial (a trial of
+#: 5 candidates and its runoff take 62).
+TRIAL_WARMUP = 100
+
+
+def warm_past_trials(calls: dict) -> None:
+    """`auto`'s first allreduces of a size class are its online trial (collectives/online.py),
+    which a job goes through in its first steps: call each call that advances a running
+    trial until no trial runs (the same calls on every rank: every rank ends a trial in the
+    same call). Back to back, as its column is timed: a trial whose calls each follow another
+    algorithm's finds the caches full of that one's buffers and times every candidate cold
+    (at np 2, 512 KiB settled on ring at 2.9x shm's time that way)."""
+    topo = topology.get()
+
+    def progress() -> list:
+        return [(c, trial, trial.calls) for c, trial in topo.trials.items()]
+
+    for call in calls.values():
+        for _ in range(TRIAL_WARMUP):
+            before = progress()
+            if not before:
+                return
+            call()
+            if progress() == before:  # a call that runs no trial
+                break
 
 
 def round_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, list[float]]:
@@ -210,15 +233,7 @@ def round_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, lis
     for call in calls.values():
         for _ in range(args.w):
             call()
-    # `auto`'s first allreduces of a size class are its online trial (collectives/online.py),
-    # which a job goes through in its first steps: warm up past it (the same calls on every
-    # rank: every rank ends a trial in the same call)
-    topo = topology.get()
-    for _ in range(TRIAL_WARMUP):
-        if not topo.trials:
-            break
-        for call in calls.values():
-            call()
+    warm_past_trials(calls)
     times = {name: [] for name in calls}
     for _ in range(args.rounds):
         for name, call in calls.items():

@@ -1,6 +1,9 @@
 """`auto` checks its choice online: the first allreduces of each size class too large to
 ride in the agreement try every algorithm `auto` rates within CLOSE of the best, ROUNDS
 turns of BURST calls each, and the class settles on the fastest for the rest of the job.
+When the runner-up's fastest turn is within RUNOFF of the leader's, the two take
+RUNOFF_TURNS more turns each, alternating, and the class settles on the one faster in most
+of those pairs of neighbouring turns.
 
 Why: the first job's measurement (autotune.py) runs in the two or three seconds of `init`,
 and on a shared machine a slow spell can cover all of it; one in three fresh jobs here
@@ -8,9 +11,15 @@ measured shm's 16-64 MiB allreduce 2.4-3x slow and handed those sizes to ring fo
 Trying again at the sizes the job actually calls, later and interleaved, corrects that at
 the price of a few calls at a candidate's speed.
 
-Every rank settles the same way: each times its own calls, and when a class's trial ends
-every rank takes the slowest rank's time per candidate (one MPI allreduce of a few floats,
-inside that call). The trial's state advances only in the call's data phase (on the engine,
+Why the runoff: the best of three turns tells 2x apart, not 1.2x. At np 2 here shm's
+2-32 MiB allreduces run 1.1-1.5x faster than ring's, and in one job ring's 16 MiB calls took
+2.2-4.3 ms against shm's 1.9-3.0: that class settled on ring, 1.38x shm's median. Two
+neighbouring turns share the machine's state, so the median of the pairs' ratios discounts
+a slow spell that covers both, and a single slow turn outvotes nothing.
+
+Every rank settles the same way: each times its own calls, and when a class's trial (or
+runoff) ends every rank takes the slowest rank's time per turn (one MPI allreduce of a few
+floats, inside that call). The trial's state advances only in the call's data phase (on the engine,
 in submission order, after the agreement), and only while no rank has joined: a joined rank
 (join.py) runs select.choose()'s algorithm, so a call made while some rank has joined runs
 that one on every rank and counts for no trial. Every call of a checked class picks its
@@ -34,8 +43,9 @@ rank has joined, no call counts on it, so every watch is renewed when the join e
 Size classes are factors of 4 (select.size_class); sizes that ride in the agreement are
 left to the first measurement, and a settled class holds for its sizes that do not. Cost:
 ROUNDS x BURST x candidates calls per class, each at most CLOSE x the estimated best's time
-(as far as the estimate holds), and one allreduce when the class settles; then one
-allreduce of a float per review, and a trial again when the time drifts or RETRY_S has
+(as far as the estimate holds), and one allreduce when the trial ends; a runoff's
+RUNOFF_TURNS x BURST x 2 calls at most RUNOFF x the leader's time, and one allreduce; then
+one allreduce of a float per review, and a trial again when the time drifts or RETRY_S has
 passed."""
 
 from __future__ import annotations
@@ -63,6 +73,11 @@ ROUNDS = 3
 #: algorithm's call finds the caches full of that one's buffers (at 256 KiB such calls
 #: ran 2-5x their steady time and made the trial a coin toss).
 BURST = 2
+#: A runner-up whose fastest turn is within this multiple of the leader's goes to a runoff
+#: (at np 2 here ring's fastest turns ran 1.1-1.5x shm's at 2-32 MiB).
+RUNOFF = 1.5
+#: Turns per finalist in a runoff: pairs enough for their median to outvote a spell of two.
+RUNOFF_TURNS = 8
 #: Seconds of a settled class's calls between reviews (at least MIN_WATCH calls). A review
 #: costs a call's trip through Python and the engine's thread plus an allreduce: at 256 KiB
 #: (20 us calls) 2-3% of the time at 0.01 s, within the noise at this value.
@@ -79,15 +94,19 @@ clock: Callable[[], float] = time.perf_counter
 
 
 class Trial:
-    """One size class's running trial: its candidates, each one's best seconds per byte so
-    far on this rank, and the calls made."""
+    """One size class's running trial (or runoff): its candidates, the turns each takes,
+    this rank's timed seconds per byte of each candidate's turns so far, the calls made,
+    and the seconds that the class's trials before this one cost (a runoff's screening)."""
 
-    __slots__ = ("candidates", "best", "calls")
+    __slots__ = ("candidates", "turns", "runoff", "times", "calls", "spent")
 
-    def __init__(self, candidates: list[str]):
+    def __init__(self, candidates: list[str], runoff: bool = False, spent: float = 0.0):
         self.candidates = candidates
-        self.best = [math.inf] * len(candidates)
+        self.turns = RUNOFF_TURNS if runoff else ROUNDS
+        self.runoff = runoff
+        self.times: list[list[float]] = [[] for _ in candidates]
         self.calls = 0
+        self.spent = spent
 
 
 class Watch:
@@ -163,19 +182,35 @@ def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
     start = clock()
     reduce(algo)
     if trial.calls % BURST == BURST - 1:
-        trial.best[k] = min(trial.best[k], (clock() - start) / nbytes)
+        trial.times[k].append((clock() - start) / nbytes)
     trial.calls += 1
-    if trial.calls == ROUNDS * BURST * len(trial.candidates):
-        slowest = np.empty(len(trial.best))
-        topo.comm.Allreduce(np.array(trial.best), slowest, op=MPI.MAX)
-        k = int(np.argmin(slowest))
-        _settle(topo, c, trial.candidates[k])
-        # agreed inputs only, so every rank watches alike
-        call = float(slowest[k]) * nbytes
-        window = max(MIN_WATCH, math.ceil(WATCH_S / call))
-        cost = float(np.sum(slowest)) * nbytes * ROUNDS * BURST
-        retry = max(RETRY_S, cost / RETRY_SHARE)
-        topo.watches[c] = Watch(window, math.ceil(retry / (window * call)))
+    if trial.calls == trial.turns * BURST * len(trial.candidates):
+        _end(topo, c, trial, nbytes)
+
+
+def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
+    """Class c's trial (or runoff) ended in this call (of nbytes): on the slowest rank's time
+    per turn, begin a runoff between the two fastest when they are close, else settle on
+    the winner and watch it. Agreed inputs only, so every rank decides and watches alike."""
+    slowest = np.empty((len(trial.candidates), trial.turns))
+    topo.comm.Allreduce(np.array(trial.times), slowest, op=MPI.MAX)
+    spent = trial.spent + float(slowest.sum()) * nbytes * BURST
+    if trial.runoff:  # [leader, runner-up]: the runner-up wins most pairs, or not
+        k = int(np.median(slowest[1] / slowest[0]) < 1)
+        call = float(np.median(slowest[k])) * nbytes
+    else:
+        best = slowest.min(axis=1)
+        order = np.argsort(best, kind="stable")
+        k = int(order[0])
+        if len(order) > 1 and best[order[1]] <= RUNOFF * best[k]:
+            finalists = [trial.candidates[k], trial.candidates[order[1]]]
+            topo.trials[c] = Trial(finalists, runoff=True, spent=spent)
+            return
+        call = float(best[k]) * nbytes
+    _settle(topo, c, trial.candidates[k])
+    window = max(MIN_WATCH, math.ceil(WATCH_S / call))
+    retry = max(RETRY_S, spent / RETRY_SHARE)
+    topo.watches[c] = Watch(window, math.ceil(retry / (window * call)))
 
 
 def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:

@@ -168,7 +168,8 @@ def _runs(*algos: str) -> dict[str, int]:
 def test_online_trial_settles_on_the_slowest_ranks_fastest(comm, trials, monkeypatch):
     """A class whose close candidates are mpi and ring: they take ROUNDS turns of BURST calls;
     rank 0 alone finds mpi faster, the others find ring faster and are slower overall, so
-    every rank settles on ring (the slowest rank's times decide); every result exact."""
+    ring leads (the slowest rank's times decide); mpi is within RUNOFF, so the two take
+    RUNOFF_TURNS turns more, and every rank settles on ring; every result exact."""
     monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.5}))
     n, r = comm.Get_size(), comm.Get_rank()
     seconds = {"mpi": 1.0, "ring": 2.0} if r == 0 else {"mpi": 3.0, "ring": 2.5}
@@ -177,15 +178,47 @@ def test_online_trial_settles_on_the_slowest_ranks_fastest(comm, trials, monkeyp
     c = select.size_class(x.nbytes)
     before = _runs("mpi")["mpi"]
     turn = online.BURST
-    for i in range(online.ROUNDS * turn * 2):
+    for i in range((online.ROUNDS + online.RUNOFF_TURNS) * turn * 2):
         assert c not in trials.settled
         assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), f"call {i}")
+        if i == online.ROUNDS * turn * 2 - 1:
+            assert trials.trials[c].runoff and trials.trials[c].candidates == ["ring", "mpi"]
     assert trials.settled[c] == "ring" and c not in trials.trials
-    assert _runs("mpi")["mpi"] == before + online.ROUNDS * turn
+    assert _runs("mpi")["mpi"] == before + (online.ROUNDS + online.RUNOFF_TURNS) * turn
     assert select.choose("allreduce", x.nbytes, trials) == "ring"
     assert select.choose("allreduce", x.nbytes * 2, trials) == "ring"  # the whole class
     assert select.size_class(x.nbytes * 8) not in trials.settled  # not the next class
     assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), "settled")
+
+
+def _mpi_fast_at_first(later: float):
+    """Seconds per call: ring 1.2; mpi 1 in its first turn, later after."""
+    mpi_calls = [0]
+
+    def seconds(algo: str) -> float:
+        if algo == "ring":
+            return 1.2
+        mpi_calls[0] += 1
+        return 1.0 if mpi_calls[0] <= online.BURST else later
+
+    return seconds
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_runoff_settles_on_the_finalist_faster_in_most_pairs(comm, trials, monkeypatch):
+    """mpi's first timed turn is the fastest of the trial (1 s, then 2 s a call), ring's
+    take 1.2 s: mpi leads on its best turn, ring is within RUNOFF, and ring is faster in
+    every pair of the runoff, so the class settles on ring. With mpi at 1.1 s after its
+    first turn (in another class), mpi wins."""
+    monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.5}))
+    for i, (later, want) in enumerate(((2.0, "ring"), (1.1, "mpi"))):
+        _fake_time(monkeypatch, _mpi_fast_at_first(later))
+        x = np.full(_tried(trials) * 4 ** i, comm.Get_rank() + 1.0)
+        c = select.size_class(x.nbytes)
+        _calls(comm, x, online.ROUNDS * online.BURST * 2)
+        assert trials.trials[c].runoff and trials.trials[c].candidates == ["mpi", "ring"]
+        _calls(comm, x, online.RUNOFF_TURNS * online.BURST * 2)
+        assert trials.settled[c] == want and not trials.trials, later
 
 
 @pytest.mark.mpi(min_size=2)
@@ -240,7 +273,7 @@ def _calls(comm, x: np.ndarray, count: int, joined: int = 0) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_a_settled_class_is_tried_again_when_its_time_drifts(comm, trials, monkeypatch):
     """Settled on ring; the first review takes the steady time (1 s a call) and renews the
-    watch; then ring slows to 3 s a call on the last rank alone: the next review (the
+    watch; then ring slows to 4 s a call on the last rank alone: the next review (the
     slowest rank's time) tries the class again, and every rank settles on mpi. A join in
     between (rank 0's, while the others call) does not put the ranks' counts out of step."""
     seconds: dict[str, float] = {}
@@ -256,7 +289,7 @@ def test_a_settled_class_is_tried_again_when_its_time_drifts(comm, trials, monke
     C.join()
     assert watch.native.left == online.MIN_WATCH  # renewed on every rank
     if r == last:
-        seconds["ring"] = 3.0
+        seconds["ring"] = 4.0
     _calls(comm, x, online.MIN_WATCH)
     assert trials.settled[c] == "ring"
     before = _runs("mpi")["mpi"]
@@ -333,13 +366,19 @@ def test_online_trial_with_one_close_candidate_settles_at_once(comm, trials, mon
 def test_online_trials_under_per_rank_noise_and_a_joined_rank(comm, trials, monkeypatch):
     """Real timings with per-rank noise, three classes tried at once, rank 0 joining before
     the trials end (calls while it has joined run `auto`'s estimate on every rank and
-    count for no trial), then every rank calling again: no hang, exact results, and every
-    rank settles every class alike."""
+    count for no trial), then every rank calling again, through any runoffs: no hang, exact
+    results, and every rank settles every class alike."""
     monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.2, "tree": 1.9}))
     clock = time.perf_counter
     noise = iter(range(10 ** 6))
-    monkeypatch.setattr(online, "clock",
-                        lambda: clock() + (comm.rank + 1) * 1e-3 * (next(noise) % 5))
+    late = [0.0]
+
+    def noisy() -> float:  # a clock that runs late by 0-4 ms a read (x rank + 1)
+        late[0] += (comm.rank + 1) * 1e-3 * (next(noise) % 5)
+        return clock() + late[0]
+
+    monkeypatch.setattr(online, "clock", noisy)
+    monkeypatch.setattr(online, "WATCH_S", 1e3)  # no review: this noise drifts at will
     n, r = comm.Get_size(), comm.Get_rank()
     base = _tried(trials)
     sizes = [base, 4 * base + 3, 16 * base + 5]
@@ -359,6 +398,11 @@ def test_online_trials_under_per_rank_noise_and_a_joined_rank(comm, trials, monk
     assert C.join() == n - 1
     assert not trials.settled  # `first` counted calls each: no trial has ended
     calls(range(trial - first), n)
+    runoff = online.RUNOFF_TURNS * online.BURST * 2  # for classes whose finalists are close
+    for step in range(trial, trial + runoff):
+        if not trials.trials:  # alike on every rank
+            break
+        calls(range(step, step + 1), n)
     settled = {c: a for c, a in trials.settled.items()}
     assert len(settled) == len(sizes) and not trials.trials
     assert len({tuple(sorted(s.items(), key=str)) for s in comm.allgather(settled)}) == 1
@@ -366,14 +410,15 @@ def test_online_trials_under_per_rank_noise_and_a_joined_rank(comm, trials, monk
 
 @pytest.mark.mpi(min_size=2)
 def test_online_trial_under_async_calls_of_many_shapes(comm, trials, monkeypatch):
-    """Async calls of 40 shapes of one class queued at once: the caller's thread describes
-    new shapes while the engine's thread runs the trial and settles the class. Every call
+    """Async calls of 60 shapes of one class queued at once (a trial of 3 candidates and a
+    runoff take 50): the caller's thread describes new shapes while the engine's thread
+    runs the trial and settles the class. Every call
     runs the same algorithm on every rank (no hang), every result is exact, and the class
     settles alike everywhere."""
     monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.2, "tree": 1.9}))
     n, r = comm.Get_size(), comm.Get_rank()
     base = _tried(trials)
-    counts = [base + 8 * i for i in range(40)]
+    counts = [base + 8 * i for i in range(60)]
     assert len({select.size_class(8 * c) for c in counts}) == 1
     handles = [C.allreduce_async(np.full(c, float(r + i)), op=C.Sum) for i, c in enumerate(counts)]
     for i, (c, h) in enumerate(zip(counts, handles)):
