@@ -11,21 +11,22 @@ measured shm's 16-64 MiB allreduce 2.4-3x slow and handed those sizes to ring fo
 Trying again at the sizes the job actually calls, later and interleaved, corrects that at
 the price of a few calls at a candidate's speed.
 
-Why the runoff: the best of three turns tells 2x apart, not 1.2x. At np 2 here shm's
-2-32 MiB allreduces run 1.1-1.5x faster than ring's, and in one job ring's 16 MiB calls took
-2.2-4.3 ms against shm's 1.9-3.0: that class settled on ring, 1.38x shm's median. Two
-neighbouring turns share the machine's state, so the median of the pairs' ratios discounts
-a slow spell that covers both, and a single slow turn outvotes nothing.
+Why the runoff: the best of three turns tells 2x apart, not 1.2x. At np 2 here ring's and
+shm's 2-32 MiB allreduces ran within 1.5x of each other in half of the benchmark's sweeps
+(32 of 62; 0.75-2.6x over all), and in one job ring's 16 MiB calls took 2.2-4.3 ms against
+shm's 1.9-3.0: that class settled on ring, 1.38x shm's median. Two neighbouring turns share
+the machine's state, so the median of the pairs' ratios discounts a slow spell that covers
+both, and a single slow turn outvotes nothing.
 
 Every rank settles the same way: each times its own calls, and when a class's trial (or
 runoff) ends every rank takes the slowest rank's time per turn (one MPI allreduce of a few
-floats, inside that call). The trial's state advances only in the call's data phase (on the engine,
-in submission order, after the agreement), and only while no rank has joined: a joined rank
-(join.py) runs select.choose()'s algorithm, so a call made while some rank has joined runs
-that one on every rank and counts for no trial. Every call of a checked class picks its
-algorithm in its data phase too (run()), and its fast entry, which runs the algorithm it
-was described with, is registered there only once the class has settled on that algorithm:
-so no call runs a choice its description made before the class settled.
+floats, inside that call). The trial's state advances only in the call's data phase (on
+the engine, in submission order, after the agreement), and only while no rank has joined: a
+joined rank (join.py) runs select.choose()'s algorithm, so a call made while some rank has
+joined runs that one on every rank and counts for no trial. Every call of a checked class
+picks its algorithm in its data phase too (run()), and its fast entry, which runs the
+algorithm it was described with, is registered there only once the class has settled on
+that algorithm: so no call runs a choice its description made before the class settled.
 
 A settled class stays watched, because the machine changes under a job: on the two-core
 machine here shm's allreduces run 3-4x their time for seconds at a stretch, while ring's
@@ -73,8 +74,8 @@ ROUNDS = 3
 #: algorithm's call finds the caches full of that one's buffers (at 256 KiB such calls
 #: ran 2-5x their steady time and made the trial a coin toss).
 BURST = 2
-#: A runner-up whose fastest turn is within this multiple of the leader's goes to a runoff
-#: (at np 2 here ring's fastest turns ran 1.1-1.5x shm's at 2-32 MiB).
+#: A runner-up whose fastest turn is within this multiple of the leader's goes to a runoff:
+#: wide enough for two candidates whose turns overlap (ring's 16 MiB turns above).
 RUNOFF = 1.5
 #: Turns per finalist in a runoff: pairs enough for their median to outvote a spell of two.
 RUNOFF_TURNS = 8
