@@ -247,15 +247,6 @@ def median_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, fl
             for name, ts in round_times(calls, nbytes, args, comm).items()}
 
 
-def auto_runs(op: str, nbytes: int) -> str:
-    """The algorithm `auto` ran for op's calls of nbytes after its warmup: "agreement" for an
-    allreduce that rides in the agreement (collectives/calls.py), whatever its class."""
-    topo = topology.get()
-    if op == "allreduce" and topo.size > 1 and nbytes <= topo.channel.capacity:
-        return "agreement"
-    return select.choose(op, nbytes, topo)
-
-
 def run(args, comm: MPI.Comm) -> list[dict]:
     n = comm.Get_size()
     dtype = np.dtype(args.dtype)
@@ -282,7 +273,8 @@ def run(args, comm: MPI.Comm) -> list[dict]:
                 "rounds_us": [r * 1e6 for r in rounds[a]], "algbw": algbw,
                 "busbw": algbw * BUS_FACTOR[op](n),
                 "wrong": count_wrong(op, a, x, comm, gloo) if args.c else -1,
-                **({"runs": auto_runs(op, x.nbytes)} if a == "auto" else {}),
+                # the algorithm `auto` ran (after its trial, if any)
+                **({"runs": select.choose(op, x.nbytes, topology.get())} if a == "auto" else {}),
             })
     for row in rows:
         for algo, key in (("mpi", "vs_mpi"), ("mpi-raw", "vs_raw")):
