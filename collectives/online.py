@@ -99,15 +99,18 @@ class Trial:
     this rank's timed seconds per byte of each candidate's turns so far, the calls made,
     and the seconds that the class's trials before this one cost (a runoff's screening)."""
 
-    __slots__ = ("candidates", "turns", "runoff", "times", "calls", "spent")
+    __slots__ = ("candidates", "runoff", "times", "calls", "spent")
 
     def __init__(self, candidates: list[str], runoff: bool = False, spent: float = 0.0):
         self.candidates = candidates
-        self.turns = RUNOFF_TURNS if runoff else ROUNDS
         self.runoff = runoff
         self.times: list[list[float]] = [[] for _ in candidates]
         self.calls = 0
         self.spent = spent
+
+    @property
+    def turns(self) -> int:
+        return RUNOFF_TURNS if self.runoff else ROUNDS
 
 
 class Watch:
@@ -203,7 +206,7 @@ def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
         best = slowest.min(axis=1)
         order = np.argsort(best, kind="stable")
         k = int(order[0])
-        if len(order) > 1 and best[order[1]] <= RUNOFF * best[k]:
+        if best[order[1]] <= RUNOFF * best[k]:  # a trial has two candidates or more
             finalists = [trial.candidates[k], trial.candidates[order[1]]]
             topo.trials[c] = Trial(finalists, runoff=True, spent=spent)
             return
