@@ -19,7 +19,9 @@ import sys
 import time
 
 import collectives as C  # before mpi4py starts MPI: collectives/mpi_defaults.py
-from collectives import algorithms, select, topology
+from collectives import algorithms
+from collectives.auto import select
+from collectives.runtime import topology
 import numpy as np
 from mpi4py import MPI
 from tqdm import tqdm
@@ -131,7 +133,7 @@ def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None, inplace: boo
     if algo == "onebit":  # 1-bit compressed allreduce (averages; error feedback state)
         if op != "allreduce":
             return None
-        from collectives.onebit import error_sizes
+        from collectives.algorithms.onebit import error_sizes
 
         worker, server = (np.zeros(k, np.float32) for k in error_sizes(x.size, C.size()))
         return lambda: C.compressed_allreduce(x, worker, server, block_size=256)

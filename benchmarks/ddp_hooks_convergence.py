@@ -16,11 +16,11 @@ import argparse
 import numpy as np
 import torch
 import torch.distributed as dist
+from collectives.optim.convergence import TASKS, train
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import collectives  # noqa: F401  (registers the backend)
-from collectives import ddp_hooks
-from optim.convergence import TASKS, train
+from collectives.integrations import ddp_hooks
 
 HOOKS = ("none", "fp16", "int8", "onebit")
 

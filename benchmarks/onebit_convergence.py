@@ -22,11 +22,11 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from collectives.optim import DistributedOptimizer
+from collectives.optim.convergence import TASKS, Result, ring_bytes, train
+from collectives.optim.onebit_adam import OnebitAdam
 
 import collectives as C
-from optim import DistributedOptimizer
-from optim.convergence import TASKS, Result, ring_bytes, train
-from optim.onebit_adam import OnebitAdam
 
 # -------------------------------------------------------------------------------- variants
 

@@ -19,11 +19,11 @@ import statistics
 import time
 
 import torch
+from collectives.optim import DistributedOptimizer, broadcast_parameters
 from mpi4py import MPI
 from torch import nn
 
 import collectives as C
-from optim import DistributedOptimizer, broadcast_parameters
 
 MODES = ("compute", "late", "early")
 

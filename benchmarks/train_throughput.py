@@ -18,10 +18,10 @@ import sys
 import time
 
 import torch
+from collectives.optim import DistributedOptimizer, broadcast_parameters
 from torch import nn
 
 import collectives as C
-from optim import DistributedOptimizer, broadcast_parameters
 
 SETUPS = ("none", "fp16", "int8", "onebit-adam")
 
@@ -35,7 +35,7 @@ def model(width: int, depth: int) -> nn.Module:
 
 def optimizer(setup: str, net: nn.Module, algorithm: str):
     if setup == "onebit-adam":
-        from optim.onebit_adam import OnebitAdam
+        from collectives.optim.onebit_adam import OnebitAdam
 
         return OnebitAdam(net.parameters(), lr=1e-4, freeze_step=2)
     compression = getattr(C.Compression, setup)

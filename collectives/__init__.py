@@ -3,79 +3,25 @@
     import collectives as C
     C.init()
     y = C.allreduce(x, op=C.Average)        # x: NumPy array, torch tensor or CuPy array
-"""
+
+This module is the facade: the public API (collectives.api) under the package's name, and,
+where torch is installed, the "collectives" torch.distributed backend registered. The
+layers below it, lowest first (each package's docstring says what it owns and may import):
+config, dtypes, ops (leaves) -> kernels -> runtime -> algorithms -> auto -> compression
+-> api -> optim -> integrations -> horovod. See docs/architecture.md."""
 
 import importlib.util
+import sys
 
-from . import mpi_defaults  # noqa: F401  (before anything starts MPI)
-from .agreement import MismatchError
-from .api import (
-    ALGORITHMS,
-    allgather,
-    allgather_async,
-    allgather_object,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    broadcast_object,
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    poll,
-    reducescatter,
-    reducescatter_async,
-    synchronize,
-)
-from .compression import Compression
-from .engine import Handle
-from .join import join
-from .onebit import compressed_allreduce
-from .ops import Average, Max, Min, Product, ReduceOp, Sum
-from .process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    init,
-    remove_process_set,
-    shutdown,
-)
-from .stats import stats
-from .timeline import start_timeline, stop_timeline
-from .topology import cross_rank, cross_size, local_rank, local_size, rank, size
-from .watchdog import StallError
+from collectives import mpi_defaults  # noqa: F401  (before anything starts MPI)
+from collectives.api import *  # noqa: F403
+from collectives.api import __all__ as _api_names
 
 if importlib.util.find_spec("torch") is not None:  # torch is optional
-    from . import torch_backend
+    from collectives.integrations import ddp_hooks, torch_backend
 
     torch_backend.register()
+    # the documented name of the DDP hooks: `from collectives.ddp_hooks import int8_hook`
+    sys.modules[__name__ + ".ddp_hooks"] = ddp_hooks
 
-# after the rest: it registers the measurement `auto` runs at init with topology.on_init
-from . import autotune  # noqa: E402, F401
-
-__all__ = [
-    "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError",
-    "ProcessSet", "Product", "ReduceOp", "StallError", "Sum", "add_process_set",
-    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
-    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
-    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
-    "compressed_allreduce", "cross_rank", "cross_size", "global_process_set",
-    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "grouped_reducescatter", "grouped_reducescatter_async", "init", "join", "local_rank",
-    "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
-    "remove_process_set", "shutdown", "size", "start_timeline", "stats", "stop_timeline",
-    "synchronize",
-]
+__all__ = [name for name in _api_names if name not in ("refuse", "timed_call")]

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import collectives  # noqa: F401  (registers the "collectives" backend)
-from collectives import ddp_hooks
+from collectives.integrations import ddp_hooks
 
 
 def model(hidden: int) -> nn.Module:

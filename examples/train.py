@@ -20,13 +20,18 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from collectives.optim import (
+    DistributedOptimizer,
+    OnebitAdam,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 from tqdm import tqdm
 
 import collectives as C
-from optim import DistributedOptimizer, OnebitAdam, broadcast_optimizer_state, broadcast_parameters
 
 COMPRESSIONS = {"none": C.Compression.none, "fp16": C.Compression.fp16, "int8": C.Compression.int8}
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from collectives import adasum
+from collectives.api import adasum
 
-from .distributed import WrappedOptimizer, _check_int, _user_names
+from .wrapped import WrappedOptimizer, _check_int, _user_names
 
 
 class DistributedAdasumOptimizer(WrappedOptimizer):

@@ -17,7 +17,7 @@ from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
-import collectives as C
+from collectives import api as C
 
 Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 

@@ -1,5 +1,5 @@
 """Data-parallel training on top of collectives: DistributedOptimizer averages gradients
-over all ranks while backward runs, and the broadcasts start every rank from one state.
+over all ranks while backward runs.
 
 How gradients move. At construction the parameters are split, in reverse registration
 order (the order backward produces their gradients), into buckets of at most
@@ -25,15 +25,16 @@ import math
 import threading
 import warnings
 import weakref
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-import collectives as C
+from collectives import api as C
 from collectives import kernels as _kernels
 from collectives.dtypes import FLOATING, NAMES, torch_dtype
+
+from .wrapped import WrappedOptimizer, _check_int, _user_names
 
 #: The compressors a user may pass (Compression.none, .fp16, and any added later).
 _COMPRESSORS = {name: c for name, c in vars(C.Compression).items() if not name.startswith("_")}
@@ -44,28 +45,6 @@ _BROADCAST_DTYPES = tuple(torch_dtype(name) for name in NAMES)
 
 
 # ------------------------------------------------------------------------------ fusion
-
-def _torch_pack(tensors: list[torch.Tensor], out: torch.Tensor, scale: float) -> torch.Tensor:
-    """out = concat(flattened tensors) * scale: the fusion buffer, with plain torch copies."""
-    torch.cat([t.reshape(-1) for t in tensors], out=out)
-    return out.mul_(scale) if scale != 1.0 else out
-
-
-def _torch_unpack(buffer: torch.Tensor, tensors: list[torch.Tensor], scale: float) -> None:
-    """Each tensor, in place, = its slice of buffer * scale (the inverse of _torch_pack)."""
-    offset = 0
-    for t in tensors:
-        torch.mul(buffer[offset:offset + t.numel()].view_as(t), scale, out=t)
-        offset += t.numel()
-
-
-# The C++ kernels pack a whole bucket in one call with the GIL released; plain torch
-# copies stand in where the installed collectives predates them.
-if hasattr(_kernels, "pack") and hasattr(_kernels, "unpack"):
-    _pack, _unpack = _kernels.pack, _kernels.unpack
-else:
-    _pack, _unpack = _torch_pack, _torch_unpack
-
 
 @dataclasses.dataclass(frozen=True)
 class _Reduction:
@@ -119,7 +98,7 @@ class _Bucket:
                                          for t in (grad.indices().t().contiguous(),
                                                    grad.values() * how.prescale))))
         self.grads = dense
-        _pack(dense, self.buffer, how.prescale)  # a prefix when some are sparse
+        _kernels.pack(dense, self.buffer, how.prescale)  # a prefix when some are sparse
         self.handle = C.allreduce_async_(self.buffer, op=how.op, algorithm=how.algorithm,
                                          compression=how.compression,
                                          process_set=how.process_set)
@@ -128,7 +107,7 @@ class _Bucket:
         """Wait for the reductions and write the reduced gradients back into .grad (a
         sparse gradient stays sparse: the sum of every rank's entries, coalesced)."""
         C.synchronize(self.handle)
-        _unpack(self.buffer, self.grads, how.postscale)
+        _kernels.unpack(self.buffer, self.grads, how.postscale)
         for p, indices, values in self.sparse:
             if indices is None:  # sparse_as_dense
                 p.grad = p.grad.to_sparse()
@@ -215,12 +194,6 @@ def _check_groups(groups: Any, optimizer: torch.optim.Optimizer) -> list[list[to
 
 # --------------------------------------------------------------------- argument checks
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return value
-
-
 def _check_reduction(op: object, factor: object, algorithm: object, compression: object,
                      process_set: Any, initial_size: object) -> _Reduction:
     if op is not C.Average and op is not C.Sum:
@@ -252,27 +225,6 @@ def _check_reduction(op: object, factor: object, algorithm: object, compression:
     return _Reduction(C.Sum, algorithm, compression, 1.0 / factor, factor / size, process_set)
 
 
-def _user_names(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
-    """id(tensor) -> name, or ValueError naming duplicate names or twice-named tensors."""
-    try:
-        pairs = [(name, p) for name, p in named_parameters]
-    except (TypeError, ValueError):
-        raise TypeError("named_parameters: expected an iterable of (name, tensor) pairs, "
-                        "e.g. model.named_parameters()") from None
-    duplicates = sorted(n for n, count in Counter(n for n, _ in pairs).items() if count > 1)
-    if duplicates:
-        raise ValueError(f"named_parameters: duplicate names {duplicates}")
-    names: dict[int, str] = {}
-    for name, p in pairs:
-        if not isinstance(name, str) or not isinstance(p, torch.Tensor):
-            raise TypeError(f"named_parameters: expected (str, tensor) pairs, got "
-                            f"({type(name).__name__}, {type(p).__name__})")
-        if id(p) in names:
-            raise ValueError(f"named_parameters: {names[id(p)]!r} and {name!r} are the same tensor")
-        names[id(p)] = name
-    return names
-
-
 # ---------------------------------------------------------------------------- optimizer
 
 def _hook(owner: weakref.ref, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
@@ -287,65 +239,6 @@ def _hook(owner: weakref.ref, bucket: _Bucket) -> Callable[[torch.Tensor], None]
 def _remove_hooks(handles: list) -> None:
     for h in handles:
         h.remove()
-
-
-class WrappedOptimizer(torch.optim.Optimizer):
-    """A torch.optim.Optimizer that is a view of another (`.optimizer`): its param_groups,
-    state and defaults are the wrapped one's objects, read and written through (the
-    wrapped one's load_state_dict builds new ones), so LR schedulers, GradScaler,
-    state_dict / load_state_dict and add_param_group act on the wrapped optimizer.
-    Subclasses add what happens around its step()."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, "
-                            f"got {type(optimizer).__name__}")
-        if isinstance(optimizer, WrappedOptimizer):
-            raise TypeError(f"optimizer: already a {type(optimizer).__name__}")
-        self.optimizer = optimizer
-        self._wrapping = True  # Optimizer.__init__ lists the groups: they are there already
-        super().__init__(optimizer.param_groups, optimizer.defaults)
-        self._wrapping = False
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        if not self._wrapping:
-            self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        if not self._wrapping:
-            self.optimizer.state = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer (then _added(its index))."""
-        if self._wrapping:
-            return  # Optimizer.__init__ listing the wrapped optimizer's own groups
-        self.optimizer.add_param_group(param_group)
-        self._added(len(self.optimizer.param_groups) - 1)
-
-    def _added(self, index: int) -> None:
-        """A group was added at index."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.optimizer!r})"
 
 
 class DistributedOptimizer(WrappedOptimizer):
@@ -548,93 +441,3 @@ class DistributedOptimizer(WrappedOptimizer):
             bucket.ready = 0
 
 
-# --------------------------------------------------------------------------- broadcasts
-
-def _broadcastable(name: str, t: object) -> torch.Tensor:
-    """t (bool as its uint8 view) ready for broadcast_, or TypeError naming it."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    if t.dtype not in _BROADCAST_DTYPES:
-        raise TypeError(f"{name}: dtype {t.dtype} cannot be broadcast; expected bool or one "
-                        f"of {[str(d) for d in _BROADCAST_DTYPES]}")
-    return t
-
-
-def _broadcast_all(named: list[tuple[str, Any]], root_rank: int, process_set: Any) -> None:
-    """broadcast_ every tensor in place: all checked first, then launched together."""
-    tensors = [_broadcastable(name, t) for name, t in named]
-    handles = [C.broadcast_async_(t, root_rank=root_rank, process_set=process_set)
-               for t in tensors]
-    for handle in handles:
-        C.synchronize(handle)
-
-
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root_rank: int = 0, process_set: C.ProcessSet | None = None) -> None:
-    """Overwrite every rank's tensors, in place, with root_rank's (start from one init).
-
-    params: a state_dict or (name, tensor) pairs such as model.named_parameters(); they
-    travel sorted by name, so every rank must pass the same names."""
-    items = sorted(params.items() if isinstance(params, Mapping) else params,
-                   key=lambda item: item[0])
-    _broadcast_all([(f"params[{name!r}]", t) for name, t in items], root_rank, process_set)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    """Marks where the index-th broadcast tensor goes back into a state_dict."""
-
-    index: int
-
-
-def _hollow(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """obj with each tensor of one or more dimensions moved to `tensors` (a _Slot left in
-    its place); scalars such as Adam's step counter stay in obj."""
-    if isinstance(obj, torch.Tensor) and obj.dim() > 0:
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {k: _hollow(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_hollow(v, tensors) for v in obj)
-    return obj
-
-
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """The inverse of _hollow."""
-    if isinstance(obj, _Slot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill(v, tensors) for v in obj)
-    return obj
-
-
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer | DistributedOptimizer,
-                              root_rank: int = 0,
-                              process_set: C.ProcessSet | None = None) -> None:
-    """Give every rank root_rank's optimizer state and hyper-parameters (lr, betas, ...).
-
-    State the optimizer creates lazily (Adam's moments before its first step) arrives by
-    load_state_dict, not by a dummy step, so broadcasting never changes training: root's
-    state is untouched and a rank whose root has no state yet keeps none."""
-    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"optimizer: expected a torch optimizer or DistributedOptimizer, "
-                        f"got {type(optimizer).__name__}")
-    is_root = C.rank() == root_rank
-    tensors: list[torch.Tensor] = []
-    payload = None
-    if is_root:
-        skeleton = _hollow(inner.state_dict(), tensors)
-        payload = (skeleton, [(tuple(t.shape), t.dtype) for t in tensors])
-    skeleton, specs = C.broadcast_object(payload, root_rank, process_set=process_set)
-    if not is_root:
-        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
-    _broadcast_all([(f"optimizer state tensor {i}", t) for i, t in enumerate(tensors)], root_rank,
-                   process_set)
-    if not is_root:
-        inner.load_state_dict(_fill(skeleton, tensors))

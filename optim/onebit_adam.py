@@ -50,9 +50,10 @@ from typing import Any
 
 import torch
 
-import collectives as C
+from collectives import api as C
 from collectives import kernels
-from collectives.onebit import compressed_allreduce, error_sizes
+from collectives.algorithms.onebit import error_sizes
+from collectives.api.compressed import compressed_allreduce
 
 _ERRORS = ("worker_error", "server_error")
 

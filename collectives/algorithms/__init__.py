@@ -15,7 +15,12 @@ and optionally check(layout), which raises ValueError where the algorithm cannot
 comm is a communicator over flat host arrays, except for a module that sets
 TAKES_TOPOLOGY = True (hierarchical): its collectives take the Topology in its place.
 Adding an algorithm is one new module and one entry in REGISTRY (flat.FLAT for a
-flat one)."""
+flat one).
+
+The algorithms layer: one module per algorithm with its cost() beside it (ring, tree,
+shm, mpi, pairwise, hierarchical; flat lists the one-level ones; onebit is the 1-bit
+compressed allreduce's exchange), and costmodel (the alpha-beta parameters and Layout).
+May import: the leaves, kernels, runtime."""
 
 from __future__ import annotations
 
@@ -25,12 +30,12 @@ from types import ModuleType
 
 import numpy as np
 
-from .. import kernels
-from ..costmodel import Layout, Params
-from ..engine import ENGINE
-from ..ops import ReduceOp, kernel_op
-from ..topology import Topology
-from . import flat, hierarchical, pairwise
+from collectives import kernels
+from collectives.algorithms import flat, hierarchical, pairwise
+from collectives.algorithms.costmodel import Layout, Params
+from collectives.ops import ReduceOp, kernel_op
+from collectives.runtime.engine import ENGINE
+from collectives.runtime.topology import Topology
 
 #: Every algorithm by name: the flat ones (flat.py), then the two-level one; a tie in cost
 #: goes to the earlier one.

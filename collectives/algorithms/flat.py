@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from types import ModuleType
 
-from ..costmodel import Layout, Params
-from . import mpi, ring, shm, tree
+from collectives.algorithms import mpi, ring, shm, tree
+from collectives.algorithms.costmodel import Layout, Params
 
 #: Every flat algorithm by name; a tie in cost goes to the earlier one.
 FLAT: dict[str, ModuleType] = {"ring": ring, "tree": tree, "shm": shm, "mpi": mpi}

@@ -43,12 +43,12 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .. import costmodel
-from ..costmodel import Layout, Params
-from ..ops import ReduceOp
-from ..p2p import even_bounds, irecv, isend, offsets
-from ..topology import Topology
-from .flat import FLAT, cheapest
+from collectives.algorithms import costmodel
+from collectives.algorithms.costmodel import Layout, Params
+from collectives.algorithms.flat import FLAT, cheapest
+from collectives.ops import ReduceOp
+from collectives.runtime.p2p import even_bounds, irecv, isend, offsets
+from collectives.runtime.topology import Topology
 
 TAG_SCATTER, TAG_ROOT = 31, 32
 #: The registry runs this module's collectives on the Topology, not on a communicator.

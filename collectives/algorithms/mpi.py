@@ -43,12 +43,12 @@ import functools
 import numpy as np
 from mpi4py import MPI
 
-from .. import kernels
-from ..costmodel import Layout, Params
-from ..dtypes import FLOATING, STORAGE
-from ..ops import ReduceOp
-from ..p2p import count, message, offsets
-from . import pairwise, ring, tree
+from collectives import kernels
+from collectives.algorithms import pairwise, ring, tree
+from collectives.algorithms.costmodel import Layout, Params
+from collectives.dtypes import FLOATING, STORAGE
+from collectives.ops import ReduceOp
+from collectives.runtime.p2p import count, message, offsets
 
 #: Elements per MPI call: MPI 3.1 counts are C ints.
 MAX_COUNT = 1 << 30

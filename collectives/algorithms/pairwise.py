@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..costmodel import Layout, Params
-from ..p2p import irecv, isend, offsets
+from collectives.algorithms.costmodel import Layout, Params
+from collectives.runtime.p2p import irecv, isend, offsets
 
 TAG_ALLTOALL = 61
 

@@ -25,10 +25,10 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .. import config, kernels
-from ..costmodel import Layout, Params
-from ..ops import ReduceOp
-from ..p2p import even_bounds, irecv, isend, offsets, segments
+from collectives import config, kernels
+from collectives.algorithms.costmodel import Layout, Params
+from collectives.ops import ReduceOp
+from collectives.runtime.p2p import even_bounds, irecv, isend, offsets, segments
 
 TAG_RS, TAG_AG, TAG_BCAST = 11, 12, 13
 #: Largest single message: keeps MPI's int counts in range whatever the buffer size.

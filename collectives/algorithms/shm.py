@@ -59,11 +59,11 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from .. import config, kernels
-from ..costmodel import Layout, Params
-from ..ops import ReduceOp
-from ..p2p import count, even_bounds, offsets
-from ..shm_window import Window, ranks_on_machine, shares_memory
+from collectives import config, kernels
+from collectives.algorithms.costmodel import Layout, Params
+from collectives.ops import ReduceOp
+from collectives.runtime.p2p import count, even_bounds, offsets
+from collectives.runtime.window import Window, ranks_on_machine, shares_memory
 
 #: Largest staging buffer per rank and chunk where every rank has a core of its own: chunks
 #: that stay in the L2 cache, and a 1 MiB allreduce at np 2 has two to pipeline (74 us

@@ -27,13 +27,13 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .. import kernels
-from ..costmodel import Layout, Params, log2_steps
-from ..dtypes import CODES
-from ..engine import ENGINE
-from ..kernels import _C
-from ..ops import ReduceOp
-from ..p2p import irecv, isend, offsets
+from collectives import kernels
+from collectives.algorithms.costmodel import Layout, Params, log2_steps
+from collectives.dtypes import CODES
+from collectives.kernels import _C
+from collectives.ops import ReduceOp
+from collectives.runtime.engine import ENGINE
+from collectives.runtime.p2p import irecv, isend, offsets
 
 TAG_FOLD, TAG_RD, TAG_RH, TAG_BRUCK, TAG_BCAST = 21, 22, 23, 24, 25
 #: Largest allreduce message: MPI counts are C ints.

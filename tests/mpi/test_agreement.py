@@ -12,12 +12,12 @@ import torch
 from conftest import assert_equal, assert_same_on_all_ranks, make_input, reference_reduce
 
 import collectives as C
-from collectives import topology
-from collectives.agreement import PIGGYBACK_BYTES, SHARED_BYTES
 from collectives.algorithms import shm
-from collectives.buffers import POOL_MIN_BYTES
-from collectives.engine import ENGINE
 from collectives.kernels import _C
+from collectives.runtime import topology
+from collectives.runtime.agreement import PIGGYBACK_BYTES, SHARED_BYTES
+from collectives.runtime.buffers import POOL_MIN_BYTES
+from collectives.runtime.engine import ENGINE
 
 pytestmark = pytest.mark.mpi
 

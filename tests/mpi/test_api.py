@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import collectives as C
-from collectives import topology
+from collectives.runtime import topology
 
 pytestmark = pytest.mark.mpi
 
@@ -87,7 +87,7 @@ def test_mismatch_raises_same_error_everywhere_and_recovers(comm, algo):
 
 
 def test_mismatch_message_names_rank_ranges():
-    from collectives.agreement import describe_mismatch
+    from collectives.runtime.agreement import describe_mismatch
     sigs = [("allreduce", (("shape", (11,)),))] + [("allreduce", (("shape", (10,)),))] * 3
     assert describe_mismatch(sigs) == \
         "allreduce shape mismatch: rank 0 has (11,), ranks 1-3 have (10,)"

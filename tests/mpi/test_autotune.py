@@ -15,7 +15,10 @@ import pytest
 from conftest import assert_equal
 
 import collectives as C
-from collectives import algorithms, autotune, config, costmodel, online, select, topology
+from collectives import algorithms, config
+from collectives.algorithms import costmodel
+from collectives.auto import autotune, online, select
+from collectives.runtime import topology
 
 SMALL = (8, 4 << 10)  # sizes that keep a test's measurement short
 

@@ -18,7 +18,7 @@ GOOD = np.ones(4, np.float32)
 
 
 def _onebit(bad: bool):
-    from collectives.onebit import error_sizes
+    from collectives.algorithms.onebit import error_sizes
 
     worker, server = (np.zeros(k, np.float32) for k in error_sizes(GOOD.size, C.size()))
     return C.compressed_allreduce(GOOD, worker[:-1] if bad else worker, server)

@@ -9,7 +9,7 @@ from conftest import assert_equal, assert_same_on_all_ranks
 from mpi4py import MPI
 
 import collectives as C
-from collectives import topology
+from collectives.runtime import topology
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from conftest import assert_same_on_all_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import collectives as C
-from collectives import onebit
-from collectives.ddp_hooks import OnebitHookState, fp16_hook, int8_hook, onebit_hook
+from collectives.compression import onebit
+from collectives.integrations.ddp_hooks import OnebitHookState, fp16_hook, int8_hook, onebit_hook
 
 
 @pytest.fixture(scope="module", autouse=True, params=["collectives", "gloo"])

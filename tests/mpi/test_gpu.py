@@ -204,7 +204,7 @@ def _sgd_steps(comm, device: str, steps: int = 3) -> list[torch.Tensor]:
     """DistributedOptimizer(SGD) on device, gradients set to rank-dependent values: the
     parameters after each step. lr 1 and no momentum: the update p - g is one correctly
     rounded subtraction on either device, so any difference is the library's."""
-    from optim import DistributedOptimizer
+    from collectives.optim import DistributedOptimizer
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape).to(device))

@@ -25,7 +25,7 @@ SHAPES = [(0,), (1,), (5,), (3, 4), (2, 0, 2), (1000,)]
 @pytest.mark.parametrize("algo", list(C.ALGORITHMS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_per_tensor_references(comm, algo, dtype):
-    from collectives import topology
+    from collectives.runtime import topology
 
     if algo == "shm" and len(topology.get().nodes) > 1:
         pytest.skip("shm needs one node")
@@ -96,7 +96,8 @@ def test_mixed_and_non_contiguous_groups(comm):
 
 
 def _skip_unrunnable(algo: str) -> None:
-    from collectives import algorithms, topology
+    from collectives import algorithms
+    from collectives.runtime import topology
 
     try:
         algorithms.check(algo, topology.get())

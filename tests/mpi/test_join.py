@@ -9,12 +9,13 @@ import time
 import numpy as np
 import pytest
 import torch
+from collectives.optim import DistributedOptimizer, broadcast_parameters
 from conftest import assert_equal, assert_same_on_all_ranks, cast_like, make_input, reference_reduce
 
 import collectives as C
 import collectives.horovod as hvd
-from collectives import algorithms, topology
-from optim import DistributedOptimizer, broadcast_parameters
+from collectives import algorithms
+from collectives.runtime import topology
 
 
 def _steps(r: int) -> int:

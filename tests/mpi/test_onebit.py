@@ -11,7 +11,8 @@ from conftest import assert_equal, assert_same_on_all_ranks
 from mpi4py import MPI
 
 import collectives as C
-from collectives.onebit import compressed_allreduce, error_sizes
+from collectives.algorithms.onebit import error_sizes
+from collectives.api.compressed import compressed_allreduce
 
 pytestmark = pytest.mark.mpi
 f32 = np.float32

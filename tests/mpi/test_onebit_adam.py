@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from collectives.optim import DistributedOptimizer
+from collectives.optim.convergence import mlp, my_slice, ring_bytes, train
+from collectives.optim.onebit_adam import OnebitAdam
 from torch import nn
 
 import collectives as C
-from optim import DistributedOptimizer
-from optim.convergence import mlp, my_slice, ring_bytes, train
-from optim.onebit_adam import OnebitAdam
 
 pytestmark = pytest.mark.mpi
 

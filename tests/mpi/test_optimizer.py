@@ -13,12 +13,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from collectives.optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from conftest import assert_same_on_all_ranks
 from torch import nn
 
 import collectives as C
-import optim.distributed
-from optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
 pytestmark = pytest.mark.mpi
 
@@ -156,14 +155,6 @@ def test_reduction_options(comm, kwargs, grad_scale, tol):
     scale = comm.Get_size() if grad_scale is None else grad_scale  # Sum = n x the average
     check_training(comm, Net, "sgd", steps=5, tol=tol, grad_scale=scale, dtype=torch.float32,
                    **kwargs)
-
-
-def test_plain_torch_packing(comm, monkeypatch):
-    """The fallback used when collectives.kernels has no pack/unpack."""
-    monkeypatch.setattr(optim.distributed, "_pack", optim.distributed._torch_pack)
-    monkeypatch.setattr(optim.distributed, "_unpack", optim.distributed._torch_unpack)
-    check_training(comm, lambda: Net(unused=True), "sgd", steps=3, passes=2,
-                   gradient_predivide_factor=2.0, fusion_threshold_bytes=256)
 
 
 @pytest.mark.mpi(min_size=2)

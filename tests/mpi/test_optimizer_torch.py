@@ -9,11 +9,10 @@ import warnings
 
 import pytest
 import torch
+from collectives.optim import DistributedOptimizer, broadcast_parameters
 from conftest import assert_same_on_all_ranks
 from test_optimizer import OPTIMIZERS, Net, batch, check_training, flat_params, max_diff, shard_loss
 from torch import nn
-
-from optim import DistributedOptimizer, broadcast_parameters
 
 
 def _twins(comm, opt_name: str = "sgd", groups=None):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from collectives.optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from conftest import assert_equal, assert_same_on_all_ranks
 
 import collectives as C
-from optim import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from conftest import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import collectives as C
-from collectives import torch_backend, torch_rendezvous
+from collectives.integrations import torch_backend, torch_rendezvous
 
 TORCH_OPS = {C.Sum: dist.ReduceOp.SUM, C.Average: dist.ReduceOp.AVG, C.Min: dist.ReduceOp.MIN,
              C.Max: dist.ReduceOp.MAX, C.Product: dist.ReduceOp.PRODUCT}

@@ -1,4 +1,4 @@
-"""A stand-in for collectives.topology.Topology in tests that need no MPI job."""
+"""A stand-in for collectives.runtime.topology.Topology in tests that need no MPI job."""
 
 from __future__ import annotations
 

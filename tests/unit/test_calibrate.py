@@ -9,8 +9,10 @@ import json
 import pytest
 from fake_topology import FakeTopology
 
-from collectives import calibrate, config, costmodel, select
-from collectives.costmodel import Params
+from collectives import config
+from collectives.algorithms import costmodel
+from collectives.algorithms.costmodel import Params
+from collectives.auto import calibrate, select
 
 MEASURED = {  # seconds at 1 KiB, 1 MiB and 2 MiB
     "allgather": {"ring": [[1024, 10e-6], [1 << 20, 1e-3], [2 << 20, 2e-3]],

@@ -1,46 +1,65 @@
-"""No import cycle inside the collectives package.
+"""The layers: every import between collectives' subpackages points down, and no import
+cycle anywhere in collectives/ or optim/ (installed as collectives.optim).
 
-A cycle works only while every module in it happens to be imported in one order, and a
-lazy (function-level) import merely postpones the cycle to the first call, so both count;
-imports under `if TYPE_CHECKING:` never run and do not.
-The graph is read from the source with ast: every .py file under collectives/ (algorithms/
-included) and every import statement anywhere in it. A submodule's import of its parent
-package is implicit in Python and not an edge; an explicit `from . import name` of a name
-the package's __init__.py defines is (it needs that __init__.py to have run)."""
+The graph is read from the source with ast: every .py file under collectives/ and optim/ and
+every import statement anywhere in it, function-level and `if TYPE_CHECKING:` ones included
+(a lazy import only postpones a cycle to the first call; a type-only import still ties the
+modules' designs together). A submodule's `import` of its own parent package's name is an
+edge (it uses the package's names); `from pkg import sub` is an edge to pkg.sub, and
+`from pkg import name` to pkg when pkg's __init__.py binds name."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "collectives"
+ROOT = Path(__file__).resolve().parents[2]
+#: folder -> the dotted name it is installed as
+TREES = {ROOT / "collectives": "collectives", ROOT / "optim": "collectives.optim"}
+#: The layers, lowest first: a module may import its own layer's modules and lower layers'.
+#: The package's own __init__.py (the facade users import) stands above everything.
+LAYERS = (
+    ("leaves", ("collectives.config", "collectives.dtypes", "collectives.ops",
+                "collectives.mpi_defaults", "collectives._C")),
+    ("kernels", ("collectives.kernels",)),
+    ("runtime", ("collectives.runtime",)),
+    ("algorithms", ("collectives.algorithms",)),
+    ("auto", ("collectives.auto",)),
+    ("compression", ("collectives.compression",)),
+    ("api", ("collectives.api",)),
+    ("optim", ("collectives.optim",)),
+    ("integrations", ("collectives.integrations",)),
+    ("horovod", ("collectives.horovod",)),
+    ("facade", ("collectives",)),
+)
 
 
-def _modules(package: Path) -> dict[str, Path]:
+def _modules(trees: dict[Path, str]) -> dict[str, Path]:
     """Dotted module name -> source file, packages under their own name."""
     out = {}
-    for path in sorted(package.rglob("*.py")):
-        parts = list(path.relative_to(package.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
+    for folder, dotted in trees.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([dotted, *parts])] = path
     return out
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package modules that module `name` (at `path`) imports, at any depth."""
+    """The modules of ours that module `name` (at `path`) imports, at any depth."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            # `import a.b` runs a's and a.b's __init__; a parent package is already running
-            found.update(alias.name for alias in node.names
-                         if not name.startswith(alias.name + "."))
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base == "optim" or base.startswith("optim."):  # the checkout's old name
+                base = "collectives." + base
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 if sub in modules:
@@ -51,19 +70,6 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     found.intersection_update(modules)
     found.discard(name)
     return found
-
-
-def _runtime_nodes(tree: ast.AST):
-    """Every node of tree except those inside `if TYPE_CHECKING:` blocks."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) \
-                and node.test.id == "TYPE_CHECKING":
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
 
 
 def _bound_names(path: Path) -> set[str]:
@@ -80,10 +86,33 @@ def _bound_names(path: Path) -> set[str]:
     return names
 
 
-def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports."""
-    modules = _modules(package)
+def import_graph(trees: dict[Path, str] = TREES) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports."""
+    modules = _modules(trees)
     return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer module belongs to (its longest matching prefix)."""
+    best, index = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, index = len(prefix), i
+    if index is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return index
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b (layer x above layer y)' for every import of a higher layer's module."""
+    out = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            if layer_of(b) > layer_of(a):
+                out.append(f"{a} -> {b} ({LAYERS[layer_of(b)][0]} is above "
+                           f"{LAYERS[layer_of(a)][0]})")
+    return out
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -142,21 +171,32 @@ def _cycle_through(component: list[str], graph: dict[str, set[str]]) -> list[str
     raise AssertionError(f"no cycle in component {component}")
 
 
-def test_graph_sees_lazy_and_relative_imports():
+def _package(tmp_path: Path, files: dict[str, str]) -> dict[Path, str]:
+    for rel, text in files.items():
+        (tmp_path / "pkg" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / rel).write_text(text)
+    return {tmp_path / "pkg": "pkg"}
+
+
+def test_graph_sees_lazy_relative_and_type_checking_imports():
     graph = import_graph()
-    assert "collectives.kernels" in graph and "collectives.algorithms.ring" in graph
-    assert "collectives.cuda_kernels" in graph["collectives.kernels"]  # a function-level import
-    assert "collectives.kernels" in graph["collectives.algorithms.ring"]  # from .. import
+    assert "collectives.kernels.cuda" in graph["collectives.kernels"]  # a function-level import
+    assert "collectives.kernels" in graph["collectives.algorithms.ring"]
+    assert "collectives.runtime.engine" in graph["collectives.runtime.p2p"]
+    assert "collectives.api" in graph["collectives.optim.distributed"]  # optim/ mapped
 
 
 def test_graph_sees_names_of_a_package_init(tmp_path):
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("from .a import f\nVALUE = 1\n")
-    (pkg / "a.py").write_text("from . import _C\n\ndef f():\n    from . import VALUE\n")
-    (pkg / "b.py").write_text("import pkg.a\nfrom . import _C\n")
-    graph = import_graph(pkg)
-    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg"}, "pkg.b": {"pkg.a"}}
+    trees = _package(tmp_path, {
+        "__init__.py": "from .a import f\nVALUE = 1\n",
+        "a.py": "from . import _C\n\ndef f():\n    from . import VALUE\n",
+        "b.py": "import pkg.a\nfrom . import _C\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import x\n",
+        "d.py": "import pkg\n",
+    })
+    graph = import_graph(trees)
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg"}, "pkg.b": {"pkg.a"},
+                     "pkg.c": {"pkg.b"}, "pkg.d": {"pkg"}}
     assert find_cycles(graph) == [["pkg", "pkg.a", "pkg"]]
 
 
@@ -165,6 +205,34 @@ def test_find_cycles_reports_one_path_per_cycle():
     assert find_cycles(graph) == [["a", "b", "c", "a"]]
 
 
-def test_no_import_cycle_in_the_package():
+def test_an_upward_import_is_reported():
+    graph = import_graph()
+    graph["collectives.runtime.engine"] = graph["collectives.runtime.engine"] | {
+        "collectives.api.calls"}
+    assert upward_imports(graph) == [
+        "collectives.runtime.engine -> collectives.api.calls (api is above runtime)"]
+
+
+def test_every_module_is_in_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_no_import_cycle_in_collectives_or_optim():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_import_points_down_the_layers():
+    upward = upward_imports(import_graph())
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_every_layer_says_what_it_owns_and_may_import():
+    for _, prefixes in LAYERS[1:-1]:
+        for prefix in prefixes:
+            init = ROOT / Path(*prefix.split(".")) / "__init__.py"
+            if prefix == "collectives.optim":
+                init = ROOT / "optim" / "__init__.py"
+            doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+            assert "May import" in doc, f"{init}: its docstring says nothing of what it may import"

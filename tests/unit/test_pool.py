@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import torch
 
-from collectives.buffers import POOL_MIN_BYTES, host_empty, wrap
 from collectives.kernels import _C
+from collectives.runtime.buffers import POOL_MIN_BYTES, host_empty, wrap
 
 
 def test_a_dropped_block_is_reused_by_the_next_result_of_its_size():
@@ -46,7 +46,7 @@ def test_the_pool_keeps_at_most_its_capacity():
     exceed it, the second is freed."""
     code = (
         "import numpy as np\n"
-        "from collectives.buffers import POOL_MIN_BYTES, host_empty\n"
+        "from collectives.runtime.buffers import POOL_MIN_BYTES, host_empty\n"
         "from collectives.kernels import _C\n"
         "a, b = (host_empty((POOL_MIN_BYTES,), np.uint8) for _ in range(2))\n"
         "del a, b\n"

@@ -9,11 +9,12 @@ import types
 import pytest
 from fake_topology import FakeTopology
 
-from collectives import algorithms, config, select
-from collectives.agreement import PIGGYBACK_BYTES, SHARED_BYTES
+from collectives import algorithms, config
 from collectives.algorithms import flat as flat_algorithms
 from collectives.algorithms import hierarchical, shm, tree
-from collectives.costmodel import Layout, Params
+from collectives.algorithms.costmodel import Layout, Params
+from collectives.auto import select
+from collectives.runtime.agreement import PIGGYBACK_BYTES, SHARED_BYTES
 
 COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast")
 

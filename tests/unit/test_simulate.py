@@ -1,4 +1,4 @@
-"""python -m collectives.simulate: the scale model prices what `auto`'s model prices."""
+"""python -m collectives simulate: the scale model prices what `auto`'s model prices."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from collectives import onebit, select, simulate
-from collectives.costmodel import Layout, Params
+from collectives.algorithms import onebit
+from collectives.algorithms.costmodel import Layout, Params
+from collectives.auto import select, simulate
 
 
 def test_rows_are_autos_model_on_the_described_cluster():

@@ -3,7 +3,7 @@
 import pytest
 from mpi4py import MPI
 
-from collectives import topology
+from collectives.runtime import topology
 
 
 @pytest.mark.parametrize("level", [MPI.THREAD_SINGLE, MPI.THREAD_FUNNELED])

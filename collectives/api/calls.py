@@ -1,0 +1,182 @@
+"""Call descriptions: everything derived from a call's agreed arguments, made once per
+distinct call and kept on its communicator (Topology.calls).
+
+A description holds the fields every rank must agree on, their digest (the agreement
+checks it), the concrete algorithm (`auto` resolved: a function of agreed values, so the
+same on every rank), the stats counter it counts on and, for an allreduce whose data rides
+in the agreement exchange (riding()) or that runs shm's pipeline after a shared-memory
+exchange, the C++ fast entry that runs the whole call (`_C.FastAllreduce`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from collectives.algorithms import shm
+from collectives.auto import select
+from collectives.dtypes import CODES, STORAGE
+from collectives.kernels import _C
+from collectives.ops import ReduceOp, kernel_op
+from collectives.runtime import agreement
+from collectives.runtime.engine import ENGINE, Job
+from collectives.runtime.topology import Topology
+
+#: Descriptions kept per communicator; past this the table starts over.
+MAX_CALLS = 4096
+#: The algorithm of a call whose arguments were bad on this rank (invalid()).
+INVALID = "invalid"
+
+
+class Call(NamedTuple):
+    collective: str
+    fields: tuple          # ((name, value), ...): what every rank must pass alike
+    algorithm: str         # concrete algorithm, or the stats label of a compressed call
+    native: Any            # _C.Call: digest, stall-record text, counter, mismatch report
+    rides: bool = False    # a reduction whose data rides in the agreement exchange
+    fast: Any = None       # an allreduce's C++ fast entry (_C.FastAllreduce), where it has one
+    dtype_code: int = 0    # a reduction: the kernels' codes of its payload
+    op_code: int = 0
+    divisor: int = 1       # world size for Average, else 1
+
+
+
+
+def describe(topo: Topology, collective: str, fields: tuple, algorithm: str) -> Call:
+    """The description of a call of collective with these agreed fields running algorithm
+    (concrete, or a stats label) on topo."""
+    key = (collective, fields, algorithm)
+    call = topo.calls.get(key)
+    if call is None:
+        call = _remember(topo, key, Call(collective, fields, algorithm,
+                                         _native(topo, collective, fields, algorithm)))
+    return call
+
+
+def allreduce(topo: Topology, dtype: str, shape: tuple, nbytes: int, op: ReduceOp,
+              algorithm: str) -> Call:
+    """An uncompressed allreduce's description (raises the argument errors of concrete()),
+    found by a key cheaper to build than its fields: this is on every call's path."""
+    key = ("allreduce", dtype, shape, op, algorithm)
+    call = topo.calls.get(key)
+    if call is None:
+        fields = (("op", op.name), ("dtype", dtype), ("shape", shape),
+                  ("algorithm", algorithm), ("compression", "none"))
+        algo = select.concrete(topo, "allreduce", algorithm, nbytes)
+        call = _remember(topo, key, _reduction(topo, "allreduce", fields, dtype, nbytes, op,
+                                               algo, fast_entry=True))
+    return call
+
+
+def reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes: int,
+              op: ReduceOp, algo: str) -> Call:
+    """The description of a reduction of nbytes of dtype other than allreduce's (a grouped
+    allreduce): like allreduce's, without the C++ fast entry."""
+    key = (collective, fields, algo)
+    call = topo.calls.get(key)
+    if call is None:
+        call = _remember(topo, key, _reduction(topo, collective, fields, dtype, nbytes, op,
+                                               algo, fast_entry=False))
+    return call
+
+
+def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes: int,
+               op: ReduceOp, algo: str, fast_entry: bool) -> Call:
+    """A reduction's Call, its data riding in the agreement where riding() says; with
+    fast_entry, the C++ fast entry where the whole call can run in C++: a riding one, or
+    shm's pipeline after a shared-memory exchange."""
+    native = _native(topo, collective, fields, algo)
+    code, kop = CODES[dtype], int(kernel_op(op))
+    divisor = topo.size if op is ReduceOp.Average else 1
+    rides = riding(topo, algo, nbytes)
+    fast = None
+    if fast_entry:
+        itemsize = STORAGE[dtype].itemsize
+        count = nbytes // itemsize
+        pipeline = shm.allreduce_pipeline(topo.comm, count, itemsize) \
+            if algo == "shm" and topo.channel.shared and not rides else None
+        if rides or pipeline is not None:
+            fast = _C.FastAllreduce(ENGINE.native, topo.channel, native, count, code, kop,
+                                    divisor, pipeline)
+    return Call(collective, fields, algo, native, rides, fast, code, kop, divisor)
+
+
+def riding(topo: Topology, algo: str, nbytes: int) -> bool:
+    """Whether a reduction of nbytes by algo rides in topo's agreement exchange: `shm` up
+    to its capacity where the exchange runs in shared memory (it is shm's single step),
+    `tree` up to it where it is recursive doubling over messages (it is tree's)."""
+    return algo == ("shm" if topo.channel.shared else "tree") and nbytes <= topo.channel.capacity
+
+
+def prepare(topo: Topology, name: str | None, collective: str,
+            make: Callable[..., tuple[Call, Job]], args: tuple) -> tuple[Call, Job]:
+    """make(topo, *args): a call's description and job, with the caller's name for it
+    (agreed like the other fields) if given. If one of its argument checks fails on this
+    rank, the call still takes part in the agreement, carrying the error: every rank raises
+    in this same call (this rank its own TypeError / ValueError, the others a
+    MismatchError naming it), and the next call finds every rank in step."""
+    try:
+        if name is None:
+            return make(topo, *args)
+        call, job = make(topo, *args)
+        return named(topo, call, name), job
+    except (TypeError, ValueError) as exc:
+        return invalid(topo, collective, exc), Job(functools.partial(_reraise, exc))
+
+
+def submit(topo: Topology, name: str | None, collective: str,
+           make: Callable[..., tuple[Call, Job]], args: tuple) -> Any:
+    """prepare()'s call queued on the engine: its Handle. One whose arguments are bad on
+    this rank also raises here at once (the queued call keeps the ranks in step)."""
+    call, job = prepare(topo, name, collective, make, args)
+    handle = ENGINE.submit(topo, call, job)
+    if call.algorithm == INVALID:
+        job.move()
+    return handle
+
+
+def named(topo: Topology, call: Call, name: object) -> Call:
+    """call with ("name", name) among its fields: shown in mismatch and stall messages and
+    the timeline, and agreed (ranks naming one call differently get a MismatchError)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a str, got {type(name).__name__}")
+    key = ("named", call.collective, call.fields, call.algorithm, name)
+    found = topo.calls.get(key)
+    if found is None:
+        fields = call.fields + (("name", name),)
+        found = _remember(topo, key, call._replace(
+            fields=fields, fast=None,
+            native=_native(topo, call.collective, fields, call.algorithm)))
+    return found
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
+
+
+def invalid(topo: Topology, collective: str, error: BaseException) -> Call:
+    """A call whose argument check failed on this rank with error: it still takes part in
+    the agreement, its one field the error's text, so that every rank raises in this call
+    (agreement.raise_invalid makes this rank raise error itself). Not cached."""
+    fields = ((INVALID, f"{type(error).__name__}: {error}"),)
+    report = functools.partial(agreement.raise_invalid, topo.comm, collective, fields, error)
+    return Call(collective, fields, INVALID, _native(topo, collective, fields, INVALID, report))
+
+
+def _native(topo: Topology, collective: str, fields: tuple, algorithm: str,
+            report: Callable[[], None] | None = None) -> Any:
+    """The C++ part of a description; report raises on a mismatch (default: the same
+    MismatchError on every rank)."""
+    if report is None:
+        report = functools.partial(agreement.raise_mismatch, topo.comm, collective, fields)
+    return _C.Call(agreement.digest((collective, fields)), collective, repr(dict(fields)),
+                   topo.stats, algorithm, report,
+                   functools.partial(agreement.share_with_joined, topo.comm, collective, fields))
+
+
+def _remember(topo: Topology, key: tuple, call: Call) -> Call:
+    if len(topo.calls) >= MAX_CALLS:
+        topo.calls.clear()
+        topo.fast.clear()
+    topo.calls[key] = call
+    return call

@@ -1,0 +1,61 @@
+"""compressed_allreduce: the public 1-bit averaged allreduce with error feedback (the
+algorithm: collectives/compression/onebit.py), sync and async."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collectives.algorithms.onebit import error_sizes
+from collectives.api import calls
+from collectives.compression.onebit import ONEBIT, OnebitState, check_block, check_error, check_x
+from collectives.ops import ReduceOp
+from collectives.runtime import topology
+from collectives.runtime.buffers import host_float, store_float
+from collectives.runtime.engine import ENGINE, Job
+
+
+def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
+                         block_size: int | None = None, *, comm: Any = None) -> Any:
+    """The average of x over all ranks, each value sent as one bit (see the module doc).
+
+    x: a floating NumPy array, torch tensor or CuPy array (device memory is staged through
+    the host); the result is a new array of x's type, dtype, shape and device, the same on
+    every rank. worker_error, server_error: this rank's float32 1-D error buffers of
+    error_sizes(x.size, world size) elements, zeros at first, updated in place (keep them
+    for the next call on the same vector). block_size: None for DeepSpeed's scales (one for
+    the whole vector on the worker side, one per chunk on the server side), or one scale per
+    block of this many elements within each chunk (finer, for 4/block_size more bytes per
+    element). comm: the mpi4py communicator to run over (default: the job's)."""
+    topo = topology.of(comm)
+    return ENGINE.run(topo, *calls.prepare(topo, None, "compressed_allreduce", _prepare,
+                                           (x, worker_error, server_error, block_size)))
+
+
+def compressed_allreduce_async(x: Any, worker_error: Any, server_error: Any,
+                               block_size: int | None = None, *, comm: Any = None) -> Any:
+    """compressed_allreduce queued on the engine: returns a Handle for synchronize(); the
+    error buffers must not be touched until it completes."""
+    return calls.submit(topology.of(comm), None, "compressed_allreduce", _prepare,
+                        (x, worker_error, server_error, block_size))
+
+
+def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: Any,
+             block_size: Any) -> tuple[calls.Call, Job]:
+    buf = check_x(x)
+    block = check_block(block_size)
+    padded, chunk = error_sizes(buf.flat.size, topo.size)
+    worker = check_error(worker_error, "worker_error", padded)
+    server = check_error(server_error, "server_error", chunk)
+    fields = (("dtype", buf.dtype), ("shape", buf.shape), ("block_size", block))
+    call = calls.describe(topo, "compressed_allreduce", fields, ONEBIT.name)
+    state = OnebitState(worker.flat, server.flat, block)
+
+    def move() -> Any:
+        out = buf.empty(buf.shape)
+        store_float(out.flat, out.dtype, ONEBIT.allreduce(
+            topo, host_float(buf.flat, buf.dtype), ReduceOp.Average, "auto", state))
+        worker.write_back()
+        server.write_back()
+        return out.result()
+
+    return call, Job(move)

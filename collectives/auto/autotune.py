@@ -1,0 +1,198 @@
+"""`auto` learns the machine by itself: the first job on a setup times every candidate
+algorithm of each collective at a few sizes and keeps the times in the user's cache
+directory; later jobs on the same setup read them. select.py interpolates measured times
+wherever they exist for the call's communicator, and falls back to the cost model elsewhere.
+
+The cache key is what the times depend on: the library version, the world size, the ranks on
+each node and the hosts' names. The file is $XDG_CACHE_HOME/collectives/tuning-<digest of the
+key>.json (~/.cache when XDG_CACHE_HOME is unset), the same format as the one
+`python -m collectives.calibrate` writes. Rank 0 reads and writes it; every rank gets its
+contents through MPI, so ranks on hosts without a shared file system agree, and every timing
+is the slowest rank's, so every rank makes the same choices however noisy its own clock.
+
+COLLECTIVES_TUNING_FILE, when set, is used instead: a file that does not exist or does not
+parse is an error at init (naming the variable and the file); one made for another node
+layout is set aside with a warning. COLLECTIVES_AUTOTUNE=0 turns the measurement off (the
+cost model alone decides, as it does for any communicator but the job's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from collectives import algorithms
+from collectives.algorithms import costmodel
+from collectives.auto import select
+
+#: Sizes each candidate is timed at: the regimes where choices change (latency-bound, the
+#: agreement's piggyback limit, the eager/rendezvous switch, bandwidth-bound); `auto`
+#: interpolates between them and extends the last segment's bandwidth past them.
+SIZES = (8, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 16 << 20, 64 << 20)
+COLLECTIVES = ("allreduce", "allgather", "reducescatter", "broadcast")
+#: Candidates the model prices above this multiple of the cheapest are not timed (a tree
+#: allreduce of 16 MiB between hosts can take seconds and will not win).
+PRUNE = 8.0
+
+#: Seconds of one timed call sequence; replaced by tests to inject per-rank noise.
+clock: Callable[[], float] = time.perf_counter
+
+
+def version() -> str:
+    """The installed package's version (setup.py's): a new version measures again."""
+    try:
+        return importlib.metadata.version("collectives")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "source"
+
+
+def key(topo: Any) -> dict:
+    """What the measured times depend on (collective over the job: hosts are gathered)."""
+    hosts = topo.comm.allgather(MPI.Get_processor_name())
+    return {"version": version(), "world_size": topo.size,
+            "nodes": [len(node) for node in topo.nodes],
+            "hosts": [hosts[node[0]] for node in topo.nodes]}
+
+
+def cache_path(k: dict) -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:16]
+    return root / "collectives" / f"tuning-{digest}.json"
+
+
+def _read(path: Path) -> dict:
+    with open(path) as f:
+        tuning = json.load(f)
+    if not isinstance(tuning, dict):
+        raise ValueError("expected a JSON object")
+    return tuning
+
+
+def _on_rank0(comm: MPI.Comm, fn: Callable[[], Any]) -> Any:
+    """fn() on rank 0, its result (or its error, re-raised) on every rank."""
+    result: Any = None
+    if comm.Get_rank() == 0:
+        try:
+            result = ("ok", fn())
+        except Exception as exc:  # every rank must hear of it
+            result = ("error", exc)
+    status, value = comm.bcast(result, root=0)
+    if status == "error":
+        raise value
+    return value
+
+
+def _tuning_file(topo: Any, path: str) -> dict | None:
+    """COLLECTIVES_TUNING_FILE's contents, None (with a warning) if made for another layout."""
+    try:
+        tuning = _on_rank0(topo.comm, lambda: _read(Path(path)))
+    except FileNotFoundError:
+        raise ValueError(f"COLLECTIVES_TUNING_FILE={path}: no such file") from None
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"COLLECTIVES_TUNING_FILE={path}: not a tuning file "
+                         f"({type(exc).__name__}: {exc})") from None
+    nodes = [len(node) for node in topo.nodes]
+    if tuning.get("nodes") != nodes:
+        if topo.rank == 0:
+            warnings.warn(f"COLLECTIVES_TUNING_FILE={path} was made for nodes "
+                          f"{tuning.get('nodes')}, this job has {nodes}: not used (auto "
+                          "measures or models instead)", stacklevel=3)
+        return None
+    return tuning
+
+
+def _time(calls: dict[str, Callable[[], Any]], nbytes: int, comm: MPI.Comm) -> dict[str, float]:
+    """Each call's best seconds, the slowest rank's. The calls take turns, round after
+    round, so that a slow spell of this shared machine hits every candidate alike instead
+    of the one measured during it; and interference only adds time, so the minimum over
+    the rounds is the steadiest estimate of what a call costs."""
+    reps = 5 if nbytes < 16 << 20 else 3
+    for call in calls.values():
+        call()  # first-use costs (windows, page faults) are not the steady state
+    times: dict[str, list[float]] = {algo: [] for algo in calls}
+    for _ in range(reps):
+        for algo, call in calls.items():
+            comm.Barrier()
+            t0 = clock()
+            call()
+            times[algo].append(clock() - t0)
+    everyone = comm.allgather([min(t) for t in times.values()])
+    return dict(zip(calls, np.max(everyone, axis=0).tolist()))
+
+
+
+
+#: timed(collective, x, algorithm) -> a function making that public call on x (Sum for the
+#: reductions): what a measurement times, since it is what `auto` will run. The public API
+#: supplies it (collectives/api/base.py: timed_call); this layer is below it.
+Timed = Callable[[str, np.ndarray, str], Callable[[], Any]]
+
+
+def measure(topo: Any, timed: Timed) -> dict:
+    """{collective: {algorithm: [[bytes, seconds], ...]}} on the job's communicator at
+    SIZES, for the candidates the model does not rule out at each size."""
+    p, layout = costmodel.params(), costmodel.Layout.of(topo)
+    out: dict = {}
+    for collective in COLLECTIVES:
+        table: dict = {}
+        for nbytes in SIZES:
+            modelled = algorithms.costs(collective, nbytes, layout, p)
+            best = min(modelled.values())
+            count = max(nbytes // 4, 1)
+            x = np.ones(max(count // topo.size, 1) if collective == "allgather" else count,
+                        np.float32)
+            calls = {algo: timed(collective, x, algo) for algo in sorted(modelled)
+                     if modelled[algo] <= PRUNE * best or algo == "mpi"}
+            for algo, seconds in _time(calls, nbytes, topo.comm).items():
+                table.setdefault(algo, []).append([nbytes, seconds])
+        # an algorithm pruned at some sizes is only interpolated over the sizes it was timed at
+        out[collective] = {a: points for a, points in table.items() if len(points) == len(SIZES)}
+    return out
+
+
+def setup(topo: Any, timed: Timed) -> dict:
+    """The tuning `auto` uses in this job (collective over the job): the tuning file, else
+    the cache, else a fresh measurement saved to the cache; {} when autotuning is off."""
+    config = topo.config
+    if config.tuning_file:
+        tuning = _tuning_file(topo, config.tuning_file)
+        if tuning is not None:
+            return tuning
+    if not config.autotune or topo.size == 1:
+        return {}
+    k = key(topo)
+    path = cache_path(k)
+    cached = _on_rank0(topo.comm, lambda: _read(path) if path.exists() else None)
+    if cached is not None and cached.get("key") == k:
+        return cached
+    started = time.perf_counter()
+    tuning = {"key": k, "nodes": k["nodes"], "world_size": topo.size,
+              "params": dataclasses.asdict(costmodel.params()), "measured": measure(topo, timed),
+              "date": time.strftime("%Y-%m-%d"), "seconds": 0.0}
+    tuning["seconds"] = topo.comm.allreduce(round(time.perf_counter() - started, 3), op=MPI.MAX)
+    if topo.rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(tuning, indent=1))
+            partial.replace(path)  # atomic: a concurrent job reads all or nothing
+        except OSError as exc:
+            warnings.warn(f"collectives: could not save the tuning to {path} ({exc}); the "
+                          "next job measures again", stacklevel=2)
+    return tuning
+
+
+def install(topo: Any, timed: Timed) -> None:
+    """Put the tuning of setup() in force for this job (collective over it)."""
+    costmodel.install(setup(topo, timed))
+    select.choose.cache_clear()

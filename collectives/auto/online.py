@@ -1,0 +1,264 @@
+"""`auto` checks its choice online: the first allreduces of each size class too large to
+ride in the agreement try every algorithm `auto` rates within CLOSE of the best, ROUNDS
+turns of BURST calls each, and the class settles on the fastest for the rest of the job.
+When the runner-up's fastest turn is within RUNOFF of the leader's, the two take
+RUNOFF_TURNS more turns each, alternating, and the class settles on the one faster in most
+of those pairs of neighbouring turns.
+
+Why: the first job's measurement (autotune.py) runs in the two or three seconds of `init`,
+and on a shared machine a slow spell can cover all of it; one in three fresh jobs here
+measured shm's 16-64 MiB allreduce 2.4-3x slow and handed those sizes to ring for good.
+Trying again at the sizes the job actually calls, later and interleaved, corrects that at
+the price of a few calls at a candidate's speed.
+
+Why the runoff: the best of three turns tells 2x apart, not 1.2x. At np 2 here ring's and
+shm's 2-32 MiB allreduces ran within 1.5x of each other in half of the benchmark's sweeps
+(32 of 62; 0.75-2.6x over all), and in one job ring's 16 MiB calls took 2.2-4.3 ms against
+shm's 1.9-3.0: that class settled on ring, 1.38x shm's median. Two neighbouring turns share
+the machine's state, so the median of the pairs' ratios discounts a slow spell that covers
+both, and a single slow turn outvotes nothing.
+
+Every rank settles the same way: each times its own calls, and when a class's trial (or
+runoff) ends every rank takes the slowest rank's time per turn (one MPI allreduce of a few
+floats, inside that call). The trial's state advances only in the call's data phase (on
+the engine, in submission order, after the agreement), and only while no rank has joined: a
+joined rank (join.py) runs select.choose()'s algorithm, so a call made while some rank has
+joined runs that one on every rank and counts for no trial. Every call of a checked class
+picks its algorithm in its data phase too (run()), and its fast entry, which runs the
+algorithm it was described with, is registered there only once the class has settled on
+that algorithm: so no call runs a choice its description made before the class settled.
+
+A settled class stays watched, because the machine changes under a job: on the two-core
+machine here shm's allreduces run 3-4x their time for seconds at a stretch, while ring's
+get 10% faster. Every WATCH_S seconds of a class's calls (a count of calls fixed when it
+settles, the same on every rank) the ranks compare the best time since the last review with
+the first review's (the slowest rank's, one allreduce of a float); beyond DRIFT either way,
+the class is tried again. A change the settled algorithm does not feel (another candidate
+getting faster) is found by trying the class again anyway after RETRY_S seconds of its
+calls, or later, once its trial costs no more than RETRY_SHARE of their time. The count is
+kept in C++ (_C.CallWatch), where the class's fast entries count and time their calls too;
+a call that comes due leaves its fast entry and reviews here, in its data phase. While a
+rank has joined, no call counts on it, so every watch is renewed when the join ends
+(rejoined()).
+
+Size classes are factors of 4 (select.size_class); sizes that ride in the agreement are
+left to the first measurement, and a settled class holds for its sizes that do not. Cost:
+ROUNDS x BURST x candidates calls per class, each at most CLOSE x the estimated best's time
+(as far as the estimate holds), and one allreduce when the trial ends; a runoff's
+RUNOFF_TURNS x BURST x 2 calls at most RUNOFF x the leader's time, and one allreduce; then
+one allreduce of a float per review, and a trial again when the time drifts or RETRY_S has
+passed."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from collectives.auto import select
+from collectives.kernels import _C
+from collectives.runtime.engine import ENGINE
+from collectives.runtime.topology import Topology
+
+#: Candidates `auto` rates within this multiple of the best are tried: wide enough for a
+#: measurement taken in a slow spell (shm's 64 MiB allreduce measured 3.7x its steady time
+#: at one init, which a factor of 2 left out of the trial).
+CLOSE = 4.0
+#: Turns per candidate in a trial (the fastest counts: interference only adds time).
+ROUNDS = 3
+#: Calls per turn, back to back; only the last is timed: the first after another
+#: algorithm's call finds the caches full of that one's buffers (at 256 KiB such calls
+#: ran 2-5x their steady time and made the trial a coin toss).
+BURST = 2
+#: A runner-up whose fastest turn is within this multiple of the leader's goes to a runoff:
+#: wide enough for two candidates whose turns overlap (ring's 16 MiB turns above).
+RUNOFF = 1.5
+#: Turns per finalist in a runoff: pairs enough for their median to outvote a spell of two.
+RUNOFF_TURNS = 8
+#: Seconds of a settled class's calls between reviews (at least MIN_WATCH calls). A review
+#: costs a call's trip through Python and the engine's thread plus an allreduce: at 256 KiB
+#: (20 us calls) 2-3% of the time at 0.01 s, within the noise at this value.
+WATCH_S = 0.05
+MIN_WATCH = 4
+#: A settled class whose time changed more than this, either way, is tried again.
+DRIFT = 1.5
+#: A settled class is tried again after RETRY_S seconds of its calls, or later if its
+#: trial would cost more than RETRY_SHARE of that time.
+RETRY_S = 5.0
+RETRY_SHARE = 0.05
+#: Seconds of one call; replaced by tests to inject per-rank noise.
+clock: Callable[[], float] = time.perf_counter
+
+
+class Trial:
+    """One size class's running trial (or runoff): its candidates, the turns each takes,
+    this rank's timed seconds per byte of each candidate's turns so far, the calls made,
+    and the seconds that the class's trials before this one cost (a runoff's screening)."""
+
+    __slots__ = ("candidates", "runoff", "times", "calls", "spent")
+
+    def __init__(self, candidates: list[str], runoff: bool = False, spent: float = 0.0):
+        self.candidates = candidates
+        self.runoff = runoff
+        self.times: list[list[float]] = [[] for _ in candidates]
+        self.calls = 0
+        self.spent = spent
+
+    @property
+    def turns(self) -> int:
+        return RUNOFF_TURNS if self.runoff else ROUNDS
+
+
+class Watch:
+    """A settled class's watch: the count of its calls and their best time since the last
+    review (native, shared with the class's fast entries), the slowest rank's best seconds
+    per byte in the first review (its steady time: None before), calls per review, and
+    reviews left before the class is tried again."""
+
+    __slots__ = ("native", "steady", "window", "reviews_left")
+
+    def __init__(self, window: int, reviews: int):
+        self.native = _C.CallWatch()
+        self.native.renew(window)
+        self.steady: float | None = None
+        self.window = window
+        self.reviews_left = reviews
+
+
+def checks(topo: Topology, nbytes: int) -> bool:
+    """Whether `auto` allreduces of nbytes on topo are checked online (run() picks their
+    algorithm when they run): the job measured its machine (a tuning file is the user's
+    word; without measurement nothing is close) and the call does not ride in the
+    agreement (a riding call runs the agreement's own algorithm, whatever its class)."""
+    return (topo.config.autotune and not topo.config.tuning_file and topo.size > 1
+            and nbytes > topo.channel.capacity)
+
+
+def settled(topo: Topology, nbytes: int) -> bool:
+    """Whether nbytes' class has settled: its algorithm will not change."""
+    return select.size_class(nbytes) in topo.settled
+
+
+def settled_on(topo: Topology, nbytes: int, algorithm: str, entry: Any) -> bool:
+    """Whether nbytes' class has settled on algorithm: a call described with it may take its
+    fast entry from now on, which is put under the class's watch. (The call that ends a
+    trial ran a candidate, which need not be the one the class settled on.)"""
+    if not settled(topo, nbytes) or select.choose("allreduce", nbytes, topo) != algorithm:
+        return False
+    watch = topo.watches.get(select.size_class(nbytes))
+    entry.watch(None if watch is None else watch.native)
+    return True
+
+
+def rejoined(topo: Topology) -> None:
+    """A join on topo ended (on every rank at once): renew every watch, as the joined ranks
+    counted none of the calls made meanwhile."""
+    for watch in topo.watches.values():
+        watch.native.renew(watch.window)
+
+
+def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
+    """The data phase of an `auto` allreduce of nbytes that checks() covers:
+    reduce(algorithm) with a trial's candidate, else with `auto`'s choice. The choice is
+    made here, in submission order, not when the call was described: a caller's thread may
+    describe a call while the engine's settles its class."""
+    c = select.size_class(nbytes)
+    joined = ENGINE.native.joined
+    watch = None if joined else topo.watches.get(c)
+    if watch is not None and not watch.native.take():  # due
+        watch = _review(topo, c, watch)
+    trial = None if joined or c in topo.settled else _trial(topo, c, nbytes)
+    if trial is None:
+        algo = select.choose("allreduce", nbytes, topo)
+        ENGINE.native.credit(topo.stats, "allreduce", algo)
+        start = clock()
+        reduce(algo)
+        if watch is not None:
+            watch.native.record((clock() - start) / nbytes)
+        return
+    k = trial.calls // BURST % len(trial.candidates)
+    algo = trial.candidates[k]
+    ENGINE.native.credit(topo.stats, "allreduce", algo)
+    start = clock()
+    reduce(algo)
+    if trial.calls % BURST == BURST - 1:
+        trial.times[k].append((clock() - start) / nbytes)
+    trial.calls += 1
+    if trial.calls == trial.turns * BURST * len(trial.candidates):
+        _end(topo, c, trial, nbytes)
+
+
+def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
+    """Class c's trial (or runoff) ended in this call (of nbytes): on the slowest rank's time
+    per turn, begin a runoff between the two fastest when they are close, else settle on
+    the winner and watch it. Agreed inputs only, so every rank decides and watches alike."""
+    slowest = np.empty((len(trial.candidates), trial.turns))
+    topo.comm.Allreduce(np.array(trial.times), slowest, op=MPI.MAX)
+    spent = trial.spent + float(slowest.sum()) * nbytes * BURST
+    if trial.runoff:  # [leader, runner-up]: the runner-up wins most pairs, or not
+        k = int(np.median(slowest[1] / slowest[0]) < 1)
+        call = float(np.median(slowest[k])) * nbytes
+    else:
+        best = slowest.min(axis=1)
+        order = np.argsort(best, kind="stable")
+        k = int(order[0])
+        if best[order[1]] <= RUNOFF * best[k]:  # a trial has two candidates or more
+            finalists = [trial.candidates[k], trial.candidates[order[1]]]
+            topo.trials[c] = Trial(finalists, runoff=True, spent=spent)
+            return
+        call = float(best[k]) * nbytes
+    _settle(topo, c, trial.candidates[k])
+    window = max(MIN_WATCH, math.ceil(WATCH_S / call))
+    retry = max(RETRY_S, spent / RETRY_SHARE)
+    topo.watches[c] = Watch(window, math.ceil(retry / (window * call)))
+
+
+def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:
+    """Class c's watch came due: the slowest rank's best time since the last review against
+    the first review's (like against like: a trial's best of ROUNDS calls is no steady
+    time; at 256 KiB the best of 450 calls ran 0.6x it). Renewed (and this call counted)
+    when it held and reviews are left; else the class is tried again from this call
+    (None)."""
+    best = np.empty(1)
+    topo.comm.Allreduce(np.array([watch.native.best]), best, op=MPI.MAX)
+    if watch.steady is None and math.isfinite(best[0]):
+        watch.steady = float(best[0])
+    drift = best[0] / watch.steady if watch.steady else 1.0  # inf: none timed (a join)
+    watch.reviews_left -= 1
+    if watch.reviews_left > 0 and (1 / DRIFT <= drift <= DRIFT or math.isinf(drift)):
+        watch.native.renew(watch.window)
+        watch.native.take()
+        return watch
+    watch.native.renew(0)  # its fast entries decline from now on
+    del topo.watches[c], topo.settled[c]
+    topo.calls.clear()
+    topo.fast.clear()
+    return None
+
+
+def _trial(topo: Topology, c: int, nbytes: int) -> Trial | None:
+    """Class c's trial, begun at its first call (of nbytes) if need be; None (and the class
+    settled on `auto`'s usual choice) when only one candidate is close."""
+    trial = topo.trials.get(c)
+    if trial is None:
+        estimates = select.estimates("allreduce", nbytes, topo)
+        best = min(estimates.values())
+        close = sorted(a for a, t in estimates.items() if t <= CLOSE * best)
+        if len(close) < 2:
+            _settle(topo, c, None)
+            return None
+        trial = topo.trials[c] = Trial(close)
+    return trial
+
+
+def _settle(topo: Topology, c: int, algo: str | None) -> None:
+    """Class c runs algo from now on (None: select.choose()'s estimate per size). Calls
+    described under the old choice are described again (their fast entries, registered
+    only once a class has settled and only for the algorithm it settled on, stay valid)."""
+    topo.trials.pop(c, None)
+    topo.settled[c] = algo
+    topo.calls.clear()

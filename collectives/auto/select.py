@@ -1,0 +1,124 @@
+"""`auto`: choose the algorithm per call as the minimum over the registered algorithms' costs.
+
+Each module in collectives/algorithms/ prices a call with its cost() (the alpha-beta model
+of collectives/costmodel.py, over the job's Layout). Every call also pays the agreement's
+header exchange (agreement_cost), except a small allreduce whose data rides in that
+exchange (calls.riding): `shm` up to SHARED_BYTES on one node, where the exchange is one
+step in shared memory, `tree` up to PIGGYBACK_BYTES across nodes, where it is recursive
+doubling; so `auto` runs small allreduces that way.
+
+The tuning file also holds each algorithm's measured time at a few sizes on the job's own
+topology; where it matches the running job, `auto` interpolates those (piecewise alpha-beta:
+t = alpha_k + beta_k m between measured sizes) instead of the formulas, because the MPI
+library's internal algorithm choices and protocol switches are not in any formula."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from collectives import algorithms
+from collectives.algorithms import costmodel, tree
+from collectives.algorithms.costmodel import Layout
+from collectives.runtime.agreement import PIGGYBACK_BYTES, SHARED_BYTES
+from collectives.runtime.topology import Topology
+
+
+def _measured(collective: str, nbytes: int, topo: Topology) -> dict[str, float] | None:
+    """Interpolated measured seconds per algorithm, if the tuning file is for this topology."""
+    tuning = costmodel.tuning()
+    if tuning.get("nodes") != list(Layout.of(topo).node_sizes) or collective not in tuning.get(
+            "measured", {}):
+        return None
+    table = tuning["measured"][collective]  # {algo: [[bytes, seconds], ...]}
+    out = {}
+    for algo, points in table.items():
+        sizes, times = zip(*points)
+        if nbytes <= sizes[0]:
+            out[algo] = times[0]
+        elif nbytes >= sizes[-1]:  # extrapolate the last segment's bandwidth
+            slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+            out[algo] = times[-1] + slope * (nbytes - sizes[-1])
+        else:
+            out[algo] = float(np.interp(nbytes, sizes, times))
+    return out
+
+
+def concrete(topo: Topology, collective: str, algorithm: str, nbytes: int) -> str:
+    """The algorithm a call runs: `auto`'s choice, or the named one if it can run here."""
+    if algorithm == "auto":
+        return choose(collective, nbytes, topo)
+    algorithms.check(algorithm, topo)
+    return algorithm
+
+
+def choose(collective: str, nbytes: int, topo: Topology) -> str:
+    """The algorithm `auto` runs for this call (the same on every rank: it depends only on
+    agreed values and on what every rank settled alike): an allreduce's class settled
+    online, for its sizes too large to ride in the agreement (online.py; read afresh, as it
+    settles on the engine's thread while callers describe calls), else the fastest
+    estimate, memoized per topology:
+    choose.cache_clear() after changing the estimates' inputs."""
+    settled = topo.settled.get(size_class(nbytes)) \
+        if collective == "allreduce" and topo.settled and nbytes > topo.channel.capacity \
+        else None
+    return settled or _fastest(collective, nbytes, topo)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fastest(collective: str, nbytes: int, topo: Topology) -> str:
+    found = estimates(collective, nbytes, topo)
+    return min(found, key=found.get)
+
+
+choose.cache_clear = _fastest.cache_clear  # type: ignore[attr-defined]
+
+
+def estimates(collective: str, nbytes: int, topo: Topology) -> dict[str, float]:
+    """Seconds per algorithm for this call: measured where the tuning is for this
+    topology, else the model's."""
+    return _measured(collective, nbytes, topo) or predict(collective, nbytes, Layout.of(topo),
+                                                          costmodel.params())
+
+
+def size_class(nbytes: int) -> int:
+    """Sizes within a factor of 4 share a class c, [4^(c-1), 4^c) bytes: what online.py
+    settles an allreduce's algorithm for."""
+    return (max(nbytes, 1).bit_length() + 1) // 2
+
+
+def predict(collective: str, nbytes: int, layout: Layout, p: costmodel.Params
+            ) -> dict[str, float]:
+    """The model's seconds for each algorithm that can run a call of nbytes on layout,
+    the agreement's exchange included (what `auto` minimizes without measured times)."""
+    agreement = agreement_cost(layout, p)
+    costs = {a: t + agreement for a, t in algorithms.costs(collective, nbytes, layout,
+                                                            p).items()}
+    if collective == "allreduce":
+        rider = "shm" if _shared(layout) else "tree"
+        if nbytes <= (SHARED_BYTES if _shared(layout) else PIGGYBACK_BYTES):
+            costs[rider] = agreement_cost(layout, p, nbytes)
+    return costs
+
+
+def _shared(layout: Layout) -> bool:
+    """Whether the layout's agreement runs in shared memory (one node, several ranks)."""
+    return layout.nodes == 1 and layout.size > 1
+
+
+def agreement_cost(layout: Layout, p: costmodel.Params, nbytes: int = 0) -> float:
+    """The header exchange every call starts with, carrying and folding nbytes of a small
+    allreduce (0: the header alone). On one node: one step in shared memory, a counter
+    wait (priced as a message inside the node) after copying nbytes in, then every rank
+    folds all L copies. Across nodes: recursive doubling, steps in C."""
+    if _shared(layout):
+        return p.alpha_intra + nbytes * (1 + layout.size) * p.gamma
+    alpha, beta = layout.link(p)
+    steps = tree.doubling_steps(layout.size)
+    return steps * (alpha + nbytes * (beta + p.gamma)) + p.mpi_call
+
+
+def candidates(topo: Topology) -> list[str]:
+    """Algorithms `auto` may pick on this topology (those with a finite cost)."""
+    return list(algorithms.costs("allreduce", 0, Layout.of(topo), costmodel.params()))

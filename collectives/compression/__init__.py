@@ -1,0 +1,188 @@
+"""Compression for allreduce, behind one interface.
+
+A compressor has Horovod's per-tensor pair, compress(x) -> (x', ctx) before the collective
+and decompress(x', ctx) after it, and `allreduce(topo, x, op, algorithm, state)`: how an
+allreduce of a floating host array moves under it. The call path (api.py, onebit.py) uses
+only `allreduce`; compressors whose values add up as they travel (none, fp16) run a plain
+allreduce on what compress() made, the others override it:
+  none   the array as it is
+  fp16   float16 on the wire (half of float32's bytes), summed in float16 as it travels
+  int8   int8 plus one float32 scale per block; quantized values cannot be added, so
+         every rank's pair is allgathered and summed locally in rank order
+  1-bit  signs plus scales with error feedback: its own two-phase exchange, with the
+         error buffers (state) held by the caller (onebit.py)
+Non-floating arrays are never compressed (as in Horovod).
+
+The compression layer: this module (none, fp16, int8) and onebit.py (1-bit with error
+feedback; its state is the caller's).
+May import: the leaves, kernels, runtime, algorithms, auto."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from collectives import algorithms, kernels
+from collectives.auto import select
+from collectives.dtypes import FLOATING, numpy_dtype_name, torch_dtype, torch_dtype_name
+from collectives.ops import ReduceOp
+from collectives.runtime.topology import Topology
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+def _float_dtype(x: Any) -> str | None:
+    """x's dtype name if x is a NumPy array or torch tensor of a floating dtype, else None:
+    only those are compressed."""
+    if isinstance(x, np.ndarray):
+        name = numpy_dtype_name(x.dtype)
+    elif torch is not None and isinstance(x, torch.Tensor):
+        name = torch_dtype_name(x.dtype)
+    else:
+        return None
+    return name if name in FLOATING else None
+
+
+def _cast(x: Any, dtype_name: str) -> Any:
+    if isinstance(x, np.ndarray):
+        return x.astype(dtype_name)
+    return x.to(torch_dtype(dtype_name))
+
+
+class Compressor:
+    """The interface every compressor has."""
+
+    name: str
+    #: The ops an allreduce under this compressor supports.
+    ops: tuple[ReduceOp, ...] = tuple(ReduceOp)
+
+    def allreduce(self, topo: Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
+                  state: Any = None) -> np.ndarray:
+        """The reduction over topo's ranks of every rank's flat host array x (float16,
+        float32 or float64) as a new array (x's dtype, or float32). algorithm: a name or
+        `auto`, for the data movement; state: what the compressor keeps across calls on
+        the same vector, held by the caller (None if it keeps nothing). Runs inside the
+        engine, after the call's agreement."""
+        raise NotImplementedError
+
+    def check_op(self, op: ReduceOp) -> None:
+        if op not in self.ops:
+            raise ValueError(f"op: Compression.{self.name} supports "
+                             f"{[o.name for o in self.ops]}, got {op.name}")
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+
+class TensorCompressor(Compressor):
+    """Horovod's Compressor: a per-tensor compress/decompress pair around a plain
+    allreduce. This one is the identity: the array travels as it is."""
+
+    name = "none"
+
+    def compress(self, x: Any) -> tuple[Any, Any]:
+        return x, None
+
+    def decompress(self, x: Any, ctx: Any) -> Any:
+        return x
+
+    def allreduce(self, topo: Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
+                  state: Any = None) -> np.ndarray:
+        """compress, a plain allreduce of what travels, decompress."""
+        sent, ctx = self.compress(x)
+        out = np.empty_like(sent)
+        algo = select.concrete(topo, "allreduce", algorithm, sent.nbytes)
+        algorithms.reduce(algo, topo, sent, out, op, sent.dtype.name)
+        return self.decompress(out, ctx)
+
+
+class FP16Compressor(TensorCompressor):
+    """Floating arrays travel as float16 (half of float32's bytes); others are untouched."""
+
+    name = "fp16"
+
+    def compress(self, x: Any) -> tuple[Any, Any]:
+        dtype = _float_dtype(x)
+        if dtype is None:
+            return x, None
+        if dtype == "float32":  # our kernel: NumPy's cast is scalar, ~10x slower
+            return kernels.quantize_fp16(x), dtype
+        return _cast(x, "float16"), dtype
+
+    def decompress(self, x: Any, ctx: Any) -> Any:
+        if ctx == "float32":
+            return kernels.dequantize_fp16(x)
+        return x if ctx is None else _cast(x, ctx)
+
+
+class Int8Compressor(TensorCompressor):
+    """Floating arrays travel as int8 with one float32 scale per block of
+    kernels.INT8_BLOCK_SIZE elements (about a quarter of float32's bytes). Sum and Average
+    only: the values are summed after they travel."""
+
+    name = "int8"
+    ops = (ReduceOp.Sum, ReduceOp.Average)
+
+    def compress(self, x: Any) -> tuple[Any, Any]:
+        dtype = _float_dtype(x)
+        if dtype is None:
+            return x, None
+        flat = np.asarray(x, dtype=np.float32).reshape(-1) if isinstance(x, np.ndarray) \
+            else x.detach().float().reshape(-1)
+        q, scales = kernels.quantize_int8(flat)
+        return q, (scales, tuple(x.shape), dtype)
+
+    def decompress(self, x: Any, ctx: Any) -> Any:
+        if ctx is None:
+            return x
+        scales, shape, dtype = ctx
+        out = kernels.dequantize_int8(x, scales, int(np.prod(shape, dtype=np.int64)))
+        return _cast(out.reshape(shape), dtype)
+
+    def allreduce(self, topo: Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
+                  state: Any = None) -> np.ndarray:
+        """Every rank's compress(x) allgathered; each rank decompresses and sums them in
+        rank order, so results are bit-identical everywhere. Bytes received per rank:
+        (n-1)(m/4 + scales), against a float32 ring's 2(n-1)/n m: cheaper up to 8 ranks."""
+        n = topo.size
+        q, (scales, shape, _) = self.compress(x)
+        gathered = []
+        for mine in (q, scales):
+            everyone = np.empty((n, mine.size), mine.dtype)
+            algo = select.concrete(topo, "allgather", algorithm, everyone.nbytes)
+            algorithms.allgather(algo, topo, mine, everyone.reshape(-1), [mine.size] * n)
+            gathered.append(everyone)
+        return self.combine(*gathered, shape, op, algorithms.contributors(topo))
+
+    def combine(self, all_q: np.ndarray, all_scales: np.ndarray, shape: tuple, op: ReduceOp,
+                contributors: int) -> np.ndarray:
+        """The float32 reduction of every rank's compress() pair (row r of all_q and
+        all_scales: rank r's), decompressed and summed in rank order, so the same bytes give
+        the same bits on every rank; Average divides by contributors."""
+        total = self.decompress(all_q[0], (all_scales[0], shape, "float32"))
+        for r in range(1, all_q.shape[0]):
+            part = self.decompress(all_q[r], (all_scales[r], shape, "float32"))
+            kernels.reduce(total, [total, part], "float32", ReduceOp.Sum)
+        algorithms.average(total, "float32", op, contributors)
+        return total
+
+
+def check_compression(compression: object) -> TensorCompressor:
+    """A collective's `compression` argument as a compressor (None: Compression.none)."""
+    if compression is None:
+        return Compression.none
+    if isinstance(compression, TensorCompressor):
+        return compression
+    raise ValueError(f"compression: expected Compression.none, fp16 or int8, got {compression!r}")
+
+
+class Compression:
+    """The available compressors (Horovod's names)."""
+
+    none = TensorCompressor()
+    fp16 = FP16Compressor()
+    int8 = Int8Compressor()

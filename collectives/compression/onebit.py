@@ -1,0 +1,182 @@
+"""1-bit compressed allreduce with error feedback (DeepSpeed's 1-bit Adam communication).
+
+How it works, for n ranks and a vector of `count` elements padded with zeros to `padded`
+(a multiple of 8n) and cut into n chunks of L = padded / n elements:
+  worker   c = x + worker_error is sent as its signs and a scale (the rms of c: one for the
+           whole vector, or one per block of `block_size` elements of a chunk); whatever
+           the signs and scale miss stays in worker_error, to be sent next call.
+  scatter  all-to-all: rank j receives chunk j of every rank's signs and their scale(s).
+  server   rank j averages the n decompressed chunks (in rank order), adds server_error,
+           and compresses that again, keeping what is lost in server_error.
+  gather   allgather of the server chunks and scales; every rank decompresses the whole
+           vector from the same bytes, so results are bit-identical everywhere.
+Error feedback makes the compression unbiased over time: what one call loses, the next call
+sends, so the sum of the results tracks the sum of the exact averages.
+
+Buffers (see error_sizes): worker_error holds `padded` float32 elements and server_error
+padded / n; both are this rank's own state, updated in place, and start as zeros.
+
+The exchange, the buffers' sizes and the cost: collectives/algorithms/onebit.py.
+Every message goes through collectives.p2p, so C.stats() counts them, under
+"compressed_allreduce/onebit".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from collectives import kernels
+from collectives.algorithms import onebit as onebit_exchange
+from collectives.compression import Compressor
+from collectives.dtypes import FLOATING
+from collectives.ops import ReduceOp
+from collectives.runtime import topology
+from collectives.runtime.buffers import Buffer, wrap
+
+# ------------------------------------------------------------------------- argument checks
+
+def check_x(x: Any) -> Buffer:
+    buf = wrap(x, "x")
+    if buf.dtype not in FLOATING:
+        raise TypeError(f"x: expected a floating dtype {list(FLOATING)}, got {buf.dtype}")
+    return buf
+
+
+def check_error(error: Any, name: str, expected: int) -> Buffer:
+    buf = wrap(error, name)
+    if buf.dtype != "float32":
+        raise TypeError(f"{name}: expected float32, got {buf.dtype}")
+    if len(buf.shape) != 1 or buf.shape[0] != expected:
+        raise ValueError(f"{name}: expected a 1-D array of {expected} elements, got shape "
+                         f"{buf.shape} (see collectives.algorithms.onebit.error_sizes)")
+    return buf
+
+
+def check_block(block_size: object) -> int | None:
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+            or block_size < 1:
+        raise ValueError(f"block_size: expected None or an int >= 1, got {block_size!r}")
+    return int(block_size)
+
+
+# ------------------------------------------------------------------------------- packets
+# A packet is one chunk's signs (L/8 bytes) followed by its float32 scales, as uint8: one
+# message per peer and phase.
+
+
+
+
+
+def _split(packet: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """(signs, scales) of a packet; scales copied out, since they may sit unaligned."""
+    return packet[:chunk // 8], packet[chunk // 8:].copy().view(np.float32)
+
+
+def _worker_packets(x: np.ndarray, error: np.ndarray, n: int, block: int | None) -> np.ndarray:
+    """Row j: chunk j of x + error as signs and scale(s); error keeps what they miss."""
+    chunk = x.size // n
+    rows = np.empty((n, chunk // 8 + 4 * onebit_exchange.nscales(chunk, block)), np.uint8)
+    if block is None:  # DeepSpeed: one scale for the whole vector, repeated in every packet
+        bits, scale = kernels.onebit_compress(x, error)
+        rows[:, :chunk // 8] = bits.reshape(n, chunk // 8)
+        rows[:, chunk // 8:] = np.array([scale], np.float32).view(np.uint8)
+        return rows
+    for j in range(n):
+        part = slice(j * chunk, (j + 1) * chunk)
+        bits, scales = kernels.onebit_compress(x[part], error[part], block)
+        rows[j, :chunk // 8] = bits
+        rows[j, chunk // 8:] = scales.view(np.uint8)
+    return rows
+
+
+def _serve(rows: np.ndarray, error: np.ndarray, block: int | None) -> np.ndarray:
+    """This rank's chunk: the average of every rank's (rows[k]) plus error, compressed
+    again into one packet; error keeps what the packet misses."""
+    n, chunk = rows.shape[0], error.size
+    parts = [_split(row, chunk) for row in rows]
+    bits, scales = kernels.onebit_serve([bits for bits, _ in parts],
+                                        [scales / np.float32(n) for _, scales in parts],
+                                        error, block)
+    return np.concatenate([bits, np.asarray(scales, np.float32).reshape(-1).view(np.uint8)])
+
+
+def _decompress(rows: np.ndarray, chunk: int, block: int | None, out: np.ndarray) -> None:
+    """out = the whole vector (its first out.size elements) from every rank's server packet
+    (rows[j] = chunk j), decompressed in place."""
+    for j, row in enumerate(rows):
+        lo, hi = j * chunk, min((j + 1) * chunk, out.size)
+        if lo < hi:
+            bits, scales = _split(row, chunk)
+            kernels.onebit_decompress(bits, scales, hi - lo, block, out=out[lo:hi])
+
+
+
+
+# -------------------------------------------------------------------------------- driver
+
+class OnebitState(NamedTuple):
+    """One vector's error-feedback state, held by the caller across calls: float32 host
+    arrays of error_sizes(count, ranks) elements, updated in place."""
+
+    worker_error: np.ndarray
+    server_error: np.ndarray
+    block_size: int | None
+
+
+def reduce(x: np.ndarray, state: OnebitState, n: int,
+           scatter: Callable[[np.ndarray], np.ndarray],
+           gather: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """The algorithm of the module docstring over any transport: the average over n ranks
+    of every rank's flat floating host array x, as float32, with state's error buffers
+    updated. scatter(rows) must return the rows received (row j: rank j's row for this
+    rank), gather(packet) every rank's packet as rows, in rank order."""
+    worker, server, block = state
+    out = np.empty(x.size, np.float32)
+    if not worker.size:
+        return out
+    padded = x if x.dtype == np.float32 and x.size == worker.size else np.zeros(
+        worker.size, np.float32)
+    if padded is not x:
+        padded[:x.size] = x
+    # worker: compress, then all-to-all so that rank j holds chunk j from everyone
+    received = scatter(_worker_packets(padded, worker, n, block))
+    # server: average and compress this rank's chunk, then allgather every server chunk
+    gathered = gather(_serve(received, server, block))
+    _decompress(gathered, server.size, block, out)
+    return out
+
+
+class OnebitCompressor(Compressor):
+    """1-bit signs plus scales with error feedback (the algorithm in the module docstring),
+    over our own messages. Average only; its state (OnebitState) is the caller's, since
+    what one call loses the next call on the same vector must send."""
+
+    name = "onebit"
+    ops = (ReduceOp.Average,)
+
+    def allreduce(self, topo: topology.Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
+                  state: OnebitState | None = None) -> np.ndarray:
+        if state is None:
+            raise ValueError("state: 1-bit compression needs the caller's OnebitState "
+                             "(error buffers); use compressed_allreduce")
+        comm, n = topo.comm, topo.size
+
+        def scatter(rows: np.ndarray) -> np.ndarray:
+            received = np.empty_like(rows)
+            onebit_exchange.exchange(comm, list(rows), received, onebit_exchange.TAG_SCATTER)
+            return received
+
+        def gather(packet: np.ndarray) -> np.ndarray:
+            gathered = np.empty((n, packet.size), np.uint8)
+            onebit_exchange.exchange(comm, [packet] * n, gathered, onebit_exchange.TAG_GATHER)
+            return gathered
+
+        return reduce(x, state, n, scatter, gather)
+
+
+ONEBIT = OnebitCompressor()

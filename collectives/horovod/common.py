@@ -1,0 +1,159 @@
+"""The drop-in's shared pieces: Horovod's ops and errors, its argument rules (average /
+op, process sets, Average as a scaled Sum), async names in flight and what barrier() waits
+for."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from collectives import api as _C
+from collectives.api import process_sets as _process_sets
+from collectives.api.process_sets import (
+    global_process_set,
+)
+from collectives.ops import ReduceOp
+from collectives.runtime import meet as _meet
+from collectives.runtime.engine import Handle
+
+Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
+                                   ReduceOp.Product)
+#: Horovod's Adasum op (collectives/adasum.py).
+Adasum = "Adasum"
+
+#: Raised when a collective cannot complete (Horovod's name for it).
+HorovodInternalError = _C.StallError
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod's elastic-training interrupt; elastic training is not provided, so nothing
+    raises it, but scripts that catch it import it."""
+
+
+
+# -------------------------------------------------------------------------- arguments
+
+def _op(average: Any, op: Any) -> Any:
+    """Horovod's rule: op supersedes the deprecated average; neither means Average."""
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if op is None:
+        return Sum if average is False else Average
+    return op
+
+
+def _set(process_set: Any) -> Any:
+    return None if process_set is global_process_set else process_set
+
+
+def _topology_of(process_set: Any):
+    return _process_sets.resolve(None, _set(process_set))
+
+
+def _as_horovod(op: Any, postscale: Any, process_set: Any) -> tuple[Any, Any]:
+    """Horovod's Average: a Sum scaled by postscale / size, the set's whole size even while
+    some ranks have joined (they count as zeros), and integers scaled in float64 and
+    truncated; so Average travels as that Sum."""
+    if op is not Average:
+        return op, postscale
+    return Sum, postscale / _topology_of(process_set).size
+
+
+_lock = threading.Lock()
+# names of async calls in flight: until synchronize() or a poll() that found them finished
+# (Horovod frees a name when its call finishes, which takes at least a cycle of its
+# coordinator; here a call may finish within microseconds, so a name stays taken until the
+# caller has seen it finish)
+_in_flight: dict[str, Handle] = {}
+# per process set's topology: async calls started so far, and those not known finished with
+# their place in that count (what barrier() waits for)
+_started: dict[Any, int] = {}
+_outstanding: dict[Any, list[tuple[int, Handle]]] = {}
+
+
+def _named(name: str | None, process_set: Any, start) -> Handle:
+    """Start an async call under name, refusing a name still in flight (as Horovod), and
+    count it for barrier()."""
+    topo = _topology_of(process_set)
+    with _lock:
+        if name is not None and name in _in_flight:
+            raise ValueError(f"Requested to collect a tensor with the same name as another "
+                             f"tensor that is currently being processed ({name!r}). If you "
+                             f"want to request another tensor, use a different tensor name.")
+        handle = start()
+        if name is not None:
+            _in_flight[name] = handle
+        index = _started.get(topo, 0)
+        _started[topo] = index + 1
+        pending = [(i, h) for i, h in _outstanding.get(topo, ()) if not h.done()]
+        _outstanding[topo] = pending + [(index, handle)]
+    return handle
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an async call; its result."""
+    try:
+        return _C.synchronize(handle)
+    finally:
+        _seen_finished(handle)
+
+
+def poll(handle: Handle) -> bool:
+    if not _C.poll(handle):
+        return False
+    _seen_finished(handle)
+    return True
+
+
+def _seen_finished(handle: Handle) -> None:
+    """The caller has seen handle's call finish: its name is free again."""
+    with _lock:
+        for name, h in list(_in_flight.items()):
+            if h is handle:
+                del _in_flight[name]
+
+
+def _no_adasum(op: Any, collective: str) -> None:
+    if op == Adasum:  # a RuntimeError, as Horovod's
+        raise NotImplementedError(f"op: {collective} does not support Adasum")
+
+
+def _grad(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
+
+
+
+
+# ------------------------------------------------------------------- join, barrier, more
+
+def join(device: int = -1) -> int:
+    """This rank has no more data: take part in the others' allreduces until every rank
+    has joined; returns the last rank to join. device: Horovod's, unused (no GPU queues)."""
+    return _C.join()
+
+
+def barrier(process_set=global_process_set) -> None:
+    """Every rank of the set reaches this point before any leaves, and the async calls that
+    every rank started before it have finished. As Horovod's (whose coordinator runs the
+    barrier after the calls ready on every rank), it is not held up by a call that only
+    some ranks have started, even one the others start only after it: the ranks meet
+    beside the engine (collectives/meet.py), agreeing on how many async calls all of them
+    started, and then wait for those. Below MPI_THREAD_MULTIPLE it is the library's
+    barrier, behind every outstanding call."""
+    if not _meet.available():
+        _C.barrier(process_set=_set(process_set))
+        return
+    topo = _topology_of(process_set)
+    with _lock:
+        started = _started.get(topo, 0)
+        pending = list(_outstanding.get(topo, ()))
+    everyone = _meet.meet(topo, started)
+    for index, handle in pending:
+        if index < everyone:
+            try:
+                handle.wait()  # its error, if any, stays for synchronize()
+            except Exception:  # the caller's synchronize() raises it
+                pass
+

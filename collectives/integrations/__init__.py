@@ -1,0 +1,4 @@
+"""Integrations with torch: the "collectives" torch.distributed backend (torch_backend.py)
+and its rendezvous under mpirun (torch_rendezvous.py), DDP communication hooks
+(ddp_hooks.py), differentiable collectives (autograd.py) and SyncBatchNorm.
+May import: the leaves, kernels, runtime, algorithms, auto, compression, api, optim."""

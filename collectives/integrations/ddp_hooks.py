@@ -1,0 +1,170 @@
+"""DDP communication hooks: DDP's gradient buckets averaged under compression.
+
+    ddp.register_comm_hook(None, fp16_hook)          # state: a process group, or None
+    ddp.register_comm_hook(None, int8_hook)
+    state = OnebitHookState(warmup_steps=100)
+    ddp.register_comm_hook(state, onebit_hook)       # save state.state_dict() with the model
+
+  fp16    float16 on the wire: half of float32's bytes.
+  int8    our block-int8 (one float32 scale per block of kernels.INT8_BLOCK_SIZE values):
+          every rank's int8 bucket is allgathered and the n of them are decompressed and
+          summed in rank order (compression.Int8Compressor), so every rank gets the same
+          bits; about a quarter of float32's bytes per rank and peer.
+  1-bit   signs plus a float32 scale per 32 values (OnebitHookState.block_size), with
+          error feedback on the worker and the server side (onebit.py): ~1/16 of float32's
+          bytes. What one step's compression loses is sent in the next, so the sum of the
+          averaged gradients tracks the exact one. It is applied to the gradients
+          themselves (no momentum), so it suits SGD and Adam alike; the first
+          warmup_steps steps run uncompressed, as 1-bit Adam's freeze steps do, while the
+          gradients settle.
+Every hook works on any process group. On the "collectives" backend a bucket is one async
+call of ours on the group's communicator, overlapping backward as DDP's own allreduce does;
+on another backend (gloo) the same algorithm runs over torch.distributed's collectives
+(all_gather_single, all_to_all_single), synchronously inside the hook."""
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations as objects.
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from collectives import api
+from collectives.compression import Compression, onebit
+from collectives.integrations import torch_backend
+from collectives.ops import ReduceOp
+
+
+def _group(state: Any) -> Any:
+    return state if state is not None else dist.group.WORLD
+
+
+def _ours(group: Any) -> bool:
+    return isinstance(group, torch_backend.ProcessGroup)
+
+
+def _average(bucket: dist.GradBucket, group: Any, compression: Any) -> Future[torch.Tensor]:
+    """The bucket averaged over group in place, under compression (none or fp16)."""
+    buffer = bucket.buffer()
+    if _ours(group):
+        return torch_backend.future(api.allreduce_async_(buffer, ReduceOp.Average,
+                                                    compression=compression, comm=group.comm))
+    wire = buffer if compression is Compression.none else buffer.to(torch.float16)
+    wire.div_(group.size())
+
+    def unpack(future: Future[list]) -> torch.Tensor:
+        return buffer if wire is buffer else buffer.copy_(future.value()[0])
+
+    return dist.all_reduce(wire, group=group, async_op=True).get_future().then(unpack)
+
+
+def fp16_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Average the bucket with float16 on the wire. state: the process group (None: the
+    default group)."""
+    return _average(bucket, _group(state), Compression.fp16)
+
+
+def _gather_rows(part: torch.Tensor, group: Any) -> np.ndarray:
+    """Every rank's part (1-D, the same size everywhere) as rows, over any group."""
+    rows = part.new_empty((group.size(), part.numel()))
+    dist.all_gather_single(rows.view(-1), part, group=group)
+    return rows.numpy()
+
+
+def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Average the bucket as block-int8 values and scales. state: the process group (None:
+    the default group)."""
+    group, buffer = _group(state), bucket.buffer()
+    if _ours(group):
+        return torch_backend.future(api.allreduce_async_(buffer, ReduceOp.Average,
+                                                    compression=Compression.int8,
+                                                    comm=group.comm))
+    codec = Compression.int8
+    q, (scales, shape, _) = codec.compress(buffer)
+    total = codec.combine(_gather_rows(q, group), _gather_rows(scales, group), shape,
+                          ReduceOp.Average, group.size())
+    return torch_backend.done(buffer.copy_(torch.from_numpy(total).view(buffer.shape)))
+
+
+class OnebitHookState:
+    """onebit_hook's state: the process group, the warm-up length, the scale block size
+    (one float32 scale per block_size values, so 1 + 32 / block_size bits per value; None:
+    one per chunk, as DeepSpeed scales momentum; 32 keeps digits within 2 points of
+    uncompressed training where None loses 3, benchmarks/README.md) and,
+    per bucket, this rank's error buffers with the layout they were made for (the shapes of
+    the bucket's parameters, in order).
+
+    state_dict() / load_state_dict() save and restore the step count and the buffers with
+    a checkpoint. A resumed run repeats the uninterrupted one bit for bit when DDP lays
+    out its buckets as it did when the state was saved. DDP builds its buckets in reverse
+    parameter order, then, unless find_unused_parameters=True, rebuilds them once after
+    the first step in the order the gradients became ready; a bucket whose layout differs
+    from its saved buffers' starts again from zero errors (the buffers are positional, so
+    applying them to other parameters would be wrong)."""
+
+    def __init__(self, process_group: Any = None, warmup_steps: int = 10,
+                 block_size: int | None = 32):
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) \
+                or warmup_steps < 0:
+            raise ValueError(f"warmup_steps: expected an int >= 0, got {warmup_steps!r}")
+        onebit.check_block(block_size)
+        self.process_group = process_group
+        self.warmup_steps, self.block_size = warmup_steps, block_size
+        self.step = 0  # backward passes seen
+        #: bucket index -> (layout, worker error, server error)
+        self.errors: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = {}
+
+    def _errors(self, bucket: dist.GradBucket, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+        """The bucket's (worker, server) error buffers; new zeros if its layout changed."""
+        layout = tuple(tuple(p.shape) for p in bucket.parameters())
+        found = self.errors.get(bucket.index())
+        if found is None or found[0] != layout:
+            worker, server = onebit.error_sizes(bucket.buffer().numel(), ranks)
+            found = self.errors[bucket.index()] = (layout, np.zeros(worker, np.float32),
+                                                   np.zeros(server, np.float32))
+        return found[1], found[2]
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "warmup_steps": self.warmup_steps,
+                "block_size": self.block_size,
+                "errors": {i: (layout, torch.from_numpy(w.copy()), torch.from_numpy(s.copy()))
+                           for i, (layout, w, s) in self.errors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.warmup_steps = state["step"], state["warmup_steps"]
+        self.block_size = state["block_size"]
+        self.errors = {int(i): (tuple(map(tuple, layout)), w.numpy().copy(), s.numpy().copy())
+                       for i, (layout, w, s) in state["errors"].items()}
+
+
+def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Average the bucket as 1-bit signs and scales with error feedback (state's warm-up
+    steps run uncompressed)."""
+    if not isinstance(state, OnebitHookState):
+        raise TypeError(f"state: expected an OnebitHookState, got {type(state).__name__}")
+    group, buffer = _group(state.process_group), bucket.buffer()
+    warm = state.step < state.warmup_steps
+    if bucket.is_last():
+        state.step += 1
+    if warm:
+        return _average(bucket, group, Compression.none)
+    worker, server = state._errors(bucket, group.size())
+    if _ours(group):
+        handle = onebit.compressed_allreduce_async(buffer, worker, server, state.block_size,
+                                                   comm=group.comm)
+        return torch_backend.future(handle)
+    n = group.size()
+
+    def scatter(rows: np.ndarray) -> np.ndarray:
+        received = torch.empty(rows.shape, dtype=torch.uint8)
+        dist.all_to_all_single(received, torch.from_numpy(rows), group=group)
+        return received.numpy()
+
+    def gather(packet: np.ndarray) -> np.ndarray:
+        return _gather_rows(torch.from_numpy(packet), group)
+
+    values = buffer.detach().to(torch.float32).numpy()
+    total = onebit.reduce(values, onebit.OnebitState(worker, server, state.block_size), n,
+                          scatter, gather)
+    return torch_backend.done(buffer.copy_(torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))

@@ -1,0 +1,162 @@
+"""Executes collectives in submission order: on a background thread for async calls, inline
+on the caller's thread for sync calls when nothing is queued or running.
+
+Every rank submits collectives in the same program order, and this engine runs them in
+that order, so async work never reorders MPI calls across ranks. At most one collective runs
+at a time (MPI_THREAD_SERIALIZED is enough for our own calls; mpi4py asks for MULTIPLE so
+user threads may use MPI too). Data moves and reduces with the GIL released, so Python work
+overlaps communication.
+
+The engine's state lives in C++ (`_C.Engine`, csrc/runtime/engine.h) and nowhere else: the
+queue, the claim, the stall record, the failed flag and the byte counts. One call runs as
+`_C.Engine.execute`: stall record, agreement exchange over the call's communicator (with a
+payload riding in it), then the job's `move` (the algorithm), then the call's stats. The
+allreduce fast entry (`_C.FastAllreduce`) is that same execute behind a claim, its move in C++
+when it has one (shm's pipeline on one node)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from collectives.dtypes import CODES
+from collectives.kernels import _C
+
+
+class Communicator(Protocol):
+    """What the engine reads of a communicator (runtime/topology.py's Topology)."""
+
+    channel: Any  # _C.AgreeChannel: its agreement exchange
+
+
+class Call(Protocol):
+    """What the engine reads of a described call (api/calls.py's Call)."""
+
+    collective: str
+    native: Any  # _C.Call: digest, stall-record text, counter, mismatch report
+
+_NO_DATA = np.empty(0, np.uint8)
+_UINT8 = CODES["uint8"]
+_CALLBACKS = threading.Lock()  # guards every Handle's callback list
+
+
+class Job(NamedTuple):
+    """What one call does once described: the agreement's payload (count elements of
+    dtype_code reduced with op_code from send into out, then divided by divisor) and move,
+    run after the agreement (None: the payload is the whole call)."""
+
+    move: Callable[[], Any] | None
+    send: np.ndarray = _NO_DATA
+    out: np.ndarray = _NO_DATA
+    count: int = 0
+    dtype_code: int = _UINT8
+    op_code: int = 0
+    divisor: int = 1
+
+
+class Handle:
+    """An in-flight collective: pass it to synchronize() for the result, poll() to ask."""
+
+    __slots__ = ("name", "queued", "_done", "_result", "_error", "_callbacks")
+
+    def __init__(self, name: str, queued: float = -1.0):
+        self.name = name
+        self.queued = queued  # when it was submitted, for the timeline (-1: not recorded)
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Handle], None]] | None = []  # None once fired
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> Any:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call fn(self) once the call has finished (at once if it has): on the engine's
+        thread, after the engine has let go of the call, so fn may submit async calls of its
+        own (a sync call from fn raises RuntimeError if other calls are queued). The
+        torch.distributed backend completes its work's futures this way."""
+        with _CALLBACKS:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _fire(self) -> None:
+        with _CALLBACKS:
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # the engine thread must go on; the error is still shown
+                traceback.print_exc()
+
+    def _run(self, work: Callable[[], Any]) -> None:
+        try:
+            self._result = work()
+        except BaseException as exc:  # delivered to whoever synchronizes
+            self._error = exc
+        finally:
+            self._done.set()
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.native = _C.Engine()
+        self._start = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def run(self, topo: Communicator, call: Call, job: Job) -> Any:
+        """Run the call after everything submitted before and return its result."""
+        native = self.native
+        if not native.try_claim():
+            if threading.current_thread() is self._thread:
+                raise RuntimeError(f"{call.collective}: a sync collective cannot run inside a "
+                                   "completion callback of an async one while other calls "
+                                   "are queued; submit it async instead")
+            return self.submit(topo, call, job).wait()
+        try:
+            return _execute(native, topo, call, job)
+        finally:
+            native.release()
+
+    def submit(self, topo: Communicator, call: Call, job: Job) -> Handle:
+        """Queue the call behind everything submitted before; returns at once."""
+        native = self.native
+        handle = Handle(call.collective, native.clock() if native.tracing else -1.0)
+        if self._thread is None:
+            with self._start:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="collectives-engine",
+                                                    daemon=True)
+                    self._thread.start()
+        native.push((handle, topo, call, job))
+        return handle
+
+    def _loop(self) -> None:
+        native = self.native
+        while True:
+            handle, topo, call, job = native.next()  # claimed for this item
+            try:
+                handle._run(functools.partial(_execute, native, topo, call, job, handle.queued))
+            finally:
+                native.release()
+            handle._fire()
+
+
+def _execute(native: Any, topo: Communicator, call: Call, job: Job, queued: float = -1.0) -> Any:
+    return native.execute(topo.channel, call.native, job.send, job.out, job.count,
+                          job.dtype_code, job.op_code, job.divisor, job.move, queued)
+
+
+ENGINE = Engine()

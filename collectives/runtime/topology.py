@@ -1,0 +1,206 @@
+"""Communicators: the job's (from `init`) and any other a call names, each with its nodes
+(ranks sharing memory), cross-node groups and per-communicator state.
+
+A node is a set of ranks that share memory: MPI_COMM_TYPE_SHARED, or, to simulate several
+nodes on one machine, consecutive blocks of `ranks_per_node` ranks. Ranks with the same
+local rank on different nodes form a cross communicator (the hierarchical algorithms'
+inter-node level). What a communicator keeps across calls lives on its Topology: the
+agreement channel (with its shared window where the group is one node), the described
+calls, the fast-entry table and the stats (shm's algorithm windows are tied to the MPI
+communicator itself, see algorithms/shm.py). The watchdog and the Config
+are the process's, shared by every communicator."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from mpi4py import MPI
+
+from collectives import config as _config
+from collectives.kernels import _C
+from collectives.runtime import agreement
+from collectives.runtime.watchdog import Watchdog
+
+
+class Topology:
+    """One communicator as collectives uses it. `comm` is a private duplicate of the user's
+    communicator so our messages never match theirs. Creating one is collective over comm."""
+
+    def __init__(self, comm: MPI.Comm, config: _config.Config, watchdog: Watchdog):
+        self.config, self.watchdog = config, watchdog
+        ranks_per_node = config.ranks_per_node
+        self.comm = comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if ranks_per_node is None:
+            self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        else:
+            if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+                raise ValueError(f"ranks_per_node: expected a positive int, got {ranks_per_node!r}")
+            self.node_comm = self.comm.Split(self.rank // ranks_per_node, key=self.rank)
+        self.local_rank, self.local_size = self.node_comm.Get_rank(), self.node_comm.Get_size()
+        self.cross_comm = self.comm.Split(self.local_rank, key=self.rank)
+        self.cross_rank, self.cross_size = self.cross_comm.Get_rank(), self.cross_comm.Get_size()
+        # world ranks of each node, nodes ordered by their lowest world rank
+        leaders = self.comm.allgather(self.node_comm.bcast(self.rank, root=0))
+        self.nodes = [
+            [r for r in range(self.size) if leaders[r] == leader]
+            for leader in sorted(set(leaders))
+        ]
+
+        self.max_local_size = max(len(node) for node in self.nodes)
+        self.node_index = next(i for i, node in enumerate(self.nodes) if self.rank in node)
+        self._shard_comms: list[MPI.Comm] | None = None
+        # the agreement over shared memory where the group is one node that shares it
+        self.window = agreement.shared_window(self.comm) if len(self.nodes) == 1 else None
+        self.channel = agreement.channel(self.comm, watchdog, self.window)
+        self.stats = _C.Stats()
+        self.calls: dict[tuple, object] = {}  # described calls (collectives/calls.py)
+        self.fast: dict[tuple, object] = {}   # the allreduce fast entry's table
+        # `auto` allreduce's online trials (collectives/online.py): running, settled, and
+        # the watches of classes settled by a trial
+        self.trials: dict[int, object] = {}
+        self.settled: dict[int, str | None] = {}
+        self.watches: dict[int, object] = {}
+
+    def shard_owner(self, shard: int) -> int:
+        """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to
+        each local rank, so a node smaller than the largest owns several."""
+        return shard * self.local_size // self.max_local_size
+
+    def shard_comm(self, shard: int) -> MPI.Comm:
+        """The communicator of the ranks owning `shard` on every node (collective on first
+        use: all ranks create all of them together)."""
+        if self._shard_comms is None:
+            self._shard_comms = [
+                self.comm.Split(0 if self.shard_owner(s) == self.local_rank else MPI.UNDEFINED,
+                                key=self.rank)
+                for s in range(self.max_local_size)
+            ]
+        return self._shard_comms[shard]
+
+    def free(self) -> None:
+        if self.window is not None:
+            self.window.free()
+        for c in (self._shard_comms or []) + [self.cross_comm, self.node_comm, self.comm]:
+            if c != MPI.COMM_NULL:
+                c.Free()
+
+
+_topology: Topology | None = None
+_keyval: int | None = None  # ties a Topology to the user's communicator it was made for
+
+
+def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Topology:
+    """Initialize once (later calls return the same topology); ranks_per_node defaults to
+    the COLLECTIVES_RANKS_PER_NODE environment variable, else shared-memory nodes."""
+    global _topology
+    if _topology is None:
+        if comm is not None and not isinstance(comm, MPI.Comm):
+            raise TypeError(f"comm: expected an mpi4py MPI.Comm, got {type(comm).__name__}")
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                "collectives needs MPI_THREAD_SERIALIZED or higher (its progress thread calls "
+                "MPI); initialize MPI with mpi4py's default (MULTIPLE) or set "
+                "mpi4py.rc.thread_level = 'serialized' before importing MPI")
+        config = _config.from_env()
+        if ranks_per_node is not None:
+            config.ranks_per_node = ranks_per_node
+        _config.set(config)
+        comm = MPI.COMM_WORLD if comm is None else comm
+        watchdog = Watchdog(comm, config.stall_warning_s, config.stall_timeout_s)
+        _topology = Topology(comm, config, watchdog)
+        _abort_on_uncaught_exceptions()
+        try:
+            for fn in _on_init:
+                fn(_topology)
+        except BaseException:
+            shutdown()
+            raise
+    return _topology
+
+
+_on_init: list[Callable[[Topology], None]] = []
+
+
+def on_init(fn: Callable[[Topology], None]) -> None:
+    """Call fn(topology) at the end of every init, collectively: for what runs collectives
+    over the new job (autotune.py's measurement), which this module cannot import."""
+    _on_init.append(fn)
+
+
+def of(comm: MPI.Comm | None) -> Topology:
+    """The Topology a call runs over: the job's for None, else the one made for the mpi4py
+    communicator comm on its first use (collective over comm, like any call on it) and
+    freed with it."""
+    if comm is None:
+        return _topology if _topology is not None else init()
+    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        raise TypeError(f"comm: expected an mpi4py MPI.Comm, got {comm!r}")
+    global _keyval
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=lambda _c, _k, topo: topo.free())
+    topo = comm.Get_attr(_keyval)
+    if topo is None:
+        job = get()
+        topo = Topology(comm, job.config, job.watchdog)
+        comm.Set_attr(_keyval, topo)
+    return topo
+
+
+def _abort_on_uncaught_exceptions() -> None:
+    """An uncaught exception on one rank ends the whole job (MPI_Abort) instead of leaving
+    the other ranks waiting forever in their next collective."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        previous(kind, value, tb)
+        sys.stderr.write(f"collectives: uncaught {kind.__name__} on rank "
+                         f"{MPI.COMM_WORLD.Get_rank()}; aborting the job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+
+
+def initialized() -> bool:
+    """Whether init() has run (and shutdown() has not since)."""
+    return _topology is not None
+
+
+def get() -> Topology:
+    """The topology, initializing with defaults on first use."""
+    return _topology if _topology is not None else init()
+
+
+def shutdown() -> None:
+    """Free our communicators; a later call initializes again."""
+    global _topology
+    if _topology is not None:
+        _topology.watchdog.stop()
+        _topology.free()
+        _topology = None
+
+
+def rank() -> int:
+    return get().rank
+
+
+def size() -> int:
+    return get().size
+
+
+def local_rank() -> int:
+    return get().local_rank
+
+
+def local_size() -> int:
+    return get().local_size
+
+
+def cross_rank() -> int:
+    return get().cross_rank
+
+
+def cross_size() -> int:
+    return get().cross_size

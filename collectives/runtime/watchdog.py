@@ -1,0 +1,117 @@
+"""Stall inspection: a collective that waits too long says who is missing, then fails.
+
+Every rank keeps a small record of what it is doing (call number, collective, arguments,
+since when; kept by the engine in C++), and a responder thread answers status requests about it on a private
+communicator, polling every 50 ms, so even a rank busy in user code answers. A rank whose
+agreement step has waited longer than COLLECTIVES_STALL_WARNING_S asks every other rank
+for its record and logs which ranks have not joined and what they are doing; after
+COLLECTIVES_STALL_TIMEOUT_S (default 1800 s) it raises StallError. MPI cannot cancel a
+collective, so after a StallError the library refuses further calls."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+
+from mpi4py import MPI
+
+from collectives.kernels import _C
+from collectives.runtime.engine import ENGINE
+
+log = logging.getLogger("collectives")
+
+TAG_ASK, TAG_ANSWER = 41, 42
+
+#: A collective waited longer than COLLECTIVES_STALL_TIMEOUT_S for other ranks (and every
+#: later call, since MPI cannot cancel the stalled one). Raised from C++ too.
+StallError = _C.StallError
+
+
+def describe(snapshot: tuple) -> str:
+    """One rank's record (engine snapshot: state, calls, collective, detail, age) as text."""
+    state, calls, collective, detail, age = snapshot
+    what = f"{collective} #{calls} {detail}"
+    if state == "idle":
+        return (f"outside collectives for {age:.1f} s (last: {what})" if calls
+                else f"has made no collective call yet ({age:.1f} s)")
+    return f"{state} {age:.1f} s in {what}"
+
+
+class Watchdog:
+    def __init__(self, comm: MPI.Comm, warn_s: float, timeout_s: float | None):
+        self.comm = comm.Dup()  # status traffic never mixes with data
+        self.warn_s, self.timeout_s = warn_s, timeout_s
+        #: seconds of waiting after which on_wait is first due
+        self.first_deadline = warn_s if timeout_s is None else min(warn_s, timeout_s)
+        self._stop = threading.Event()
+        self._asked = 0
+        self._thread = threading.Thread(target=self._respond, name="collectives-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # before mpi4py finalizes MPI (atexit runs LIFO)
+
+    def stop(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+
+    def _respond(self) -> None:
+        buf = bytearray(16)
+        req = self.comm.Irecv(buf, MPI.ANY_SOURCE, TAG_ASK)
+        status = MPI.Status()
+        while not self._stop.wait(0.05):
+            while req.Test(status):
+                asker, ask_id = status.Get_source(), bytes(buf[:8])
+                self.comm.send((ask_id, ENGINE.native.snapshot()), asker, TAG_ANSWER)
+                req = self.comm.Irecv(buf, MPI.ANY_SOURCE, TAG_ASK)
+        req.Cancel()
+        req.Wait()
+
+    def survey(self, timeout: float = 2.0) -> dict[int, tuple | None]:
+        """Every other rank's record snapshot (None: it did not answer in time)."""
+        self._asked += 1
+        ask_id = self._asked.to_bytes(8, "little")
+        me, n = self.comm.Get_rank(), self.comm.Get_size()
+        for r in range(n):
+            if r != me:
+                self.comm.Send(ask_id + bytes(8), r, TAG_ASK)
+        answers: dict[int, tuple | None] = {}
+        deadline = time.monotonic() + timeout
+        status = MPI.Status()
+        while len(answers) < n - 1 and time.monotonic() < deadline:
+            if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_ANSWER, status):
+                got_id, snap = self.comm.recv(source=status.Get_source(), tag=TAG_ANSWER)
+                if got_id == ask_id:
+                    answers[status.Get_source()] = snap
+            else:
+                time.sleep(0.005)
+        return {r: answers.get(r) for r in range(n) if r != me}
+
+    def on_wait(self, waited: float) -> float:
+        """Called by a waiting agreement step (csrc/runtime/agree.cpp) at each deadline: logs
+        who is missing, or past timeout_s marks the engine failed and raises StallError;
+        returns the next deadline."""
+        warn_s, timeout_s = self.warn_s, self.timeout_s
+        if timeout_s is not None and waited >= timeout_s:
+            _, calls, collective, _, _ = ENGINE.native.snapshot()
+            why = f"{collective} #{calls} timed out after {waited:.1f} s waiting for other ranks"
+            ENGINE.native.fail(why)
+            raise StallError(why + "\n" + self._report(waited))
+        log.warning(self._report(waited))
+        next_warning = (int(waited / warn_s) + 1) * warn_s
+        return next_warning if timeout_s is None else min(next_warning, timeout_s)
+
+    def _report(self, waited: float) -> str:
+        me = self.comm.Get_rank()
+        _, calls, collective, detail, _ = ENGINE.native.snapshot()
+        others = self.survey()
+        missing = [r for r, s in others.items()
+                   if s is None or s[0] == "idle" or s[1] != calls]
+        lines = [f"collectives stall: rank {me} has waited {waited:.1f} s in "
+                 f"{collective} #{calls} {detail}; not joined: ranks {missing}"]
+        for r, snap in sorted(others.items()):
+            text = describe(snap) if snap else "did not answer (dead or not progressing)"
+            lines.append(f"  rank {r}: {text}")
+        return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""A shared-memory window: one segment per rank of ranks that share a node, made with
+MPI.Win.Allocate_shared, holding three counters and `depth` staging buffers.
+
+Chunk g (numbered across calls on the window, by its C++ side, which every call begins
+through) uses buffer g % depth. A counter is a number
+of chunks done, written only by its owner after a full memory fence and read by the others
+before one, so a reader that sees chunk g counted also sees its data. Every stage runs in
+C++ on the layout handed over here (`native`; csrc/runtime/shm_sync.h posts and waits).
+
+Two owners make windows: collectives/algorithms/shm.py (its collectives' pipelines, one
+window per communicator, grown on demand) and the agreement channel of a communicator whose
+ranks share memory (collectives/agreement.py: the shared-memory exchange)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from collectives import kernels
+
+#: Seconds a waiting rank polls before it yields its core between polls (at once when the
+#: machine runs more ranks than it has cores: then the rank waited for may need this core).
+SPIN_SECONDS = 1e-3
+_HEADER = 4096  # counters page at the start of each segment
+_PAGE = 4096
+_STRIDE = 16  # int64s between counters: each on its own 128-byte line pair
+
+
+def cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def ranks_on_machine(comm_size: int) -> int:
+    """MPI processes sharing this machine's cores: the launcher's count of local ranks where
+    it says (Open MPI, MPICH), which also covers simulated nodes, else comm_size."""
+    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(var, "").isdigit():
+            return max(int(os.environ[var]), comm_size)
+    return comm_size
+
+
+def shares_memory(comm: MPI.Comm) -> bool:
+    """Whether every rank of comm is on this rank's node (collective over comm)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    shared = node.Get_size() == comm.Get_size()
+    node.Free()
+    return shared
+
+
+class Window:
+    """One communicator's shared window: each rank's counters and staging buffers
+    (collective over comm to make and to free). stall_seconds bounds a wait (inf: never).
+    Its stages run in C++ on `native`, which also numbers the chunks (the same on every
+    rank)."""
+
+    __slots__ = ("win", "slot_bytes", "native")
+
+    def __init__(self, comm: MPI.Comm, slot_bytes: int, depth: int, stall_seconds: float):
+        self.slot_bytes = slot_bytes
+        rank, size = comm.Get_rank(), comm.Get_size()
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # page-aligned segments, first-touched locally
+        self.win = MPI.Win.Allocate_shared(_HEADER + depth * slot_bytes, 1, info, comm)
+        info.Free()
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # Win.Sync needs a passive-target epoch
+        raw = [self.win.Shared_query(j)[0] for j in range(size)]
+        # MPI does not promise zeroed memory (a one-rank window comes from malloc): zero our
+        # counters, and let no rank read a peer's before the peer has. Zeroing the whole
+        # segment also faults its pages in now, and reading a byte of every page of every
+        # segment maps them here: otherwise the first `depth` chunks of the calls after a
+        # window is made pay a page fault per 4 KiB in each process (a 256 KiB allreduce
+        # took 225 us instead of 24 for its first 4 calls, enough to lose online trials).
+        np.frombuffer(raw[rank], np.uint8)[:] = 0
+        self.win.Sync()
+        comm.Barrier()
+        for segment in raw:
+            int(np.frombuffer(segment, np.uint8)[::_PAGE].sum())
+        spin_seconds = SPIN_SECONDS if ranks_on_machine(size) <= cores() else 0.0
+        self.native = kernels.shm_window(
+            [np.frombuffer(b, np.uint8).ctypes.data for b in raw], rank, _HEADER, _STRIDE,
+            slot_bytes, depth, spin_seconds, stall_seconds)
+
+    def free(self) -> None:
+        self.native.close()  # a C++ entry still holding it must not touch the memory
+        self.win.Unlock_all()
+        self.win.Free()
