@@ -205,7 +205,7 @@ TRIAL_WARMUP = 100
 
 
 def warm_past_trials(calls: dict) -> None:
-    """`auto`'s first allreduces of a size class are its online trial (collectives/online.py),
+    """`auto`'s first allreduces of a size class are its online trial (collectives/auto/online.py),
     which a job goes through in its first steps: call each call that advances a running
     trial until no trial runs (the same calls on every rank: every rank ends a trial in the
     same call). Back to back, as its column is timed: a trial whose calls each follow another

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile every CUDA kernel (csrc/cuda/*.cu) with nvcc so they never rot on machines
-# without a GPU. At run time CuPy compiles the same files (collectives/cuda_kernels.py).
+# without a GPU. At run time CuPy compiles the same files (collectives/kernels/cuda.py).
 #   bash ci/compile_cuda.sh          # exits 0 and says so when nvcc is absent
 # Set NVCC_ARCH (default sm_80) to target another architecture.
 set -euo pipefail

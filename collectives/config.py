@@ -18,10 +18,10 @@ class Config:
     #: Bytes per pipelined segment in the ring algorithms.
     ring_segment_bytes: int = 1 << 20
     #: JSON written by `python -m collectives.calibrate`, read by `auto` at init (instead of
-    #: the job's own measurement, collectives/autotune.py); None = no file.
+    #: the job's own measurement, collectives/auto/autotune.py); None = no file.
     tuning_file: str | None = None
     #: Whether the first job on a setup times the algorithms for `auto` (a few seconds)
-    #: and caches the times under XDG_CACHE_HOME for later jobs (collectives/autotune.py).
+    #: and caches the times under XDG_CACHE_HOME for later jobs (collectives/auto/autotune.py).
     autotune: bool = True
     #: Seconds a collective may wait for other ranks before it logs who is missing.
     stall_warning_s: float = 60.0
@@ -31,14 +31,14 @@ class Config:
     #: collectives, short enough that a lost rank ends the job instead of hanging it.
     stall_timeout_s: float | None = 1800.0
     #: Bytes of result memory kept for reuse by later results of the same size
-    #: (collectives/buffers.py, host_empty); 0 = every result gets fresh memory.
+    #: (collectives/runtime/buffers.py, host_empty); 0 = every result gets fresh memory.
     result_pool_bytes: int = 1 << 30
-    #: Chrome-trace JSON the job writes its timeline to (collectives/timeline.py), from
+    #: Chrome-trace JSON the job writes its timeline to (collectives/api/timeline.py), from
     #: init to shutdown; None = no timeline unless start_timeline() is called.
     timeline: str | None = None
     #: Mark each call's start in the timeline (Horovod's mark_cycles).
     timeline_mark_cycles: bool = False
-    #: The algorithm the torch.distributed backend (collectives/torch_backend.py) runs its
+    #: The algorithm the torch.distributed backend (collectives/integrations/torch_backend.py) runs its
     #: reductions, gathers and broadcasts with: one of collectives.ALGORITHMS.
     algorithm: str = "auto"
 

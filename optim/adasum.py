@@ -1,6 +1,6 @@
 """Data-parallel training with Adasum (Horovod's op=Adasum optimizer): each rank steps its
 optimizer on its own gradients, then the parameter deltas of that step are combined across
-ranks with Adasum (collectives/adasum.py) and every rank applies the combined delta to the
+ranks with Adasum (collectives/api/adasum.py) and every rank applies the combined delta to the
 parameters it started the step from. Combining the updates, not the gradients, is what lets
 Adasum scale the learning rate of optimizers like Adam as well as SGD.
 

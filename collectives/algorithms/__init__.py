@@ -9,7 +9,7 @@ Every module listed in REGISTRY provides, as plain functions, the collectives it
                                                     recv = block r of every send
 (all of the first four, or only alltoall), and
   cost(collective, nbytes, layout, params) -> float  predicted seconds on a group of that
-      Layout (collectives/costmodel.py), the formula its docstring states; math.inf where
+      Layout (collectives/algorithms/costmodel.py), the formula its docstring states; math.inf where
       `auto` must not pick it
 and optionally check(layout), which raises ValueError where the algorithm cannot run at all.
 comm is a communicator over flat host arrays, except for a module that sets
@@ -101,7 +101,7 @@ def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: Re
 
 def contributors(topo: Topology) -> int:
     """The ranks whose data the running reduction on topo sums: all but those inside
-    join() (collectives/join.py), which contribute the identity."""
+    join() (collectives/api/join.py), which contribute the identity."""
     return topo.size - ENGINE.native.joined
 
 

@@ -1,6 +1,6 @@
 """Shared-memory collectives for ranks that share a node: allreduce, reducescatter,
 allgather and broadcast through one shared window per communicator
-(collectives/shm_window.py: per-rank counters and staging buffers).
+(collectives/runtime/window.py: per-rank counters and staging buffers).
 
 How it works. Every rank owns a segment of the communicator's window, kept across calls
 (grown on demand, collectively; freed by `shutdown`), holding DEPTH staging buffers of up
@@ -25,7 +25,7 @@ every rank copies its whole input in, waits once, and reads what it needs from e
 rank's buffer (allreduce: every rank folds the whole vector; reducescatter its block;
 allgather copies every block out; csrc/runtime/shm.cpp's shm_single). An
 allreduce called through the API on one node takes that step inside its agreement instead
-(collectives/agreement.py: the call's header rides beside its data), so it has no step of
+(collectives/runtime/agreement.py: the call's header rides beside its data), so it has no step of
 its own there; hierarchical's node level calls allreduce() here directly.
 Before writing buffer g % DEPTH a rank waits until every rank has counted chunk g - DEPTH
 as DONE. Stage s of chunk k runs at step k + s, so each wait is on work the others did a

@@ -23,7 +23,7 @@ from collectives.api.base import (
 from collectives.api.calls import Call
 from collectives.auto import online, select
 from collectives.compression import Compression, check_compression
-from collectives.dtypes import CODES, FLOATING, STORAGE, numpy_dtype_name, torch_dtype_name
+from collectives.dtypes import FLOATING, STORAGE, numpy_dtype_name, torch_dtype_name
 from collectives.ops import ReduceOp, check_op
 from collectives.runtime import topology
 from collectives.runtime.buffers import POOL_MIN_BYTES, Buffer, host_empty, host_float, store_float, wrap
@@ -34,8 +34,6 @@ try:
     _Tensor = torch.Tensor
 except ImportError:
     torch = _Tensor = None
-
-_INT64 = CODES["int64"]
 
 # ----------------------------------------------------------------------------- allreduce
 

@@ -22,19 +22,11 @@ from collectives.api.base import (
 )
 from collectives.api.calls import Call
 from collectives.auto import select
-from collectives.dtypes import CODES, STORAGE
+from collectives.dtypes import STORAGE
 from collectives.ops import ReduceOp, check_op, kernel_op
 from collectives.runtime import topology
 from collectives.runtime.buffers import wrap
 from collectives.runtime.engine import Handle, Job
-
-try:
-    import torch
-    _Tensor = torch.Tensor
-except ImportError:
-    torch = _Tensor = None
-
-_INT64 = CODES["int64"]
 
 # ------------------------------------------------------------------------- reducescatter
 

@@ -1,7 +1,7 @@
 """`auto`: choose the algorithm per call as the minimum over the registered algorithms' costs.
 
 Each module in collectives/algorithms/ prices a call with its cost() (the alpha-beta model
-of collectives/costmodel.py, over the job's Layout). Every call also pays the agreement's
+of collectives/algorithms/costmodel.py, over the job's Layout). Every call also pays the agreement's
 header exchange (agreement_cost), except a small allreduce whose data rides in that
 exchange (calls.riding): `shm` up to SHARED_BYTES on one node, where the exchange is one
 step in shared memory, `tree` up to PIGGYBACK_BYTES across nodes, where it is recursive

@@ -20,7 +20,7 @@ from collectives.runtime.engine import Handle
 
 Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
                                    ReduceOp.Product)
-#: Horovod's Adasum op (collectives/adasum.py).
+#: Horovod's Adasum op (collectives/api/adasum.py).
 Adasum = "Adasum"
 
 #: Raised when a collective cannot complete (Horovod's name for it).
@@ -139,7 +139,7 @@ def barrier(process_set=global_process_set) -> None:
     every rank started before it have finished. As Horovod's (whose coordinator runs the
     barrier after the calls ready on every rank), it is not held up by a call that only
     some ranks have started, even one the others start only after it: the ranks meet
-    beside the engine (collectives/meet.py), agreeing on how many async calls all of them
+    beside the engine (collectives/runtime/meet.py), agreeing on how many async calls all of them
     started, and then wait for those. Below MPI_THREAD_MULTIPLE it is the library's
     barrier, behind every outstanding call."""
     if not _meet.available():

@@ -1,5 +1,5 @@
 """Ranks meet beside the engine: a barrier that is not held up by this rank's queued
-collectives (Horovod's barrier, collectives/horovod.py, which then waits for the ones every
+collectives (Horovod's barrier, collectives/horovod/, which then waits for the ones every
 rank has started).
 
 The library's own barrier is a collective like the others: agreed, in submission order,

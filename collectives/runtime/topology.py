@@ -55,9 +55,9 @@ class Topology:
         self.window = agreement.shared_window(self.comm) if len(self.nodes) == 1 else None
         self.channel = agreement.channel(self.comm, watchdog, self.window)
         self.stats = _C.Stats()
-        self.calls: dict[tuple, object] = {}  # described calls (collectives/calls.py)
+        self.calls: dict[tuple, object] = {}  # described calls (collectives/api/calls.py)
         self.fast: dict[tuple, object] = {}   # the allreduce fast entry's table
-        # `auto` allreduce's online trials (collectives/online.py): running, settled, and
+        # `auto` allreduce's online trials (collectives/auto/online.py): running, settled, and
         # the watches of classes settled by a trial
         self.trials: dict[int, object] = {}
         self.settled: dict[int, str | None] = {}

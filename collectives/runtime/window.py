@@ -9,7 +9,7 @@ C++ on the layout handed over here (`native`; csrc/runtime/shm_sync.h posts and 
 
 Two owners make windows: collectives/algorithms/shm.py (its collectives' pipelines, one
 window per communicator, grown on demand) and the agreement channel of a communicator whose
-ranks share memory (collectives/agreement.py: the shared-memory exchange)."""
+ranks share memory (collectives/runtime/agreement.py: the shared-memory exchange)."""
 
 from __future__ import annotations
 

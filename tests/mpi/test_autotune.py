@@ -1,4 +1,4 @@
-"""`auto` out of the box (collectives/autotune.py): the first job on a setup measures and
+"""`auto` out of the box (collectives/auto/autotune.py): the first job on a setup measures and
 caches, the next reads the cache; tuning-file errors at init; every rank makes the same
 choices however noisy its own clock."""
 
@@ -17,6 +17,7 @@ from conftest import assert_equal
 import collectives as C
 from collectives import algorithms, config
 from collectives.algorithms import costmodel
+from collectives.api import timed_call
 from collectives.auto import autotune, online, select
 from collectives.runtime import topology
 
@@ -41,9 +42,9 @@ def cache(tmp_path_factory, comm, monkeypatch):
 
 def test_the_first_job_measures_and_the_next_reads_the_cache(comm, cache):
     if comm.Get_size() == 1:
-        assert autotune.setup(_job()) == {}  # nothing to choose between
+        assert autotune.setup(_job(), timed_call) == {}  # nothing to choose between
         return
-    first = autotune.setup(_job())
+    first = autotune.setup(_job(), timed_call)
     assert first["nodes"] == [len(n) for n in topology.get().nodes]
     assert set(first["measured"]) == set(autotune.COLLECTIVES)
     assert all(len(points) == len(SMALL) for table in first["measured"].values()
@@ -51,7 +52,7 @@ def test_the_first_job_measures_and_the_next_reads_the_cache(comm, cache):
     path = autotune.cache_path(autotune.key(topology.get()))
     assert str(path).startswith(cache) and (comm.rank != 0 or path.exists())
     start = time.perf_counter()
-    again = autotune.setup(_job())
+    again = autotune.setup(_job(), timed_call)
     assert time.perf_counter() - start < 0.2
     assert again == json.loads(json.dumps(first))
 
@@ -67,14 +68,14 @@ def test_the_key_names_what_the_times_depend_on(comm):
 def test_a_tuning_file_that_is_missing_or_bad_is_an_error_at_init(comm, tmp_path):
     missing = comm.bcast(str(tmp_path / "nowhere.json") if comm.rank == 0 else None)
     with pytest.raises(ValueError, match=f"COLLECTIVES_TUNING_FILE={missing}: no such file"):
-        autotune.setup(_job(tuning_file=missing))
+        autotune.setup(_job(tuning_file=missing), timed_call)
     bad = comm.bcast(str(tmp_path / "bad.json") if comm.rank == 0 else None)
     if comm.rank == 0:
         with open(bad, "w") as f:
             f.write("{not json")
     comm.Barrier()
     with pytest.raises(ValueError, match=f"COLLECTIVES_TUNING_FILE={bad}: not a tuning file"):
-        autotune.setup(_job(tuning_file=bad))
+        autotune.setup(_job(tuning_file=bad), timed_call)
 
 
 def test_a_tuning_file_for_another_layout_warns_and_is_set_aside(comm, tmp_path):
@@ -85,7 +86,7 @@ def test_a_tuning_file_for_another_layout_warns_and_is_set_aside(comm, tmp_path)
     comm.Barrier()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert autotune.setup(_job(tuning_file=other, autotune=False)) == {}
+        assert autotune.setup(_job(tuning_file=other, autotune=False), timed_call) == {}
     assert any("made for nodes" in str(w.message) for w in caught) == (comm.rank == 0)
 
 
@@ -99,7 +100,7 @@ def test_every_rank_chooses_the_same_under_per_rank_noise(comm, cache, monkeypat
         return clock() + (comm.rank + 1) * 1e-4 * (next(noise) % 7)
 
     monkeypatch.setattr(autotune, "clock", jittery)
-    tuning = autotune.setup(_job())
+    tuning = autotune.setup(_job(), timed_call)
     digest = hashlib.sha256(json.dumps(tuning["measured"], sort_keys=True).encode()).hexdigest()
     assert len(set(comm.allgather(digest))) == 1
     monkeypatch.setattr(costmodel, "_installed", tuning)

@@ -1,4 +1,4 @@
-"""compressed_allreduce (collectives/onebit.py) against a NumPy reference of the same
+"""compressed_allreduce (collectives/compression/onebit.py) against a NumPy reference of the same
 algorithm, written to round exactly as the C++ kernels do, so results and both error
 buffers must match bit for bit; plus bytes on the wire, dtypes and argument checks."""
 

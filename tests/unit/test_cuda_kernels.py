@@ -1,4 +1,4 @@
-"""The CUDA kernels (csrc/cuda/*.cu through collectives/cuda_kernels.py) checked against the
+"""The CUDA kernels (csrc/cuda/*.cu through collectives/kernels/cuda.py) checked against the
 shared vectors (tests/vectors/kernels.npz) that the C++ kernels are checked against.
 
 Runs wherever CuPy sees a GPU; elsewhere every test is skipped with the reason. (CI without
