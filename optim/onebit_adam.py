@@ -8,7 +8,7 @@ DistributedOptimizer): call loss.backward() on each rank's share of the batch, t
       same momentum m and variance v. With no weight decay this is torch.optim.Adam and
       with it torch.optim.AdamW (decoupled decay), step for step.
   compressed, after freeze_step: v is frozen. Each rank folds its own gradient into m,
-      then m is averaged with collectives.onebit.compressed_allreduce (signs plus scales,
+      then m is averaged with collectives.compressed_allreduce (signs plus scales,
       with this rank's worker_error and server_error; both start at zero at the freeze),
       and the averaged m, the same on every rank, replaces it. The update is
       m / (sqrt(v) + eps), with the bias corrections, plus decoupled weight decay.

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from collectives import api
+from collectives.algorithms.onebit import error_sizes
+from collectives.api.compressed import compressed_allreduce_async
 from collectives.compression import Compression, onebit
 from collectives.integrations import torch_backend
 from collectives.ops import ReduceOp
@@ -120,7 +122,7 @@ class OnebitHookState:
         layout = tuple(tuple(p.shape) for p in bucket.parameters())
         found = self.errors.get(bucket.index())
         if found is None or found[0] != layout:
-            worker, server = onebit.error_sizes(bucket.buffer().numel(), ranks)
+            worker, server = error_sizes(bucket.buffer().numel(), ranks)
             found = self.errors[bucket.index()] = (layout, np.zeros(worker, np.float32),
                                                    np.zeros(server, np.float32))
         return found[1], found[2]
@@ -151,7 +153,7 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
         return _average(bucket, group, Compression.none)
     worker, server = state._errors(bucket, group.size())
     if _ours(group):
-        handle = onebit.compressed_allreduce_async(buffer, worker, server, state.block_size,
+        handle = compressed_allreduce_async(buffer, worker, server, state.block_size,
                                                    comm=group.comm)
         return torch_backend.future(handle)
     n = group.size()

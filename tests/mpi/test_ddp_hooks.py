@@ -13,7 +13,7 @@ from conftest import assert_same_on_all_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import collectives as C
-from collectives.compression import onebit
+from collectives.algorithms.onebit import error_sizes
 from collectives.integrations.ddp_hooks import OnebitHookState, fp16_hook, int8_hook, onebit_hook
 
 
@@ -66,7 +66,7 @@ def test_fp16_and_int8_average_as_the_library_does(comm, size):
 def test_onebit_is_compressed_allreduce_with_error_feedback_after_warmup(comm, size, block_size):
     n = comm.Get_size()
     state = OnebitHookState(warmup_steps=2, block_size=block_size)
-    worker, server = (np.zeros(k, np.float32) for k in onebit.error_sizes(size, n))
+    worker, server = (np.zeros(k, np.float32) for k in error_sizes(size, n))
     for step in range(5):
         x = _grads(comm, size, step)
         got = onebit_hook(state, _Bucket(x.clone())).wait()
