@@ -17,7 +17,7 @@ class Config:
     ranks_per_node: int | None = None
     #: Bytes per pipelined segment in the ring algorithms.
     ring_segment_bytes: int = 1 << 20
-    #: JSON written by `python -m collectives.calibrate`, read by `auto` at init (instead of
+    #: JSON written by `python -m collectives calibrate`, read by `auto` at init (instead of
     #: the job's own measurement, collectives/auto/autotune.py); None = no file.
     tuning_file: str | None = None
     #: Whether the first job on a setup times the algorithms for `auto` (a few seconds)
@@ -38,8 +38,8 @@ class Config:
     timeline: str | None = None
     #: Mark each call's start in the timeline (Horovod's mark_cycles).
     timeline_mark_cycles: bool = False
-    #: The algorithm the torch.distributed backend (collectives/integrations/torch_backend.py) runs its
-    #: reductions, gathers and broadcasts with: one of collectives.ALGORITHMS.
+    #: The algorithm the torch.distributed backend (collectives/integrations/torch_backend.py)
+    #: runs its reductions, gathers and broadcasts with: one of collectives.ALGORITHMS.
     algorithm: str = "auto"
 
 

@@ -7,12 +7,13 @@ Open MPI's defaults). Other MPI libraries ignore these variables.
 btl_sm_eager_limit = 8 KiB. Every collective starts with the agreement exchange, whose
 messages are a 40-byte header plus, for an allreduce of up to 64 KiB, its data. Open MPI's
 shared-memory transport sends up to 4 KiB (its header included) eagerly and anything larger
-by rendezvous, an extra round trip: a 4 KiB allreduce's message (4 KiB and the header) took 10-11 us at
-np 2 on the development VM, against 5-6 us with an 8 KiB limit (MPI_Allreduce: 4-6 us).
+by rendezvous, an extra round trip: a 4 KiB allreduce's message (4 KiB and the header)
+takes 10-11 us with 2 ranks on a two-core host, against 5-6 us with an 8 KiB limit
+(MPI_Allreduce: 4-6 us).
 The cost is larger preallocated fragments (at most 512 per process, 4 MiB).
 
 osc = ^ucx. Open MPI's UCX one-sided component prints an error at every shared-window
-creation on machines without UCX devices; shared windows (algorithms/shm.py) are served by
+creation on machines without UCX devices; shared windows (collectives/algorithms/shm.py) are served by
 the shared-memory component either way. Clusters whose own one-sided code wants UCX set
 OMPI_MCA_osc themselves."""
 

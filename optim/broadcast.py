@@ -23,7 +23,6 @@ _GRAD_DTYPES = tuple(torch_dtype(name) for name in FLOATING)
 _BROADCAST_DTYPES = tuple(torch_dtype(name) for name in NAMES)
 
 
-
 # --------------------------------------------------------------------------- broadcasts
 
 def _broadcastable(name: str, t: object) -> torch.Tensor:

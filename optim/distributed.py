@@ -33,6 +33,7 @@ import torch
 from collectives import api as C
 from collectives import kernels as _kernels
 from collectives.dtypes import FLOATING, NAMES, torch_dtype
+from collectives.runtime.p2p import even_bounds
 
 from .wrapped import WrappedOptimizer, _check_int, _user_names
 
@@ -132,12 +133,8 @@ def _make_buckets(params: list[torch.Tensor], threshold: int,
     length (Horovod's num_groups); the parameters of each of `groups` together; the others
     in buckets of at most `threshold` bytes (a larger parameter gets a bucket of its own)."""
     if num_groups:
-        base, extra = divmod(len(params), num_groups)
-        runs, start = [], 0
-        for k in range(num_groups):
-            stop = start + base + (1 if k < extra else 0)
-            runs.append(params[start:stop])
-            start = stop
+        bounds = even_bounds(len(params), num_groups)
+        runs = [params[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
         return [_Bucket(b) for run in runs for b in _by_kind(run) if b]
     member = {id(p): k for k, group in enumerate(groups or []) for p in group}
     chosen: dict[int, list[torch.Tensor]] = {}

@@ -22,13 +22,10 @@ _GRAD_DTYPES = tuple(torch_dtype(name) for name in FLOATING)
 _BROADCAST_DTYPES = tuple(torch_dtype(name) for name in NAMES)
 
 
-
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
     return value
-
-
 
 
 def _user_names(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
@@ -50,8 +47,6 @@ def _user_names(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[in
             raise ValueError(f"named_parameters: {names[id(p)]!r} and {name!r} are the same tensor")
         names[id(p)] = name
     return names
-
-
 
 
 class WrappedOptimizer(torch.optim.Optimizer):

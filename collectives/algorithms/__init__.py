@@ -62,12 +62,6 @@ def costs(collective: str, nbytes: int, layout: Layout, p: Params) -> dict[str, 
     return {name: t for name, t in found.items() if t < math.inf}
 
 
-def cheapest(collective: str, nbytes: int, layout: Layout, p: Params) -> str:
-    """The registered algorithm with the lowest cost for this call on layout."""
-    found = costs(collective, nbytes, layout, p)
-    return min(found, key=found.get)
-
-
 def function(algo: str, collective: str) -> Callable:
     """Module algo's function for collective."""
     return getattr(REGISTRY[algo], collective)

@@ -6,8 +6,8 @@ collectives/algorithms/):
   steps x (alpha + o) + bytes on the wire x beta + bytes reduced x gamma
 with separate (alpha, beta) for links inside a node and between nodes; o is our per-message
 software overhead (zero for `mpi`, whose steps run in C and which pays one mpi_call instead).
-The parameters come from the tuning in force (autotune.py: the file written by `python -m
-collectives.calibrate`, or the job's own measurement), or the defaults below."""
+The parameters come from the tuning in force (collectives/auto/autotune.py: the file written
+by `python -m collectives calibrate`, or the job's own measurement), or the defaults below."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import math
 
 @dataclasses.dataclass(frozen=True)
 class Params:
-    """Defaults: `python -m collectives.calibrate` at np=2 on the 2-core development VM
-    (Open MPI 5 shared memory, 2026-11-22); the inter-node pair is a 1 Gbit/s link's."""
+    """Defaults: `python -m collectives calibrate` at np=2 on a two-core host (Open MPI 5,
+    shared memory between the ranks); the inter-node pair is a 1 Gbit/s link's."""
 
     alpha_intra: float = 1.6e-6   # s per message inside a node
     beta_intra: float = 2.2e-10   # s per byte inside a node (~4.6 GB/s, 64 MiB messages)

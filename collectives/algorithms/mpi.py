@@ -4,8 +4,8 @@ and the fallback.
 Native MPI types and ops are used where MPI has them; float16 and bfloat16 (which MPI does
 not define) travel as 16-bit integers with a user-defined op that calls our kernels. So do
 int8, uint8 and int16: Open MPI's AVX reduction saturates 8- and 16-bit sums on overflow
-where C and NumPy wrap (open-mpi/ompi#8045, closed as wontfix; int16 measured here: sums
-out of range came back saturated), so its native narrow Sum disagrees with every other
+where C and NumPy wrap (open-mpi/ompi#8045, closed as wontfix; int16 sums out of range
+come back saturated too), so its native narrow Sum disagrees with every other
 algorithm. And so do float Min/Max: MPI's MIN/MAX drop a NaN depending on operand
 order, where ours propagate it (as numpy.minimum), so `auto` switching algorithms by size
 never changes an answer.
@@ -29,7 +29,7 @@ broadcasts among the leaders with libnbc's non-blocking collectives, and broadca
 the node. Priced as the better of a flat allreduce (a node layout the library does not
 see, as simulated nodes, runs flat) and a binomial reduce and broadcast of m on the largest
 node plus the best flat allreduce of m across one rank per node. On 2 hosts x 2
-ranks at 1 Gbit/s it measured 564 ms for 64 MiB (this price 583, a flat ring 873): between
+ranks at 1 Gbit/s it runs 64 MiB in 564 ms (this price 583, a flat ring's 814): between
 2 leaders a reduce and a broadcast move what an allreduce does. Between more, libnbc's
 broadcast goes linear up to 4 leaders and binomial above, so its root sends each segment
 N-1 or log2 N times where an allreduce sends 2 (N-1)/N: there the price is a lower bound

@@ -19,7 +19,8 @@ of every block:
   broadcast      1. the root copies a piece in; 2. the others copy it out.
 These pipelined stages run in C++ with the GIL released (csrc/runtime/shm.cpp); an
 allreduce described before runs them from the API's C++ fast entry (allreduce_pipeline(),
-csrc/bindings/runtime.cpp's FastAllreduce), with no Python between the call and its result.
+_C.FastAllreduce: csrc/runtime/fast_allreduce.cpp), with no Python between the call and its
+result.
 Calls staging at most SMALL_BYTES in all take one chunk in one step (the single-step path):
 every rank copies its whole input in, waits once, and reads what it needs from every
 rank's buffer (allreduce: every rank folds the whole vector; reducescatter its block;
@@ -238,7 +239,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
 
 def allreduce_pipeline(comm: MPI.Comm, elems: int, itemsize: int) -> tuple | None:
     """What a C++ caller needs to run allreduce()'s pipeline on elems elements of itemsize
-    bytes itself (csrc/bindings/runtime.cpp's FastAllreduce): (bounds, e, nchunks, window),
+    bytes itself (_C.FastAllreduce: csrc/runtime/fast_allreduce.cpp): (bounds, e, nchunks, window),
     window() returning the native window, made or grown as allreduce() would (collective:
     call it where allreduce() would run). None where allreduce() takes no pipeline."""
     size = comm.Get_size()

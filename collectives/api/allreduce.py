@@ -68,12 +68,6 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     return out if call.fast.at(x.data_ptr(), out.data_ptr()) else None
 
 
-
-
-
-
-
-
 def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compression: Any,
                inplace: bool, prescale_factor: Any = 1.0,
                postscale_factor: Any = 1.0) -> tuple[Call, Job]:

@@ -60,12 +60,6 @@ def check_algorithm(algorithm: object, known: tuple[str, ...] = ALGORITHMS) -> s
     return algorithm
 
 
-def even_split(rows: int, n: int) -> list[int]:
-    """Rows per rank under Horovod's rule: the first rows % n ranks get one extra."""
-    base, extra = divmod(rows, n)
-    return [base + (1 if r < extra else 0) for r in range(n)]
-
-
 def row_elems(shape: tuple) -> int:
     return math.prod(shape[1:])
 
@@ -101,7 +95,6 @@ def check_list(tensors: Any) -> None:
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"tensors: expected a list or tuple of arrays, got "
                         f"{type(tensors).__name__}")
-
 
 
 def check_factor(name: str, value: object) -> float:

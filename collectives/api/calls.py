@@ -40,8 +40,6 @@ class Call(NamedTuple):
     divisor: int = 1       # world size for Average, else 1
 
 
-
-
 def describe(topo: Topology, collective: str, fields: tuple, algorithm: str) -> Call:
     """The description of a call of collective with these agreed fields running algorithm
     (concrete, or a stats label) on topo."""

@@ -101,8 +101,6 @@ def allgather_async(x: Any, algorithm: str = "auto", *, name: str | None = None,
     return submit(topo, name, "allgather", _allgather, x, algorithm)
 
 
-
-
 def _grouped_allgather(topo: topology.Topology, tensors: Any,
                        algorithm: Any) -> tuple[Call, Job]:
     check_algorithm(algorithm)

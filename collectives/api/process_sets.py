@@ -84,9 +84,6 @@ class ProcessSet:
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
-_registered: dict[int, ProcessSet] = {}  # id -> set, every set added and not removed
-_last_id = 0                              # ids are never reused, equal on every rank
-
 
 def _sync_global() -> topology.Topology:
     job = topology.get()
@@ -105,13 +102,12 @@ def _add(job: topology.Topology, process_set: ProcessSet) -> tuple[calls.Call, J
     call = calls.describe(job, "add_process_set", (("ranks", tuple(ranks)),), "mpi")
 
     def move() -> ProcessSet:
-        global _last_id
         member = job.rank in ranks
         comm = job.comm.Split(0 if member else MPI.UNDEFINED, key=job.rank)
-        _last_id += 1
-        process_set.process_set_id = _last_id
+        job.last_set_id += 1  # ids are never reused within a job, equal on every rank
+        process_set.process_set_id = job.last_set_id
         process_set._comm = comm if member else None
-        _registered[_last_id] = process_set
+        job.process_sets[job.last_set_id] = process_set
         return process_set
 
     return call, Job(move)
@@ -130,14 +126,14 @@ def _remove(job: topology.Topology, process_set: Any) -> tuple[calls.Call, Job]:
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set: expected a ProcessSet, got {type(process_set).__name__}")
     key = process_set.process_set_id
-    if key != 0 and _registered.get(key) is not process_set:
+    if key != 0 and job.process_sets.get(key) is not process_set:
         raise ValueError(f"process_set: {process_set} is not registered")
     call = calls.describe(job, "remove_process_set", (("process_set_id", key),), "mpi")
 
     def move() -> bool:
         if key == 0:
             return False  # the global set stays
-        del _registered[key]
+        del job.process_sets[key]
         if process_set._comm is not None:
             process_set._comm.Free()  # frees its Topology with it (topology.of)
         process_set._comm = None
@@ -193,10 +189,10 @@ def shutdown() -> None:
     communicator, then the job's (topology.shutdown); a later call initializes again."""
     if timeline.active():
         timeline.stop_timeline()
-    for process_set in _registered.values():
-        if process_set._comm is not None:
-            process_set._comm.Free()
-        process_set._comm = None
-        process_set.process_set_id = None
-    _registered.clear()
+    if topology.initialized():
+        for process_set in topology.get().process_sets.values():
+            if process_set._comm is not None:
+                process_set._comm.Free()
+            process_set._comm = None
+            process_set.process_set_id = None
     topology.shutdown()

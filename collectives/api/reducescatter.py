@@ -11,7 +11,6 @@ from collectives.api import calls, process_sets
 from collectives.api.base import (
     check_algorithm,
     check_list,
-    even_split,
     need_dim0,
     one_dtype,
     row_elems,
@@ -27,6 +26,7 @@ from collectives.ops import ReduceOp, check_op, kernel_op
 from collectives.runtime import topology
 from collectives.runtime.buffers import wrap
 from collectives.runtime.engine import Handle, Job
+from collectives.runtime.p2p import even_split
 
 # ------------------------------------------------------------------------- reducescatter
 

@@ -30,7 +30,3 @@ def stats(comm: Any = None, process_set: Any = None) -> dict:
         totals["calls"] += calls
     return dict(totals, per_op=per_op)
 
-
-def reset(comm: Any = None, process_set: Any = None) -> None:
-    """Zero the counters of the job's communicator (or comm's, or process_set's)."""
-    process_sets.resolve(comm, process_set).stats.reset()

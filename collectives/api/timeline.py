@@ -27,7 +27,6 @@ from collectives.api import calls
 from collectives.runtime import topology
 from collectives.runtime.engine import ENGINE, Job
 
-_active: dict[str, Any] | None = None  # path, mark_cycles, origin while recording
 _at_exit_registered = False
 
 
@@ -45,9 +44,9 @@ def _check_path(job: topology.Topology, file_path: object) -> str:
 
 
 def _start(job: topology.Topology, file_path: Any, mark_cycles: Any) -> tuple[calls.Call, Job]:
-    if _active is not None:
+    if job.timeline is not None:
         raise ValueError(f"file_path: a timeline is already being recorded to "
-                         f"{_active['path']!r}; call stop_timeline() first")
+                         f"{job.timeline['path']!r}; call stop_timeline() first")
     if not isinstance(mark_cycles, bool):
         raise TypeError(f"mark_cycles: expected a bool, got {type(mark_cycles).__name__}")
     call = calls.describe(job, "start_timeline", (), "agreement")
@@ -57,11 +56,11 @@ def _start(job: topology.Topology, file_path: Any, mark_cycles: Any) -> tuple[ca
 def start_timeline(file_path: str | os.PathLike, mark_cycles: bool = False) -> None:
     """Record every collective call from now on, to be written to file_path (by rank 0)
     at stop_timeline(). Collective over the job: every rank calls it."""
-    global _active, _at_exit_registered
+    global _at_exit_registered
     job = topology.get()
     path = ENGINE.run(job, *calls.prepare(job, None, "start_timeline", _start,
                                          (file_path, mark_cycles)))
-    _active = {"path": path, "mark_cycles": mark_cycles, "origin": ENGINE.native.clock()}
+    job.timeline = {"path": path, "mark_cycles": mark_cycles, "origin": ENGINE.native.clock()}
     ENGINE.native.tracing = True
     if not _at_exit_registered:  # the file is written even if stop_timeline() never is
         atexit.register(_stop_at_exit)
@@ -72,7 +71,7 @@ def _stop(job: topology.Topology) -> tuple[calls.Call, Job]:
     call = calls.describe(job, "stop_timeline", (), "agreement")
 
     def move() -> None:
-        state = _active
+        state = job.timeline
         ENGINE.native.tracing = False
         if state is None:  # on every rank alike: start and stop are collective
             return
@@ -90,20 +89,20 @@ def _stop(job: topology.Topology) -> tuple[calls.Call, Job]:
 def stop_timeline() -> None:
     """Stop recording and write the file (rank 0). Collective over the job; a no-op
     everywhere when no timeline is being recorded."""
-    global _active
     job = topology.get()
     try:
         ENGINE.run(job, *calls.prepare(job, None, "stop_timeline", _stop, ()))
     finally:
-        _active = None
+        job.timeline = None
 
 
 def active() -> bool:
-    return _active is not None
+    """Whether the job records a timeline (False before init)."""
+    return topology.initialized() and topology.get().timeline is not None
 
 
 def _stop_at_exit() -> None:
-    if _active is not None and topology.initialized():
+    if active():
         stop_timeline()
 
 

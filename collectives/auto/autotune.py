@@ -6,7 +6,7 @@ wherever they exist for the call's communicator, and falls back to the cost mode
 The cache key is what the times depend on: the library version, the world size, the ranks on
 each node and the hosts' names. The file is $XDG_CACHE_HOME/collectives/tuning-<digest of the
 key>.json (~/.cache when XDG_CACHE_HOME is unset), the same format as the one
-`python -m collectives.calibrate` writes. Rank 0 reads and writes it; every rank gets its
+`python -m collectives calibrate` writes. Rank 0 reads and writes it; every rank gets its
 contents through MPI, so ranks on hosts without a shared file system agree, and every timing
 is the slowest rank's, so every rank makes the same choices however noisy its own clock.
 
@@ -113,7 +113,7 @@ def _tuning_file(topo: Any, path: str) -> dict | None:
 
 def _time(calls: dict[str, Callable[[], Any]], nbytes: int, comm: MPI.Comm) -> dict[str, float]:
     """Each call's best seconds, the slowest rank's. The calls take turns, round after
-    round, so that a slow spell of this shared machine hits every candidate alike instead
+    round, so that a slow spell of a shared machine hits every candidate alike instead
     of the one measured during it; and interference only adds time, so the minimum over
     the rounds is the steadiest estimate of what a call costs."""
     reps = 5 if nbytes < 16 << 20 else 3
@@ -130,11 +130,9 @@ def _time(calls: dict[str, Callable[[], Any]], nbytes: int, comm: MPI.Comm) -> d
     return dict(zip(calls, np.max(everyone, axis=0).tolist()))
 
 
-
-
 #: timed(collective, x, algorithm) -> a function making that public call on x (Sum for the
 #: reductions): what a measurement times, since it is what `auto` will run. The public API
-#: supplies it (collectives/api/base.py: timed_call); this layer is below it.
+#: supplies it (collectives/api/__init__.py: timed_call); this layer is below it.
 Timed = Callable[[str, np.ndarray, str], Callable[[], Any]]
 
 

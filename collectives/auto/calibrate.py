@@ -1,6 +1,6 @@
 """Measure the cost model's parameters on the running job and write them for `auto`.
 
-    mpirun -np 4 python -m collectives.calibrate --out tuning.json
+    mpirun -np 4 python -m collectives calibrate --out tuning.json
     COLLECTIVES_TUNING_FILE=tuning.json mpirun -np 4 python train.py
 
 Measures: ping-pong latency and bandwidth inside a node and between nodes (raw MPI), the

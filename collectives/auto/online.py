@@ -6,31 +6,32 @@ RUNOFF_TURNS more turns each, alternating, and the class settles on the one fast
 of those pairs of neighbouring turns.
 
 Why: the first job's measurement (autotune.py) runs in the two or three seconds of `init`,
-and on a shared machine a slow spell can cover all of it; one in three fresh jobs here
-measured shm's 16-64 MiB allreduce 2.4-3x slow and handed those sizes to ring for good.
-Trying again at the sizes the job actually calls, later and interleaved, corrects that at
-the price of a few calls at a candidate's speed.
+and on a shared machine a slow spell can cover all of it: with 2 ranks on a two-core
+node, shm's 16-64 MiB allreduce can measure 2.4-3x slow at init and hand those sizes to ring
+for good. Trying again at the sizes the job actually calls, later and interleaved, corrects
+that at the price of a few calls at a candidate's speed.
 
-Why the runoff: the best of three turns tells 2x apart, not 1.2x. At np 2 here ring's and
-shm's 2-32 MiB allreduces ran within 1.5x of each other in half of the benchmark's sweeps
-(32 of 62; 0.75-2.6x over all), and in one job ring's 16 MiB calls took 2.2-4.3 ms against
-shm's 1.9-3.0: that class settled on ring, 1.38x shm's median. Two neighbouring turns share
-the machine's state, so the median of the pairs' ratios discounts a slow spell that covers
-both, and a single slow turn outvotes nothing.
+Why the runoff: the best of three turns tells 2x apart, not 1.2x. With 2 ranks on a
+two-core node, ring's and shm's 2-32 MiB allreduces run within 1.5x of each other in about
+half of a benchmark's sweeps (0.75-2.6x over all), and their turns overlap: ring's 16 MiB
+calls can take 2.2-4.3 ms against shm's 1.9-3.0, enough for the best of three to settle on
+ring at 1.38x shm's median. Two neighbouring turns share the machine's state, so the median
+of the pairs' ratios discounts a slow spell that covers both, and a single slow turn
+outvotes nothing.
 
 Every rank settles the same way: each times its own calls, and when a class's trial (or
 runoff) ends every rank takes the slowest rank's time per turn (one MPI allreduce of a few
 floats, inside that call). The trial's state advances only in the call's data phase (on
 the engine, in submission order, after the agreement), and only while no rank has joined: a
-joined rank (join.py) runs select.choose()'s algorithm, so a call made while some rank has
+joined rank (api/join.py) runs select.choose()'s algorithm, so a call made while some rank has
 joined runs that one on every rank and counts for no trial. Every call of a checked class
 picks its algorithm in its data phase too (run()), and its fast entry, which runs the
 algorithm it was described with, is registered there only once the class has settled on
 that algorithm: so no call runs a choice its description made before the class settled.
 
-A settled class stays watched, because the machine changes under a job: on the two-core
-machine here shm's allreduces run 3-4x their time for seconds at a stretch, while ring's
-get 10% faster. Every WATCH_S seconds of a class's calls (a count of calls fixed when it
+A settled class stays watched, because the machine changes under a job: on a two-core
+node shm's allreduces can run 3-4x their time for seconds at a stretch, while ring's get
+10% faster. Every WATCH_S seconds of a class's calls (a count of calls fixed when it
 settles, the same on every rank) the ranks compare the best time since the last review with
 the first review's (the slowest rank's, one allreduce of a float); beyond DRIFT either way,
 the class is tried again. A change the settled algorithm does not feel (another candidate
@@ -65,14 +66,14 @@ from collectives.runtime.engine import ENGINE
 from collectives.runtime.topology import Topology
 
 #: Candidates `auto` rates within this multiple of the best are tried: wide enough for a
-#: measurement taken in a slow spell (shm's 64 MiB allreduce measured 3.7x its steady time
-#: at one init, which a factor of 2 left out of the trial).
+#: measurement taken in a slow spell (shm's 64 MiB allreduce can measure 3.7x its steady
+#: time at init, which a factor of 2 would leave out of the trial).
 CLOSE = 4.0
 #: Turns per candidate in a trial (the fastest counts: interference only adds time).
 ROUNDS = 3
 #: Calls per turn, back to back; only the last is timed: the first after another
 #: algorithm's call finds the caches full of that one's buffers (at 256 KiB such calls
-#: ran 2-5x their steady time and made the trial a coin toss).
+#: run 2-5x their steady time, which makes timing them a coin toss).
 BURST = 2
 #: A runner-up whose fastest turn is within this multiple of the leader's goes to a runoff:
 #: wide enough for two candidates whose turns overlap (ring's 16 MiB turns above).
@@ -81,7 +82,8 @@ RUNOFF = 1.5
 RUNOFF_TURNS = 8
 #: Seconds of a settled class's calls between reviews (at least MIN_WATCH calls). A review
 #: costs a call's trip through Python and the engine's thread plus an allreduce: at 256 KiB
-#: (20 us calls) 2-3% of the time at 0.01 s, within the noise at this value.
+#: (20 us calls, 2 ranks on one node) 2-3% of the time at 0.01 s, within the noise at
+#: this value.
 WATCH_S = 0.05
 MIN_WATCH = 4
 #: A settled class whose time changed more than this, either way, is tried again.
@@ -220,7 +222,7 @@ def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
 def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:
     """Class c's watch came due: the slowest rank's best time since the last review against
     the first review's (like against like: a trial's best of ROUNDS calls is no steady
-    time; at 256 KiB the best of 450 calls ran 0.6x it). Renewed (and this call counted)
+    time; at 256 KiB the best of 450 calls runs 0.6x it). Renewed (and this call counted)
     when it held and reviews are left; else the class is tried again from this call
     (None)."""
     best = np.empty(1)

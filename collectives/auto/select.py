@@ -1,11 +1,11 @@
 """`auto`: choose the algorithm per call as the minimum over the registered algorithms' costs.
 
 Each module in collectives/algorithms/ prices a call with its cost() (the alpha-beta model
-of collectives/algorithms/costmodel.py, over the job's Layout). Every call also pays the agreement's
-header exchange (agreement_cost), except a small allreduce whose data rides in that
-exchange (calls.riding): `shm` up to SHARED_BYTES on one node, where the exchange is one
-step in shared memory, `tree` up to PIGGYBACK_BYTES across nodes, where it is recursive
-doubling; so `auto` runs small allreduces that way.
+of collectives/algorithms/costmodel.py, over the job's Layout). Every call also pays the
+agreement's header exchange (agreement_cost), except a small allreduce whose data rides in
+that exchange (collectives/api/calls.py: riding()): `shm` up to SHARED_BYTES on one node,
+where the exchange is one step in shared memory, `tree` up to PIGGYBACK_BYTES across
+nodes, where it is recursive doubling; so `auto` runs small allreduces that way.
 
 The tuning file also holds each algorithm's measured time at a few sizes on the job's own
 topology; where it matches the running job, `auto` interpolates those (piecewise alpha-beta:

@@ -1,16 +1,16 @@
 """Predict every algorithm's time on a cluster we cannot run, and what `auto` would choose.
 
-    python -m collectives.simulate --nodes 2,64,512,4096 --ranks-per-node 8 \\
+    python -m collectives simulate --nodes 2,64,512,4096 --ranks-per-node 8 \\
         --gbits 100 --latency-us 5 --plot clusters.png
 
-The cluster is nodes x ranks-per-node with the given link between nodes; inside a node, the
-parameters measured on this machine (costmodel.Params' defaults, or --tuning FILE's). Each
+The cluster is nodes x ranks-per-node with the given link between nodes; inside a node,
+costmodel.Params' defaults (2 ranks on a two-core host), or --tuning FILE's. Each
 algorithm is priced by its own cost() (the formula its module states, select.predict adds
 the agreement's exchange), and 1-bit compressed allreduce by onebit.cost. The table gives
 microseconds per call, `auto`'s choice (the model's minimum: on a real cluster the first job
 also measures) and its speedup over `mpi`, the MPI library's own collective.
 
-    python -m collectives.simulate --nodes 2 --ranks-per-node 1 --gbits 1 --latency-us 30 \\
+    python -m collectives simulate --nodes 2 --ranks-per-node 1 --gbits 1 --latency-us 30 \\
         --min-bytes 1048576 --compare measured.json
 
 checks the model against a `benchmarks/bandwidth.py --json` run on such a cluster."""
@@ -30,7 +30,7 @@ COLLECTIVES = ("allreduce", "allgather", "reducescatter", "broadcast")
 
 
 def params(gbits: float, latency_us: float, base: Params | None = None) -> Params:
-    """base (this machine's node parameters) with the inter-node link replaced."""
+    """base (a node's parameters: Params' defaults when None) with the inter-node link replaced."""
     return dataclasses.replace(base or Params(), alpha_inter=latency_us * 1e-6,
                                beta_inter=8 / (gbits * 1e9))
 

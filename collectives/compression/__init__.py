@@ -2,9 +2,10 @@
 
 A compressor has Horovod's per-tensor pair, compress(x) -> (x', ctx) before the collective
 and decompress(x', ctx) after it, and `allreduce(topo, x, op, algorithm, state)`: how an
-allreduce of a floating host array moves under it. The call path (api.py, onebit.py) uses
-only `allreduce`; compressors whose values add up as they travel (none, fp16) run a plain
-allreduce on what compress() made, the others override it:
+allreduce of a floating host array moves under it. The call path (collectives/api/:
+allreduce.py, join.py, compressed.py) uses only `allreduce`; compressors whose values add
+up as they travel (none, fp16) run a plain allreduce on what compress() made, the others
+override it:
   none   the array as it is
   fp16   float16 on the wire (half of float32's bytes), summed in float16 as it travels
   int8   int8 plus one float32 scale per block; quantized values cannot be added, so

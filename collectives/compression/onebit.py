@@ -17,8 +17,8 @@ Buffers (see error_sizes): worker_error holds `padded` float32 elements and serv
 padded / n; both are this rank's own state, updated in place, and start as zeros.
 
 The exchange, the buffers' sizes and the cost: collectives/algorithms/onebit.py.
-Every message goes through collectives.p2p, so C.stats() counts them, under
-"compressed_allreduce/onebit".
+Every message goes through collectives/runtime/p2p.py, so collectives.stats() counts
+them, under "compressed_allreduce/onebit".
 """
 
 from __future__ import annotations
@@ -69,9 +69,6 @@ def check_block(block_size: object) -> int | None:
 # message per peer and phase.
 
 
-
-
-
 def _split(packet: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     """(signs, scales) of a packet; scales copied out, since they may sit unaligned."""
     return packet[:chunk // 8], packet[chunk // 8:].copy().view(np.float32)
@@ -113,8 +110,6 @@ def _decompress(rows: np.ndarray, chunk: int, block: int | None, out: np.ndarray
         if lo < hi:
             bits, scales = _split(row, chunk)
             kernels.onebit_decompress(bits, scales, hi - lo, block, out=out[lo:hi])
-
-
 
 
 # -------------------------------------------------------------------------------- driver

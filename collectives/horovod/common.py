@@ -16,6 +16,7 @@ from collectives.api.process_sets import (
 )
 from collectives.ops import ReduceOp
 from collectives.runtime import meet as _meet
+from collectives.runtime import topology as _topology
 from collectives.runtime.engine import Handle
 
 Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
@@ -30,7 +31,6 @@ HorovodInternalError = _C.StallError
 class HostsUpdatedInterrupt(RuntimeError):
     """Horovod's elastic-training interrupt; elastic training is not provided, so nothing
     raises it, but scripts that catch it import it."""
-
 
 
 # -------------------------------------------------------------------------- arguments
@@ -61,34 +61,30 @@ def _as_horovod(op: Any, postscale: Any, process_set: Any) -> tuple[Any, Any]:
     return Sum, postscale / _topology_of(process_set).size
 
 
-_lock = threading.Lock()
-# names of async calls in flight: until synchronize() or a poll() that found them finished
-# (Horovod frees a name when its call finishes, which takes at least a cycle of its
-# coordinator; here a call may finish within microseconds, so a name stays taken until the
-# caller has seen it finish)
-_in_flight: dict[str, Handle] = {}
-# per process set's topology: async calls started so far, and those not known finished with
-# their place in that count (what barrier() waits for)
-_started: dict[Any, int] = {}
-_outstanding: dict[Any, list[tuple[int, Handle]]] = {}
+# Names of async calls in flight (the job's Topology.in_flight) stay taken until
+# synchronize() or a poll() that found them finished: Horovod frees a name when its call
+# finishes, which takes at least a cycle of its coordinator; here a call may finish within
+# microseconds, so a name stays taken until the caller has seen it finish. Per process set's
+# Topology: async calls started so far (started) and those not known finished with their
+# place in that count (outstanding): what barrier() waits for.
+_lock = threading.Lock()  # guards those fields of every Topology
 
 
 def _named(name: str | None, process_set: Any, start) -> Handle:
     """Start an async call under name, refusing a name still in flight (as Horovod), and
     count it for barrier()."""
-    topo = _topology_of(process_set)
+    topo, in_flight = _topology_of(process_set), _topology.get().in_flight
     with _lock:
-        if name is not None and name in _in_flight:
+        if name is not None and name in in_flight:
             raise ValueError(f"Requested to collect a tensor with the same name as another "
                              f"tensor that is currently being processed ({name!r}). If you "
                              f"want to request another tensor, use a different tensor name.")
         handle = start()
         if name is not None:
-            _in_flight[name] = handle
-        index = _started.get(topo, 0)
-        _started[topo] = index + 1
-        pending = [(i, h) for i, h in _outstanding.get(topo, ()) if not h.done()]
-        _outstanding[topo] = pending + [(index, handle)]
+            in_flight[name] = handle
+        index = topo.started
+        topo.started = index + 1
+        topo.outstanding = [(i, h) for i, h in topo.outstanding if not h.done()] + [(index, handle)]
     return handle
 
 
@@ -109,10 +105,13 @@ def poll(handle: Handle) -> bool:
 
 def _seen_finished(handle: Handle) -> None:
     """The caller has seen handle's call finish: its name is free again."""
+    if not _topology.initialized():
+        return
+    in_flight = _topology.get().in_flight
     with _lock:
-        for name, h in list(_in_flight.items()):
+        for name, h in list(in_flight.items()):
             if h is handle:
-                del _in_flight[name]
+                del in_flight[name]
 
 
 def _no_adasum(op: Any, collective: str) -> None:
@@ -122,8 +121,6 @@ def _no_adasum(op: Any, collective: str) -> None:
 
 def _grad(tensor: Any) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
-
-
 
 
 # ------------------------------------------------------------------- join, barrier, more
@@ -147,8 +144,7 @@ def barrier(process_set=global_process_set) -> None:
         return
     topo = _topology_of(process_set)
     with _lock:
-        started = _started.get(topo, 0)
-        pending = list(_outstanding.get(topo, ()))
+        started, pending = topo.started, list(topo.outstanding)
     everyone = _meet.meet(topo, started)
     for index, handle in pending:
         if index < everyone:

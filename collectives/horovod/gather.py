@@ -33,7 +33,6 @@ class _Allgather(torch.autograd.Function):
         return summed.narrow(0, start, ctx.rows), None, None
 
 
-
 def allgather(tensor, name=None, process_set=global_process_set):
     """Every rank's tensor concatenated on dim 0 (differentiable)."""
     if _grad(tensor):

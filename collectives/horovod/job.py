@@ -11,7 +11,6 @@ from collectives.api import process_sets as _process_sets
 from collectives.api.process_sets import (
     ProcessSet,
 )
-from collectives.horovod.common import _in_flight, _lock, _outstanding, _started
 from collectives.runtime import meet as _meet
 from collectives.runtime import topology as _topology
 
@@ -27,11 +26,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
 
 
 def shutdown() -> None:
+    """Free the job (its names in flight go with its Topology)."""
     _process_sets.shutdown()
-    with _lock:
-        _in_flight.clear()
-        _started.clear()
-        _outstanding.clear()
 
 
 def is_initialized() -> bool:

@@ -174,8 +174,6 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
     return _named(name, process_set, start)
 
 
-
-
 # -------------------------------------------------------------------------- reducescatter
 
 class _Reducescatter(torch.autograd.Function):

@@ -11,9 +11,9 @@
           summed in rank order (compression.Int8Compressor), so every rank gets the same
           bits; about a quarter of float32's bytes per rank and peer.
   1-bit   signs plus a float32 scale per 32 values (OnebitHookState.block_size), with
-          error feedback on the worker and the server side (onebit.py): ~1/16 of float32's
-          bytes. What one step's compression loses is sent in the next, so the sum of the
-          averaged gradients tracks the exact one. It is applied to the gradients
+          error feedback on the worker and the server side (compression/onebit.py): ~1/16
+          of float32's bytes. What one step's compression loses is sent in the next, so the
+          sum of the averaged gradients tracks the exact one. It is applied to the gradients
           themselves (no momentum), so it suits SGD and Adam alike; the first
           warmup_steps steps run uncompressed, as 1-bit Adam's freeze steps do, while the
           gradients settle.

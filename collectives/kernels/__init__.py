@@ -87,7 +87,7 @@ def divide(buf: Array, dtype: str, divisor: int) -> None:
 
 # ---- fusion packing, quantization, 1-bit compression ------------------------------------
 # Host buffers (NumPy arrays, torch CPU tensors) go to _C with the GIL released; CuPy arrays
-# and torch CUDA tensors go to the CUDA kernels (cuda_kernels.py). Results have the input's
+# and torch CUDA tensors go to the CUDA kernels (kernels/cuda.py). Results have the input's
 # kind: NumPy in, NumPy out; torch in, torch out (same memory, no copies).
 
 

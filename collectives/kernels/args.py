@@ -1,11 +1,16 @@
-"""Argument checks and sizes that the host face of the kernels (kernels.py) and the device
-face (cuda_kernels.py) share, kept apart from both so that neither imports the other's
-module: kernels.py imports cuda_kernels.py (and with it CuPy) only when device memory is
-used, and cuda_kernels.py needs nothing else from kernels.py."""
+"""Argument checks, sizes and the CUDA sources' folder that the host face of the kernels
+(kernels/__init__.py) and the device face (kernels/cuda.py) share, kept apart from both so
+that neither imports the other's module: the host face imports cuda.py (and with it CuPy)
+only when device memory is used, and cuda.py needs nothing else from the host face."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+
+#: The .cu files CuPy compiles at first use (csrc/cuda in the repository).
+CUDA_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
 
 #: Elements sharing one float32 scale in quantize_int8 (kInt8Block in csrc/kernels/quantize.h,
 #: INT8_BLOCK in csrc/cuda/quantize.cu).

@@ -11,17 +11,16 @@ import contextlib
 import functools
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import cupy
 import numpy as np
 
 from collectives.dtypes import FLOATING, NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
+from collectives.kernels.args import CUDA_SOURCES as SOURCES
 from collectives.kernels.args import INT8_BLOCK_SIZE, block_length, check_count
 from collectives.ops import ReduceOp
 
-SOURCES = Path(__file__).resolve().parents[1] / "csrc" / "cuda"
 THREADS = 256  # per CTA; INT8_BLOCK and SUMSQ_THREADS in the .cu files are the same
 MAX_BLOCKS = 65535  # kernels are grid-stride loops, so a capped grid still covers all
 LIST_BLOCKS = 8192  # CTAs of one pack/unpack launch, shared among the tensors

@@ -4,11 +4,11 @@ Every collective starts with an exchange of a header holding a digest of (collec
 dtype, shape, algorithm, ...), run by the engine for every call: equal digests everywhere
 mean every rank made the same call. Across nodes the exchange is recursive doubling of
 40-byte messages (csrc/runtime/agree.cpp); on a communicator whose ranks all share memory
-it is one step on a shared window (agree_shared.cpp): every rank writes its header beside
-its payload into its own buffer, waits once, and reads every rank's. Small payloads ride in
-the same exchange: an allreduce of up to PIGGYBACK_BYTES (messages) or SHARED_BYTES (shared
-memory) is reduced during its own check (no extra round trip), and allgather's per-rank row
-counts travel the same way. On a mismatch every rank learns it in
+it is one step on a shared window (csrc/runtime/agree_shared.cpp): every rank writes its
+header beside its payload into its own buffer, waits once, and reads every rank's. Small
+payloads ride in the same exchange: an allreduce of up to PIGGYBACK_BYTES (messages) or
+SHARED_BYTES (shared memory) is reduced during its own check (no extra round trip), and
+allgather's per-rank row counts travel the same way. On a mismatch every rank learns it in
 the same step; a second round gathers the readable signatures so every rank raises the same
 error, naming the field, the values and the ranks, and the communicator stays usable."""
 
@@ -131,7 +131,7 @@ def raise_mismatch(comm: MPI.Comm, collective: str, fields: tuple) -> None:
     raise MismatchError(describe_mismatch(comm.allgather((collective, fields))))
 
 
-#: What may run while some ranks have joined (join.py): reductions, to which a joined rank
+#: What may run while some ranks have joined (api/join.py): reductions, to which a joined rank
 #: contributes the identity.
 JOINABLE = ("allreduce", "grouped_allreduce")
 
@@ -153,7 +153,7 @@ def share_with_joined(comm: MPI.Comm, collective: str, fields: tuple, joined: in
                       first_active: int) -> None:
     """An active rank's side of a call the agreement found joined ranks in: the lowest
     active rank sends the call's signature to every rank (the joined ones run their part
-    of it, join.py), then every rank checks the call can run with joined ranks. An invalid
+    of it, api/join.py), then every rank checks the call can run with joined ranks. An invalid
     call goes on to raise its own error."""
     comm.bcast((collective, fields) if comm.Get_rank() == first_active else None,
                root=first_active)

@@ -63,10 +63,14 @@ def offsets(counts: list[int]) -> list[int]:
     return list(itertools.accumulate(counts, initial=0))
 
 
-def even_bounds(count: int, parts: int) -> list[int]:
-    """parts+1 offsets splitting count as evenly as possible, larger parts first."""
+def even_split(count: int, parts: int) -> list[int]:
+    """count split into parts as evenly as possible, larger parts first: the first
+    count % parts get one more (Horovod's rule for reducescatter's rows; every even split
+    in the library is this one)."""
     base, extra = divmod(count, parts)
-    offsets = [0]
-    for p in range(parts):
-        offsets.append(offsets[-1] + base + (1 if p < extra else 0))
-    return offsets
+    return [base + (1 if p < extra else 0) for p in range(parts)]
+
+
+def even_bounds(count: int, parts: int) -> list[int]:
+    """parts+1 offsets of even_split(count, parts)."""
+    return offsets(even_split(count, parts))

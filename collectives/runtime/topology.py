@@ -4,16 +4,19 @@
 A node is a set of ranks that share memory: MPI_COMM_TYPE_SHARED, or, to simulate several
 nodes on one machine, consecutive blocks of `ranks_per_node` ranks. Ranks with the same
 local rank on different nodes form a cross communicator (the hierarchical algorithms'
-inter-node level). What a communicator keeps across calls lives on its Topology: the
-agreement channel (with its shared window where the group is one node), the described
-calls, the fast-entry table and the stats (shm's algorithm windows are tied to the MPI
-communicator itself, see algorithms/shm.py). The watchdog and the Config
-are the process's, shared by every communicator."""
+inter-node level). What a communicator keeps across calls lives on its Topology, the one
+object per communicator: its MPI duplicates and nodes, the agreement channel (with its shared
+window where the group is one node), and the state the layers above keep per communicator
+(described calls, fast entries, stats, `auto`'s trials and settled classes, process sets,
+the timeline's recording, Horovod's names in flight), made with it and freed with it
+(shm's algorithm windows are tied to the MPI communicator itself, see algorithms/shm.py).
+The watchdog and the Config are the process's, shared by every communicator."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from mpi4py import MPI
 
@@ -54,14 +57,21 @@ class Topology:
         # the agreement over shared memory where the group is one node that shares it
         self.window = agreement.shared_window(self.comm) if len(self.nodes) == 1 else None
         self.channel = agreement.channel(self.comm, watchdog, self.window)
-        self.stats = _C.Stats()
-        self.calls: dict[tuple, object] = {}  # described calls (collectives/api/calls.py)
-        self.fast: dict[tuple, object] = {}   # the allreduce fast entry's table
-        # `auto` allreduce's online trials (collectives/auto/online.py): running, settled, and
-        # the watches of classes settled by a trial
-        self.trials: dict[int, object] = {}
-        self.settled: dict[int, str | None] = {}
-        self.watches: dict[int, object] = {}
+        # What the layers above keep per communicator: each field has one owner (the module
+        # named), lives exactly as long as this object and goes with it in free(), so a
+        # communicator rebuilt after a failure starts from a clean state.
+        self.stats = _C.Stats()                     # calls and bytes: the engine writes them
+        self.calls: dict[tuple, Any] = {}           # api/calls.py: described calls
+        self.fast: dict[tuple, Any] = {}            # api/calls.py: the allreduce fast entries
+        self.trials: dict[int, Any] = {}            # auto/online.py: trials running per class
+        self.settled: dict[int, str | None] = {}    # auto/online.py: settled size classes
+        self.watches: dict[int, Any] = {}           # auto/online.py: their watches
+        self.process_sets: dict[int, Any] = {}      # api/process_sets.py: sets registered
+        self.last_set_id = 0                        # over this (the job's) communicator
+        self.timeline: dict[str, Any] | None = None  # api/timeline.py: the recording, if any
+        self.in_flight: dict[str, Any] = {}         # horovod/common.py: async names in flight
+        self.started = 0                            # horovod/common.py: async calls started,
+        self.outstanding: list[tuple[int, Any]] = []  # and those not known finished
 
     def shard_owner(self, shard: int) -> int:
         """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to

@@ -1,8 +1,9 @@
 """Stall inspection: a collective that waits too long says who is missing, then fails.
 
 Every rank keeps a small record of what it is doing (call number, collective, arguments,
-since when; kept by the engine in C++), and a responder thread answers status requests about it on a private
-communicator, polling every 50 ms, so even a rank busy in user code answers. A rank whose
+since when; kept by the engine in C++), and a responder thread answers status requests
+about it on a private communicator, polling every 50 ms, so even a rank busy in user code
+answers. A rank whose
 agreement step has waited longer than COLLECTIVES_STALL_WARNING_S asks every other rank
 for its record and logs which ranks have not joined and what they are doing; after
 COLLECTIVES_STALL_TIMEOUT_S (default 1800 s) it raises StallError. MPI cannot cancel a

@@ -365,3 +365,19 @@ def test_onebit_rejects_bad_input():
         K.onebit_accumulate(np.zeros(10, f32), [bits, bits], [scales, scales[:2]], 10, 4)
     with pytest.raises(ValueError, match="acc: holds 10 elements, need 11"):
         K.onebit_accumulate(np.zeros(10, f32), [bits], [scales], 11, 4)
+
+
+def test_every_cuda_module_the_device_face_loads_is_a_source_file():
+    """kernels/cuda.py compiles csrc/cuda/<name>.cu for each _module(name) it calls; the
+    folder is args.CUDA_SOURCES (read without CuPy, which this test does not need)."""
+    import re
+    from pathlib import Path
+
+    from collectives.kernels import args
+
+    text = (Path(args.__file__).parent / "cuda.py").read_text()
+    names = set(re.findall(r'_module\("(\w+)"\)', text)) | set(
+        re.findall(r'_launch\("(\w+)"', text))
+    assert names, "no _module/_launch calls found in kernels/cuda.py"
+    missing = sorted(n for n in names if not (args.CUDA_SOURCES / f"{n}.cu").is_file())
+    assert not missing, f"no {missing} in {args.CUDA_SOURCES}"
