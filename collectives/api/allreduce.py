@@ -13,6 +13,7 @@ from collectives.api import calls, process_sets
 from collectives.api.base import (
     check_algorithm,
     check_list,
+    check_reduction,
     one_dtype,
     result_of,
     run,
@@ -272,10 +273,8 @@ def _wrapped_group(tensors: list, inplace: bool) -> _Group:
 def _grouped_allreduce(topo: topology.Topology, tensors: Any, op: Any, algorithm: Any,
                        compression: Any, inplace: bool, prescale_factor: Any = 1.0,
                        postscale_factor: Any = 1.0) -> tuple[Call, Job]:
-    op = check_op(op)
-    check_algorithm(algorithm)
+    op, scaling, pre, post = check_reduction(op, algorithm, prescale_factor, postscale_factor)
     compressor = check_compression(compression)
-    scaling, pre, post = scale_factors(prescale_factor, postscale_factor)
     check_list(tensors)
     group = tensors and _host_group(tensors, inplace) or _wrapped_group(tensors, inplace)
     dtype, packed = group.dtype, group.packed

@@ -14,6 +14,7 @@ from collectives import algorithms
 from collectives.api import calls
 from collectives.api.calls import Call
 from collectives.dtypes import CODES, FLOATING
+from collectives.ops import ReduceOp, check_op
 from collectives.runtime import topology
 from collectives.runtime.buffers import Buffer, host_float, store_float
 from collectives.runtime.engine import ENGINE, Handle, Job
@@ -143,3 +144,12 @@ def poll(handle: Handle) -> bool:
     if not isinstance(handle, Handle):
         raise TypeError(f"handle: expected a Handle from an *_async call, got {type(handle).__name__}")
     return handle.done()
+
+
+def check_reduction(op: Any, algorithm: Any, prescale_factor: Any,
+                    postscale_factor: Any) -> tuple[ReduceOp, tuple, float, float]:
+    """A reduction's checked op, and its scaling (agreed fields, pre and post factors);
+    algorithm checked too."""
+    op = check_op(op)
+    check_algorithm(algorithm)
+    return (op, *scale_factors(prescale_factor, postscale_factor))

@@ -9,20 +9,19 @@ import numpy as np
 from collectives import algorithms
 from collectives.api import calls, process_sets
 from collectives.api.base import (
-    check_algorithm,
     check_list,
+    check_reduction,
     need_dim0,
     one_dtype,
     row_elems,
     run,
     scale,
-    scale_factors,
     submit,
 )
 from collectives.api.calls import Call
 from collectives.auto import select
 from collectives.dtypes import STORAGE
-from collectives.ops import ReduceOp, check_op, kernel_op
+from collectives.ops import ReduceOp, kernel_op
 from collectives.runtime import topology
 from collectives.runtime.buffers import wrap
 from collectives.runtime.engine import Handle, Job
@@ -33,9 +32,7 @@ from collectives.runtime.p2p import even_split
 def _reducescatter(topo: topology.Topology, x: Any, op: Any, algorithm: Any,
                    prescale_factor: Any = 1.0, postscale_factor: Any = 1.0
                    ) -> tuple[Call, Job]:
-    op = check_op(op)
-    check_algorithm(algorithm)
-    scaling, pre, post = scale_factors(prescale_factor, postscale_factor)
+    op, scaling, pre, post = check_reduction(op, algorithm, prescale_factor, postscale_factor)
     buf = wrap(x, "x")
     need_dim0(buf, "x")
     fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
@@ -82,9 +79,7 @@ def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str 
 def _grouped_reducescatter(topo: topology.Topology, tensors: Any, op: Any, algorithm: Any,
                            prescale_factor: Any = 1.0, postscale_factor: Any = 1.0
                            ) -> tuple[Call, Job]:
-    op = check_op(op)
-    check_algorithm(algorithm)
-    scaling, pre, post = scale_factors(prescale_factor, postscale_factor)
+    op, scaling, pre, post = check_reduction(op, algorithm, prescale_factor, postscale_factor)
     check_list(tensors)
     bufs = [wrap(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
     for i, b in enumerate(bufs):

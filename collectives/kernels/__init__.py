@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from collectives.dtypes import CODES, NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
-from collectives.kernels.args import INT8_BLOCK_SIZE, block_length, check_count, nblocks
+from collectives.kernels.args import INT8_BLOCK_SIZE, block_length, check_count, like, nblocks
 from collectives.ops import ReduceOp
 
 try:
@@ -141,12 +141,7 @@ def _host_f32(x: Array, name: str) -> np.ndarray:
 
 def _like(arr: np.ndarray, ref: Array, dtype: str | None = None) -> Array:
     """arr as the kind of ref (torch if ref is a torch tensor), sharing memory."""
-    if not _is_torch(ref):
-        return arr
-    torch = sys.modules["torch"]
-    if dtype == "bfloat16":
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(arr)
+    return like(arr, ref, dtype, "from_numpy")
 
 
 def pack(tensors: Sequence[Array], out: Array | None = None, scale: float = 1.0) -> Array:

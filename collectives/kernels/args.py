@@ -5,7 +5,9 @@ only when device memory is used, and cuda.py needs nothing else from the host fa
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,3 +43,16 @@ def block_length(block_size: int | None, count: int) -> int:
 def nblocks(count: int, block: int) -> int:
     """How many blocks of `block` elements cover `count` (the last may be short)."""
     return -(-count // block)
+
+
+def like(arr: Any, ref: Any, dtype: str | None, convert: str) -> Any:
+    """arr as the kind of ref: if ref is a torch tensor, a tensor sharing arr's memory made
+    by torch.<convert> (from_numpy for host arrays, from_dlpack for CuPy), bfloat16 through
+    its int16 bits; else arr itself."""
+    if not type(ref).__module__.startswith("torch"):
+        return arr
+    torch = sys.modules["torch"]
+    make = getattr(torch, convert)
+    if dtype == "bfloat16":
+        return make(arr.view(np.int16)).view(torch.bfloat16)
+    return make(arr)

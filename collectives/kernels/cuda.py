@@ -18,7 +18,7 @@ import numpy as np
 
 from collectives.dtypes import FLOATING, NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
 from collectives.kernels.args import CUDA_SOURCES as SOURCES
-from collectives.kernels.args import INT8_BLOCK_SIZE, block_length, check_count
+from collectives.kernels.args import INT8_BLOCK_SIZE, block_length, check_count, like
 from collectives.ops import ReduceOp
 
 THREADS = 256  # per CTA; INT8_BLOCK and SUMSQ_THREADS in the .cu files are the same
@@ -95,12 +95,7 @@ def _need(arr: cupy.ndarray, name: str, need: int) -> None:
 
 def _like(arr: cupy.ndarray, ref: Array, dtype: str | None = None) -> Array:
     """arr as the kind of ref: a torch tensor (zero-copy, DLPack) if ref is one."""
-    if not _is_torch(ref):
-        return arr
-    torch = sys.modules["torch"]
-    if dtype == "bfloat16":
-        return torch.from_dlpack(arr.view(cupy.int16)).view(torch.bfloat16)
-    return torch.from_dlpack(arr)
+    return like(arr, ref, dtype, "from_dlpack")
 
 
 @contextlib.contextmanager
@@ -270,20 +265,21 @@ def unpack(buffer: Array, tensors: Sequence[Array], scale: float) -> None:
 
 # ---- fp16 / int8 ------------------------------------------------------------------------
 
-def quantize_fp16(x: Array) -> Array:
+def _convert(x: Array, name: str, src_dtype: str, out_dtype: str, kernel: str) -> Array:
+    """x (src_dtype) converted elementwise to a new out_dtype array of x's shape and kind."""
     with _context(x):
-        src = _typed(x, "x", "float32")
-        out = cupy.empty(src.size, cupy.float16)
-        _launch("quantize", "quantize_fp16", src.size, (src, out, np.int64(src.size)))
+        src = _typed(x, name, src_dtype)
+        out = cupy.empty(src.size, out_dtype)
+        _launch("quantize", kernel, src.size, (src, out, np.int64(src.size)))
         return _like(out.reshape(tuple(x.shape)), x)
 
 
+def quantize_fp16(x: Array) -> Array:
+    return _convert(x, "x", "float32", "float16", "quantize_fp16")
+
+
 def dequantize_fp16(h: Array) -> Array:
-    with _context(h):
-        src = _typed(h, "h", "float16")
-        out = cupy.empty(src.size, cupy.float32)
-        _launch("quantize", "dequantize_fp16", src.size, (src, out, np.int64(src.size)))
-        return _like(out.reshape(tuple(h.shape)), h)
+    return _convert(h, "h", "float16", "float32", "dequantize_fp16")
 
 
 def quantize_int8(x: Array) -> tuple[Array, Array]:
