@@ -82,10 +82,13 @@ class Handle:
         return self._result
 
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
-        """Call fn(self) once the call has finished (at once if it has): on the engine's
-        thread, after the engine has let go of the call, so fn may submit async calls of its
-        own (a sync call from fn raises RuntimeError if other calls are queued). The
-        torch.distributed backend completes its work's futures this way."""
+        """Call fn(self) once the call has finished: on the engine's thread, after the
+        engine has let go of the call, so fn may submit async calls of its own (a sync call
+        from fn raises RuntimeError if other calls are queued); at once, on the caller's
+        thread, if the handle's callbacks have fired already. (A handle is done, and its
+        result ready for synchronize(), just before its callbacks fire: fn added in between
+        still runs on the engine's thread.) The torch.distributed backend completes its
+        work's futures this way."""
         with _CALLBACKS:
             if self._callbacks is not None:
                 self._callbacks.append(fn)

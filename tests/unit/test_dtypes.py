@@ -38,8 +38,14 @@ def test_storage_is_what_the_kernels_read():
             _C.divide(np.zeros(4, other), 1, dtypes.CODES[name], 1)
 
 
-def test_floating():
-    assert dtypes.FLOATING == ("float16", "bfloat16", "float32", "float64")
+def test_floating_is_what_numpy_and_torch_call_floating():
+    """FLOATING (what compression, scaling and NaN-aware Min/Max apply to) is exactly the
+    names torch calls floating point, in code order; NumPy agrees on every name it has
+    (all but bfloat16, whose storage is uint16 bits)."""
+    assert dtypes.FLOATING == tuple(n for n in dtypes.NAMES if getattr(torch, n).is_floating_point)
+    for name in dtypes.NAMES:
+        if name != "bfloat16":
+            assert (np.dtype(name).kind == "f") == (name in dtypes.FLOATING), name
 
 
 def test_numpy_names():
