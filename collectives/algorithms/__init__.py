@@ -30,9 +30,9 @@ from types import ModuleType
 
 import numpy as np
 
-from collectives import kernels
 from collectives.algorithms import flat, hierarchical, pairwise
 from collectives.algorithms.costmodel import Layout, Params
+from collectives.dtypes import CODES
 from collectives.ops import ReduceOp, kernel_op
 from collectives.runtime.engine import ENGINE
 from collectives.runtime.topology import Topology
@@ -89,21 +89,16 @@ def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: Re
     """recv = op over every rank's send (send may be recv), Average included: the data
     moves as a Sum and is divided once at the end."""
     allreduce(algo, topo, send, recv, kernel_op(op), dtype)
-    if op is ReduceOp.Average:
-        average(recv, dtype, op, contributors(topo))
-
-
-def contributors(topo: Topology) -> int:
-    """The ranks whose data the running reduction on topo sums: all but those inside
-    join() (collectives/api/join.py), which contribute the identity."""
-    return topo.size - ENGINE.native.joined
+    average(recv, dtype, op, topo.size)
 
 
 def average(out: np.ndarray, dtype: str, op: ReduceOp, n: int) -> None:
-    """Finish an Average over n ranks that moved as a Sum: one division (floor division
-    for integers); nothing for the other ops."""
-    if op is ReduceOp.Average and n > 1:
-        kernels.divide(out, dtype, n)
+    """Finish an Average over n ranks that moved as a Sum, in place (floor division for
+    integers); nothing for the other ops. The engine divides (_C: divide_average), by n
+    less the ranks inside join() (collectives/api/join.py), which contributed the identity:
+    the one rule every Average of the library follows, the agreement's payload included."""
+    if op is ReduceOp.Average:
+        ENGINE.native.divide_average(out, CODES[dtype], n)
 
 
 def reducescatter(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,

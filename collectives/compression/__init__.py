@@ -157,18 +157,18 @@ class Int8Compressor(TensorCompressor):
             algo = select.concrete(topo, "allgather", algorithm, everyone.nbytes)
             algorithms.allgather(algo, topo, mine, everyone.reshape(-1), [mine.size] * n)
             gathered.append(everyone)
-        return self.combine(*gathered, shape, op, algorithms.contributors(topo))
+        return self.combine(*gathered, shape, op, topo.size)
 
     def combine(self, all_q: np.ndarray, all_scales: np.ndarray, shape: tuple, op: ReduceOp,
-                contributors: int) -> np.ndarray:
+                ranks: int) -> np.ndarray:
         """The float32 reduction of every rank's compress() pair (row r of all_q and
         all_scales: rank r's), decompressed and summed in rank order, so the same bytes give
-        the same bits on every rank; Average divides by contributors."""
+        the same bits on every rank; Average divides as algorithms.average does over ranks."""
         total = self.decompress(all_q[0], (all_scales[0], shape, "float32"))
         for r in range(1, all_q.shape[0]):
             part = self.decompress(all_q[r], (all_scales[r], shape, "float32"))
             kernels.reduce(total, [total, part], "float32", ReduceOp.Sum)
-        algorithms.average(total, "float32", op, contributors)
+        algorithms.average(total, "float32", op, ranks)
         return total
 
 

@@ -89,6 +89,10 @@ void count(int64_t count) {
   if (count < 0) throw py::value_error("count: must be >= 0, got " + std::to_string(count));
 }
 
+void divisor(int64_t divisor) {
+  if (divisor < 1) throw py::value_error("divisor: must be >= 1");
+}
+
 View view(py::handle obj, const char* name, std::optional<DType> type, bool writable,
           int64_t index) {
   if (py::isinstance<py::array>(obj))  // the common case, without a buffer request

@@ -18,6 +18,7 @@ DType dtype(int code);       // a dtype code from collectives/dtypes.py
 ReduceOp op(int code);       // a kernel op code (collectives/ops.py; Average is not one)
 const char* dtype_name(DType t);
 void count(int64_t count);   // >= 0
+void divisor(int64_t divisor);  // Average's: >= 1
 
 // A C-contiguous buffer: its address and element count.
 struct View {

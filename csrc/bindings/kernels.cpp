@@ -45,7 +45,6 @@ void py_divide(const py::buffer& buf, int64_t count, int dtype_code, int64_t div
   divide(ptr, count, dtype, divisor);
 }
 
-
 void check_scale(DType dtype, double scale) {
   const bool floating = dtype == DType::f16 || dtype == DType::bf16 || dtype == DType::f32 ||
                         dtype == DType::f64;
@@ -54,69 +53,71 @@ void check_scale(DType dtype, double scale) {
                           " tensors, got " + std::to_string(scale));
 }
 
-// Pointers and element counts of every tensor: NumPy arrays (any buffer) when torch_dtype
-// is None, else torch CPU tensors of that dtype.
-void tensor_views(const py::sequence& tensors, DType dtype, const py::object& torch_dtype,
-                  bool writable, std::vector<void*>& ptrs, std::vector<int64_t>& counts) {
+// A tensor list's element type, and every tensor's address and element count: NumPy
+// arrays (any buffer) when torch_dtype is None, else torch CPU tensors of that dtype.
+struct TensorList {
+  DType dtype;
+  std::vector<void*> ptrs;
+  std::vector<int64_t> counts;
+  int64_t total;  // elements in all
+  int size() const { return static_cast<int>(ptrs.size()); }
+};
+
+TensorList tensor_list(const py::sequence& tensors, int dtype_code,
+                       const py::object& torch_dtype, double scale, bool writable) {
+  TensorList list{check::dtype(dtype_code), {}, {}, 0};
+  check_scale(list.dtype, scale);
   const size_t n = py::len(tensors);
-  ptrs.reserve(n);
-  counts.reserve(n);
+  list.ptrs.reserve(n);
+  list.counts.reserve(n);
   for (size_t k = 0; k < n; ++k) {
     const py::handle t = tensors[k];
     const auto index = static_cast<int64_t>(k);
-    const check::View v = torch_dtype.is_none() ? check::view(t, "tensors", dtype, writable, index)
-                                         : check::torch_tensor(t, torch_dtype, index);
-    ptrs.push_back(v.ptr);
-    counts.push_back(v.size);
+    const check::View v = torch_dtype.is_none()
+                              ? check::view(t, "tensors", list.dtype, writable, index)
+                              : check::torch_tensor(t, torch_dtype, index);
+    list.ptrs.push_back(v.ptr);
+    list.counts.push_back(v.size);
+    list.total += v.size;
   }
-}
-
-int64_t total_count(const std::vector<int64_t>& counts) {
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  return total;
+  return list;
 }
 
 int64_t py_pack(const py::buffer& out, const py::sequence& tensors, int dtype_code,
                 const py::object& torch_dtype, double scale) {
-  const DType dtype = check::dtype(dtype_code);
-  check_scale(dtype, scale);
-  std::vector<void*> srcs;
-  std::vector<int64_t> counts;
-  tensor_views(tensors, dtype, torch_dtype, false, srcs, counts);
-  const int64_t total = total_count(counts);
-  void* dst = check::ptr(out, "out", dtype, true, total);
+  const TensorList list = tensor_list(tensors, dtype_code, torch_dtype, scale, false);
+  void* dst = check::ptr(out, "out", list.dtype, true, list.total);
   py::gil_scoped_release release;
-  pack(dst, srcs.data(), counts.data(), static_cast<int>(srcs.size()), dtype, scale);
-  return total;
+  pack(dst, list.ptrs.data(), list.counts.data(), list.size(), list.dtype, scale);
+  return list.total;
 }
 
 void py_unpack(const py::buffer& buffer, const py::sequence& tensors, int dtype_code,
                const py::object& torch_dtype, double scale) {
-  const DType dtype = check::dtype(dtype_code);
-  check_scale(dtype, scale);
-  std::vector<void*> dsts;
-  std::vector<int64_t> counts;
-  tensor_views(tensors, dtype, torch_dtype, true, dsts, counts);
-  const void* src = check::ptr(buffer, "buffer", dtype, false, total_count(counts));
+  const TensorList list = tensor_list(tensors, dtype_code, torch_dtype, scale, true);
+  const void* src = check::ptr(buffer, "buffer", list.dtype, false, list.total);
   py::gil_scoped_release release;
-  unpack(src, dsts.data(), counts.data(), static_cast<int>(dsts.size()), dtype, scale);
+  unpack(src, list.ptrs.data(), list.counts.data(), list.size(), list.dtype, scale);
+}
+
+// count elements of `in` converted into out by kernel (float32 <-> float16).
+template <class From, class To>
+void convert(void (*kernel)(const From*, To*, int64_t), const py::buffer& in,
+             const char* in_name, DType in_type, const py::buffer& out, DType out_type,
+             int64_t count) {
+  check::count(count);
+  const auto* src = static_cast<const From*>(check::ptr(in, in_name, in_type, false, count));
+  auto* dst = static_cast<To*>(check::ptr(out, "out", out_type, true, count));
+  py::gil_scoped_release release;
+  kernel(src, dst, count);
 }
 
 void py_quantize_fp16(const py::buffer& x, const py::buffer& out, int64_t count) {
-  check::count(count);
-  const auto* src = static_cast<const float*>(check::ptr(x, "x", DType::f32, false, count));
-  auto* dst = static_cast<uint16_t*>(check::ptr(out, "out", DType::f16, true, count));
-  py::gil_scoped_release release;
-  quantize_fp16(src, dst, count);
+  convert(quantize_fp16, x, "x", DType::f32, out, DType::f16, count);
 }
 
 void py_dequantize_fp16(const py::buffer& h, const py::buffer& out, int64_t count) {
-  check::count(count);
-  const auto* src = static_cast<const uint16_t*>(check::ptr(h, "h", DType::f16, false, count));
-  auto* dst = static_cast<float*>(check::ptr(out, "out", DType::f32, true, count));
-  py::gil_scoped_release release;
-  dequantize_fp16(src, dst, count);
+  convert(dequantize_fp16, h, "h", DType::f16, out, DType::f32, count);
 }
 
 int64_t int8_blocks(int64_t count) { return (count + kInt8Block - 1) / kInt8Block; }
@@ -223,7 +224,6 @@ void bind_kernels(py::module_& m) {
         "dst = srcs[0] op srcs[1] op ... elementwise over count elements");
   m.def("divide", &py_divide, py::arg("buf"), py::arg("count"), py::arg("dtype"),
         py::arg("divisor"), "buf /= divisor in place (floor division for integers)");
-
 
   // fusion packing, quantization, 1-bit compression
   m.attr("INT8_BLOCK_SIZE") = kInt8Block;

@@ -1,5 +1,5 @@
-// The only Python binding module, collectives._C (Python face: collectives/kernels.py and
-// collectives/engine.py). Arguments are checked in the binding files with the GIL held
+// The only Python binding module, collectives._C (Python face: collectives/kernels/ and
+// collectives/runtime/engine.py). Arguments are checked in the binding files with the GIL held
 // (check.h); kernels and MPI waits then run with the GIL released.
 #include "bindings/module.h"
 

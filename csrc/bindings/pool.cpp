@@ -14,7 +14,7 @@ using namespace collectives;
 
 namespace {
 
-// Made by set_pool_capacity (collectives/buffers.py) and never destroyed: blocks may come
+// Made by set_pool_capacity (collectives/runtime/buffers.py) and never destroyed: blocks may come
 // back while the interpreter exits.
 Pool* pool = nullptr;
 

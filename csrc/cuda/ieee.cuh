@@ -6,29 +6,19 @@
 // ci/compile_cuda.sh compiles with -ftz=true and fails if any .ftz instruction is left.
 #pragma once
 
-__device__ __forceinline__ float add_f32(float a, float b) {
-  float r;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+// a op b, one PTX instruction (e.g. "add.rn.f32") rounding to nearest even.
+#define COLLECTIVES_F32_BINARY(name, instruction)                  \
+  __device__ __forceinline__ float name(float a, float b) {        \
+    float r;                                                       \
+    asm(instruction " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));    \
+    return r;                                                      \
+  }
 
-__device__ __forceinline__ float sub_f32(float a, float b) {
-  float r;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
-__device__ __forceinline__ float mul_f32(float a, float b) {
-  float r;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
-__device__ __forceinline__ float div_f32(float a, float b) {
-  float r;
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
+COLLECTIVES_F32_BINARY(add_f32, "add.rn.f32")
+COLLECTIVES_F32_BINARY(sub_f32, "sub.rn.f32")
+COLLECTIVES_F32_BINARY(mul_f32, "mul.rn.f32")
+COLLECTIVES_F32_BINARY(div_f32, "div.rn.f32")
+#undef COLLECTIVES_F32_BINARY
 
 // a < b, a > b, a >= b: false when either is NaN, as in C++.
 __device__ __forceinline__ bool lt_f32(float a, float b) {

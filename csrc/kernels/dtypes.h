@@ -72,23 +72,12 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
+// Bytes per element, indexed by the DType's code.
 inline int64_t dtype_size(DType t) {
-  switch (t) {
-    case DType::f16:
-    case DType::bf16:
-    case DType::i16:
-      return 2;
-    case DType::f32:
-    case DType::i32:
-      return 4;
-    case DType::f64:
-    case DType::i64:
-      return 8;
-    case DType::i8:
-    case DType::u8:
-      return 1;
-  }
-  return 0;
+  constexpr int64_t sizes[] = {2, 2, 4, 8, 1, 1, 4, 8, 2};  // f16 bf16 f32 f64 i8 u8 i32 i64 i16
+  static_assert(sizeof sizes / sizeof *sizes == static_cast<size_t>(DType::i16) + 1,
+                "one size per DType");
+  return sizes[static_cast<int>(t)];
 }
 
 }  // namespace collectives

@@ -7,7 +7,7 @@
 namespace collectives {
 
 // Elements per int8 scale. Small enough that one outlier spoils few neighbours, large
-// enough that the scales cost 1.6% of the int8 payload. collectives/kernel_args.py
+// enough that the scales cost 1.6% of the int8 payload. collectives/kernels/args.py
 // (INT8_BLOCK_SIZE) and csrc/cuda/quantize.cu keep the same value.
 constexpr int64_t kInt8Block = 256;
 

@@ -278,4 +278,24 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
   return {!ex.bad(), ex.sent(), ex.joined(), first, ex.last_joiner()};
 }
 
+AgreeResult AgreeChannel::run(int64_t digest, const void* send, void* out, int64_t count,
+                              DType dtype, ReduceOp op, Role role) const {
+  if (count * dtype_size(dtype) > capacity)
+    throw std::invalid_argument("count: the payload exceeds the channel's capacity");
+  if (window != nullptr)
+    return agree_shared(*window, digest, send, out, count, dtype, op, capacity, first_wait,
+                        on_wait, role);
+  return agree_exchange(comm, tag, digest, send, out, count, dtype, op, capacity, first_wait,
+                        on_wait, role);
+}
+
+void tree_allreduce(Engine& engine, MPI_Comm comm, int tag, const void* send, void* recv,
+                    int64_t count, DType dtype, ReduceOp op, Pool* large) {
+  const AgreeResult r = agree_exchange(comm, tag, 0, send, recv, count, dtype, op,
+                                       count * dtype_size(dtype),
+                                       std::numeric_limits<double>::infinity(),
+                                       [](double) { return 0.0; }, Role::active, large);
+  engine.add_bytes(r.payload_sent, r.payload_sent);
+}
+
 }  // namespace collectives

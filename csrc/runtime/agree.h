@@ -14,6 +14,7 @@
 
 #include "kernels/dtypes.h"
 #include "kernels/reduce.h"
+#include "runtime/engine.h"
 #include "runtime/pool.h"
 #include "runtime/shm.h"  // ShmWindow, OnWait
 
@@ -54,5 +55,26 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
 AgreeResult agree_shared(ShmWindow& w, int64_t digest, const void* send,
                          void* out, int64_t count, DType dtype, ReduceOp op, int64_t capacity,
                          double first_wait, const OnWait& on_wait, Role role = Role::active);
+
+// One communicator's exchange with what stays fixed bound once: over MPI messages, or over
+// a shared window (window not null) when every rank of the communicator shares memory.
+struct AgreeChannel {
+  MPI_Comm comm;
+  int tag;
+  int64_t capacity;  // payload bytes at most
+  double first_wait;
+  OnWait on_wait;
+  ShmWindow* window;  // null: messages
+
+  // agree_exchange or agree_shared; a payload over capacity is std::invalid_argument.
+  AgreeResult run(int64_t digest, const void* send, void* out, int64_t count, DType dtype,
+                  ReduceOp op, Role role = Role::active) const;
+};
+
+// tree.py's allreduce of count elements from send into recv: agree_exchange's recursive
+// doubling without the check (the call was agreed already), its buffers over 1 MiB from
+// `large`; bytes counted on the engine.
+void tree_allreduce(Engine& engine, MPI_Comm comm, int tag, const void* send, void* recv,
+                    int64_t count, DType dtype, ReduceOp op, Pool* large);
 
 }  // namespace collectives

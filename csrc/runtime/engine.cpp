@@ -1,14 +1,9 @@
 // See engine.h.
 #include "runtime/engine.h"
 
-#include <chrono>
-
 namespace collectives {
 
-double Record::now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+double Record::now() { return steady_seconds(); }
 
 const char* Record::name(State s) {
   static const char* const names[] = {"idle", "waiting", "running"};
@@ -44,15 +39,23 @@ Counter* Stats::counter(const std::string& collective, const std::string& algori
   return &per_[{collective, algorithm}];
 }
 
-std::vector<std::tuple<std::string, std::string, Counter>> Stats::snapshot() const {
-  std::vector<std::tuple<std::string, std::string, Counter>> out;
-  for (const auto& [key, c] : per_)
-    if (c.calls) out.emplace_back(key.first, key.second, c);
+std::vector<std::tuple<std::string, std::string, Counts>> Stats::snapshot() const {
+  std::vector<std::tuple<std::string, std::string, Counts>> out;
+  for (const auto& [key, c] : per_) {
+    const Counts counts{c.calls.load(std::memory_order_relaxed),
+                        c.sent.load(std::memory_order_relaxed),
+                        c.received.load(std::memory_order_relaxed)};
+    if (counts.calls) out.emplace_back(key.first, key.second, counts);
+  }
   return out;
 }
 
 void Stats::reset() {
-  for (auto& entry : per_) entry.second = Counter{};
+  for (auto& entry : per_) {
+    entry.second.calls.store(0, std::memory_order_relaxed);
+    entry.second.sent.store(0, std::memory_order_relaxed);
+    entry.second.received.store(0, std::memory_order_relaxed);
+  }
 }
 
 void Engine::push(void* item) {
@@ -96,6 +99,12 @@ void Engine::fail(const std::string& why) {
 std::string Engine::failed() const {
   std::lock_guard<std::mutex> lock(mu_);
   return failed_;
+}
+
+void Engine::check_usable() const {
+  if (has_failed())
+    throw Unusable("collectives is unusable after a stall timeout (" + failed() +
+                   "); an MPI collective cannot be cancelled: restart the job");
 }
 
 }  // namespace collectives

@@ -1,8 +1,10 @@
-// The engine's state, owned here and nowhere else (collectives/engine.py is its Python
+// The engine's state, owned here and nowhere else (collectives/runtime/engine.py is its Python
 // face): the queue of submitted collectives and the claim that lets one collective run at a
 // time in submission order, what this rank is doing (the stall record), whether a stall
-// made the library unusable, the bytes our own messages moved, and one communicator's call
-// counters. Pure C++: queue items are opaque pointers whose lifetime the binding manages.
+// made the library unusable, the bytes our own messages moved, the running call's counter
+// and joined ranks, the timeline's recording, and one communicator's call counters. Pure
+// C++: queue items are opaque pointers whose lifetime the binding manages. call.h runs a
+// call against this state.
 #pragma once
 
 #include <atomic>
@@ -11,12 +13,20 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "runtime/timeline.h"
+
 namespace collectives {
+
+// A call on an engine after a stall timeout (collectives.StallError).
+struct Unusable : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 // What this rank is doing, for the stall watchdog: read by its responder thread while the
 // engine's thread writes it, so every access takes the lock.
@@ -46,17 +56,27 @@ class Record {
   static double now();
 };
 
-// Calls and bytes of one (collective, algorithm) on one communicator.
+// Calls and bytes of one (collective, algorithm) on one communicator. The running call
+// counts while another thread may take a snapshot or reset, hence atomics.
+struct Counts {
+  int64_t calls, sent, received;
+};
 struct Counter {
-  int64_t calls = 0, sent = 0, received = 0;
+  std::atomic<int64_t> calls{0}, sent{0}, received{0};
+  void add(int64_t more_calls, int64_t more_sent, int64_t more_received) {
+    calls.fetch_add(more_calls, std::memory_order_relaxed);
+    sent.fetch_add(more_sent, std::memory_order_relaxed);
+    received.fetch_add(more_received, std::memory_order_relaxed);
+  }
 };
 
 // One communicator's counters. Entries are never erased (reset zeroes them), so a Counter*
-// stays valid as long as its Stats. Callers serialize (the binding holds the GIL).
+// stays valid as long as its Stats. Callers of counter() and snapshot() serialize (the
+// binding holds the GIL).
 class Stats {
  public:
   Counter* counter(const std::string& collective, const std::string& algorithm);
-  std::vector<std::tuple<std::string, std::string, Counter>> snapshot() const;
+  std::vector<std::tuple<std::string, std::string, Counts>> snapshot() const;
   void reset();
 
  private:
@@ -76,11 +96,22 @@ class Engine {
 
   Record& record() { return record_; }
   const Record& record() const { return record_; }
+  Timeline& timeline() { return timeline_; }
+
+  // The running call, touched only by the thread holding the claim: the counter its stats
+  // go to (a call whose algorithm depends on agreed values moves it), and the ranks that
+  // joined in its agreement (0 outside a call).
+  struct Running {
+    Counter* credit = nullptr;
+    int joined = 0;
+  };
+  Running& running() { return current_; }
 
   // After a stall timeout MPI cannot cancel the collective: every later call must fail.
   void fail(const std::string& why);
   bool has_failed() const { return has_failed_.load(std::memory_order_acquire); }
   std::string failed() const;  // why
+  void check_usable() const;   // throws Unusable after fail()
 
   // Bytes our point-to-point messages and agreement payloads moved (any thread).
   void add_bytes(int64_t sent, int64_t received) {
@@ -100,6 +131,8 @@ class Engine {
   std::atomic<bool> has_failed_{false};
   Record record_;
   std::atomic<int64_t> sent_{0}, received_{0};
+  Running current_;  // the running call's (running_ is the claim)
+  Timeline timeline_;
 };
 
 }  // namespace collectives

@@ -2,7 +2,7 @@
 // every rank's (runtime/shm.cpp's stages and the shared-memory agreement, agree.cpp).
 // A counter is published with a full fence then a release store, and read with an acquire
 // load then a full fence, so a rank that sees chunk g counted also sees its data. The window
-// is allocated in Python (collectives/shm_window.py); every stage runs here.
+// is allocated in Python (collectives/runtime/window.py); every stage runs here.
 #pragma once
 
 #include <sched.h>
