@@ -349,8 +349,7 @@ void bind_runtime(py::module_& m) {
             for (const auto& [collective, algorithm, c] : s.snapshot())
               out.append(py::make_tuple(collective, algorithm, c.calls, c.sent, c.received));
             return out;
-          }, "[(collective, algorithm, calls, bytes_sent, bytes_received)] of counters in use")
-      .def("reset", &Stats::reset, "Zero every counter");
+          }, "[(collective, algorithm, calls, bytes_sent, bytes_received)] of counters in use");
   py::class_<Call>(m, "Call", "A described call's native part (collectives/calls.py)")
       .def(py::init(&make_call), py::arg("digest"), py::arg("collective"), py::arg("detail"),
            py::arg("stats"), py::arg("algorithm"), py::arg("mismatch"), py::arg("on_joined"))

@@ -50,13 +50,6 @@ std::vector<std::tuple<std::string, std::string, Counts>> Stats::snapshot() cons
   return out;
 }
 
-void Stats::reset() {
-  for (auto& entry : per_) {
-    entry.second.calls.store(0, std::memory_order_relaxed);
-    entry.second.sent.store(0, std::memory_order_relaxed);
-    entry.second.received.store(0, std::memory_order_relaxed);
-  }
-}
 
 void Engine::push(void* item) {
   {

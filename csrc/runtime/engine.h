@@ -56,28 +56,32 @@ class Record {
   static double now();
 };
 
-// Calls and bytes of one (collective, algorithm) on one communicator. The running call
-// counts while another thread may take a snapshot or reset, hence atomics.
+// Calls and bytes of one (collective, algorithm) on one communicator. Only the running call
+// writes them (the claim serializes calls: one writer, so a relaxed load and store, no
+// read-modify-write) while another thread may take a snapshot, hence atomics.
 struct Counts {
   int64_t calls, sent, received;
 };
 struct Counter {
   std::atomic<int64_t> calls{0}, sent{0}, received{0};
   void add(int64_t more_calls, int64_t more_sent, int64_t more_received) {
-    calls.fetch_add(more_calls, std::memory_order_relaxed);
-    sent.fetch_add(more_sent, std::memory_order_relaxed);
-    received.fetch_add(more_received, std::memory_order_relaxed);
+    bump(calls, more_calls);
+    bump(sent, more_sent);
+    bump(received, more_received);
+  }
+
+ private:
+  static void bump(std::atomic<int64_t>& v, int64_t by) {
+    v.store(v.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
   }
 };
 
-// One communicator's counters. Entries are never erased (reset zeroes them), so a Counter*
-// stays valid as long as its Stats. Callers of counter() and snapshot() serialize (the
-// binding holds the GIL).
+// One communicator's counters. Entries are never erased, so a Counter* stays valid as long
+// as its Stats. Callers of counter() and snapshot() serialize (the binding holds the GIL).
 class Stats {
  public:
   Counter* counter(const std::string& collective, const std::string& algorithm);
   std::vector<std::tuple<std::string, std::string, Counts>> snapshot() const;
-  void reset();
 
  private:
   std::map<std::pair<std::string, std::string>, Counter> per_;
