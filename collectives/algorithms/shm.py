@@ -250,16 +250,22 @@ def allreduce_pipeline(comm: MPI.Comm, elems: int, itemsize: int) -> tuple | Non
     return blocks.bounds, blocks.e, blocks.nchunks, lambda: _window(comm, slot_bytes).native
 
 
+def _nothing_to_move(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, total: int) -> bool:
+    """Whether the call is over before any window: alone (recv = send, copied here) or with
+    no elements (total) to move."""
+    if comm.Get_size() == 1:
+        np.copyto(recv, send)
+        return True
+    return total == 0
+
+
 def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int],
                   op: ReduceOp, dtype: str) -> None:
     """recv = this rank's block (counts[rank] elements) of the reduction of every send."""
     count(comm, send.nbytes - recv.nbytes, recv.nbytes)
+    if _nothing_to_move(comm, send, recv, send.size):
+        return
     size, r = comm.Get_size(), comm.Get_rank()
-    if size == 1:
-        np.copyto(recv, send)
-        return
-    if send.size == 0:
-        return
     bounds = offsets(counts)
     start, end = bounds[r], bounds[r + 1]
     if send.nbytes * size <= SMALL_BYTES:
@@ -274,12 +280,9 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
 def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
     """recv = every rank's send concatenated in rank order (counts[i] elements from rank i)."""
     count(comm, send.nbytes, recv.nbytes - send.nbytes)
+    if _nothing_to_move(comm, send, recv, recv.size):
+        return
     size = comm.Get_size()
-    if size == 1:
-        np.copyto(recv, send)
-        return
-    if recv.size == 0:
-        return
     bounds = offsets(counts)
     if recv.nbytes <= SMALL_BYTES:  # one step: every rank copies every block out
         w = _window(comm, max(counts) * send.itemsize)

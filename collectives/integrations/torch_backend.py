@@ -104,6 +104,13 @@ def _one(items: list, name: str) -> Any:
     return items[0]
 
 
+def _n_times(n: int, big: torch.Tensor, name: str, small: torch.Tensor, of: str) -> None:
+    """ValueError naming `name` unless big holds n x small's elements (one per rank)."""
+    if big.numel() != n * small.numel():
+        raise ValueError(f"{name}: expected {n} x the {of}'s {small.numel()} elements, got "
+                         f"{big.numel()}")
+
+
 def _same_dtype(tensors: list, dtype: torch.dtype, name: str) -> None:
     for t in tensors:
         if t.dtype != dtype:
@@ -207,14 +214,18 @@ class ProcessGroup(dist.ProcessGroup):
         not make (api.refuse)."""
         api.refuse(collective, error, self._comm)
 
+    def _one_reduced(self, tensors: list, opts: Any) -> tuple[Any, torch.Tensor]:
+        """(op, the one tensor) of an allreduce or reduce, or its refusal (as "allreduce":
+        the call it runs as)."""
+        try:
+            return _reduce_op(opts), _one(tensors, "tensors")
+        except (TypeError, ValueError) as exc:
+            self._refuse("allreduce", exc)
+
     # ---------------------------------------------------------------- reductions
     def allreduce(self, tensors: list, opts: Any) -> dist.Work:
         # _run's work written out: the small-call latency path (DDP's and dist.all_reduce's)
-        try:
-            op = _reduce_op(opts)
-            tensor = _one(tensors, "tensors")
-        except (TypeError, ValueError) as exc:
-            self._refuse("allreduce", exc)
+        op, tensor = self._one_reduced(tensors, opts)
         if opts.asyncOp:
             return _pending(api.allreduce_async_(tensor, op, self._algorithm, comm=self._comm),
                             lambda _: tensors)
@@ -230,11 +241,7 @@ class ProcessGroup(dist.ProcessGroup):
                          lambda _: tensors, tensors, op, self._algorithm)
 
     def reduce(self, tensors: list, opts: Any) -> dist.Work:
-        try:
-            op = _reduce_op(opts)
-            tensor = _one(tensors, "tensors")
-        except (TypeError, ValueError) as exc:
-            self._refuse("allreduce", exc)
+        op, tensor = self._one_reduced(tensors, opts)
         root = opts.rootRank
 
         def finish(result: torch.Tensor) -> list:
@@ -265,9 +272,7 @@ class ProcessGroup(dist.ProcessGroup):
         try:
             op = _reduce_op(opts)
             _same_dtype([input], output.dtype, "input")
-            if input.numel() != self._size * output.numel():
-                raise ValueError(f"input: expected {self._size} x the output's "
-                                 f"{output.numel()} elements, got {input.numel()}")
+            _n_times(self._size, input, "input", output, "output")
         except (TypeError, ValueError) as exc:
             self._refuse("reducescatter", exc)
         return self._reducescatter(opts, op, input.reshape(-1), output, output)
@@ -287,9 +292,7 @@ class ProcessGroup(dist.ProcessGroup):
             op = _reduce_op(opts)
             _count(inputs, len(outputs), "inputs")
             for o, i in zip(outputs, inputs):
-                if i.numel() != self._size * o.numel():
-                    raise ValueError(f"inputs: expected {self._size} x the output's "
-                                     f"{o.numel()} elements, got {i.numel()}")
+                _n_times(self._size, i, "inputs", o, "output")
         except (TypeError, ValueError) as exc:
             self._refuse("reducescatter", exc)
 
@@ -317,9 +320,7 @@ class ProcessGroup(dist.ProcessGroup):
                         opts: Any) -> dist.Work:
         try:
             _same_dtype([input], output.dtype, "input_tensor")
-            if output.numel() != self._size * input.numel():
-                raise ValueError(f"output_tensor: expected {self._size} x the input's "
-                                 f"{input.numel()} elements, got {output.numel()}")
+            _n_times(self._size, output, "output_tensor", input, "input")
         except (TypeError, ValueError) as exc:
             self._refuse("allgather", exc)
         return self._run(opts, api.allgather, api.allgather_async,
