@@ -85,3 +85,19 @@ def test_main_compare_flags_points_off_by_more_than_30_percent(tmp_path, capsys)
     assert "within 30%: 1 of 2 points against the median, 1 against the best round" in printed
     with pytest.raises(SystemExit, match="one --nodes value"):
         simulate.main(["--nodes", "2,4", "--compare", str(path)])
+
+
+def test_the_command_line_runs_a_tool_and_names_the_tools_otherwise():
+    """`python -m collectives simulate ...` is the scale model's entry (collectives/__main__.py);
+    an unknown tool exits non-zero naming the ones there are."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "collectives", "simulate", "--nodes", "2",
+                         "--ranks-per-node", "1", "--gbits", "1", "--max-bytes", "1024"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "# allreduce, 2 nodes x 1 ranks, 1 Gbit/s" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "collectives", "simulat"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "{calibrate,simulate}" in bad.stderr
