@@ -15,14 +15,16 @@ from collectives.runtime.buffers import POOL_MIN_BYTES, host_empty, wrap
 
 
 def test_a_dropped_block_is_reused_by_the_next_result_of_its_size():
-    a = host_empty((POOL_MIN_BYTES // 4,), np.float32)
+    # a size no other test uses, so the block dropped here is the only one of its size
+    elems = 3 * POOL_MIN_BYTES // 4 + 1024
+    a = host_empty((elems,), np.float32)
     a[:] = 7
     address = a.ctypes.data
     del a
-    assert _C.pool_cached() >= POOL_MIN_BYTES
-    b = host_empty((POOL_MIN_BYTES // 8, 2), np.float32)  # same bytes, other shape
-    assert b.ctypes.data == address and b.flags.writeable and b.shape == (POOL_MIN_BYTES // 8, 2)
-    c = host_empty((POOL_MIN_BYTES // 4,), np.float32)  # b still alive: another block
+    assert _C.pool_cached() >= 4 * elems
+    b = host_empty((elems // 2, 2), np.float32)  # same bytes, other shape
+    assert b.ctypes.data == address and b.flags.writeable and b.shape == (elems // 2, 2)
+    c = host_empty((elems,), np.float32)  # b still alive: another block
     assert c.ctypes.data != address
 
 
