@@ -35,7 +35,7 @@ class HostsUpdatedInterrupt(RuntimeError):
 
 # -------------------------------------------------------------------------- arguments
 
-def _op(average: Any, op: Any) -> Any:
+def op_of(average: Any, op: Any) -> Any:
     """Horovod's rule: op supersedes the deprecated average; neither means Average."""
     if op is not None and average is not None:
         raise ValueError("The op parameter supersedes average. Please provide only one of them.")
@@ -44,21 +44,21 @@ def _op(average: Any, op: Any) -> Any:
     return op
 
 
-def _set(process_set: Any) -> Any:
+def set_of(process_set: Any) -> Any:
     return None if process_set is global_process_set else process_set
 
 
-def _topology_of(process_set: Any):
-    return _process_sets.resolve(None, _set(process_set))
+def topology_of(process_set: Any):
+    return _process_sets.resolve(None, set_of(process_set))
 
 
-def _as_horovod(op: Any, postscale: Any, process_set: Any) -> tuple[Any, Any]:
+def as_horovod(op: Any, postscale: Any, process_set: Any) -> tuple[Any, Any]:
     """Horovod's Average: a Sum scaled by postscale / size, the set's whole size even while
     some ranks have joined (they count as zeros), and integers scaled in float64 and
     truncated; so Average travels as that Sum."""
     if op is not Average:
         return op, postscale
-    return Sum, postscale / _topology_of(process_set).size
+    return Sum, postscale / topology_of(process_set).size
 
 
 # Names of async calls in flight (the job's Topology.in_flight) stay taken until
@@ -70,10 +70,10 @@ def _as_horovod(op: Any, postscale: Any, process_set: Any) -> tuple[Any, Any]:
 _lock = threading.Lock()  # guards those fields of every Topology
 
 
-def _named(name: str | None, process_set: Any, start) -> Handle:
+def start_named(name: str | None, process_set: Any, start) -> Handle:
     """Start an async call under name, refusing a name still in flight (as Horovod), and
     count it for barrier()."""
-    topo, in_flight = _topology_of(process_set), _topology.get().in_flight
+    topo, in_flight = topology_of(process_set), _topology.get().in_flight
     with _lock:
         if name is not None and name in in_flight:
             raise ValueError(f"Requested to collect a tensor with the same name as another "
@@ -114,12 +114,12 @@ def _seen_finished(handle: Handle) -> None:
                 del in_flight[name]
 
 
-def _no_adasum(op: Any, collective: str) -> None:
+def refuse_adasum(op: Any, collective: str) -> None:
     if op == Adasum:  # a RuntimeError, as Horovod's
         raise NotImplementedError(f"op: {collective} does not support Adasum")
 
 
-def _grad(tensor: Any) -> bool:
+def wants_grad(tensor: Any) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
 
 
@@ -140,9 +140,9 @@ def barrier(process_set=global_process_set) -> None:
     started, and then wait for those. Below MPI_THREAD_MULTIPLE it is the library's
     barrier, behind every outstanding call."""
     if not _meet.available():
-        _C.barrier(process_set=_set(process_set))
+        _C.barrier(process_set=set_of(process_set))
         return
-    topo = _topology_of(process_set)
+    topo = topology_of(process_set)
     with _lock:
         started, pending = topo.started, list(topo.outstanding)
     everyone = _meet.meet(topo, started)

@@ -12,14 +12,14 @@ from collectives.api.process_sets import (
     global_process_set,
 )
 from collectives.compression import Compression
-from collectives.horovod.common import Adasum, Average, _set
+from collectives.horovod.common import Adasum, Average, set_of
 from collectives.optim import adasum as _optim_adasum
 from collectives.optim import broadcast as _broadcast
 from collectives.optim import distributed as _optim
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set) -> None:
-    _broadcast.broadcast_parameters(params, root_rank, process_set=_set(process_set))
+    _broadcast.broadcast_parameters(params, root_rank, process_set=set_of(process_set))
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None,
@@ -28,7 +28,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None,
     not needed here (state an optimizer creates lazily arrives by load_state_dict). As
     Horovod's (which takes a zero-gradient step), it leaves every trainable parameter
     without a gradient with a zero one."""
-    _broadcast.broadcast_optimizer_state(optimizer, root_rank, process_set=_set(process_set))
+    _broadcast.broadcast_optimizer_state(optimizer, root_rank, process_set=set_of(process_set))
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and p.grad is None:
@@ -47,11 +47,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 (Horovo
     if op == Adasum:
         return _optim_adasum.DistributedAdasumOptimizer(
             optimizer, named_parameters=named_parameters,
-            backward_passes_per_step=backward_passes_per_step, process_set=_set(process_set))
+            backward_passes_per_step=backward_passes_per_step, process_set=set_of(process_set))
     return _optim.DistributedOptimizer(
         optimizer, named_parameters=named_parameters, compression=compression,
         backward_passes_per_step=backward_passes_per_step, op=op,
         gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-        groups=groups, sparse_as_dense=sparse_as_dense, process_set=_set(process_set),
+        groups=groups, sparse_as_dense=sparse_as_dense, process_set=set_of(process_set),
         divide_by_initial_world_size=True)
 

@@ -15,14 +15,14 @@ from collectives.horovod.common import (
     Adasum,
     Average,
     Sum,
-    _as_horovod,
-    _grad,
-    _named,
-    _no_adasum,
-    _op,
-    _set,
-    _topology_of,
+    as_horovod,
+    op_of,
+    refuse_adasum,
+    set_of,
+    start_named,
     synchronize,
+    topology_of,
+    wants_grad,
 )
 from collectives.runtime.engine import Handle
 
@@ -30,10 +30,10 @@ from collectives.runtime.engine import Handle
 
 def _reduce(tensor, op, name, compression, prescale, postscale, process_set):
     if op == Adasum:
-        return _adasum.allreduce(tensor, name=name, process_set=_set(process_set))
-    op, postscale = _as_horovod(op, postscale, process_set)
+        return _adasum.allreduce(tensor, name=name, process_set=set_of(process_set))
+    op, postscale = as_horovod(op, postscale, process_set)
     return _C.allreduce(tensor, op=op, compression=compression, prescale_factor=prescale,
-                        postscale_factor=postscale, name=name, process_set=_set(process_set))
+                        postscale_factor=postscale, name=name, process_set=set_of(process_set))
 
 
 class _Allreduce(torch.autograd.Function):
@@ -52,8 +52,8 @@ class _Allreduce(torch.autograd.Function):
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """The reduction of tensor over all ranks (a new tensor; differentiable)."""
-    op = _op(average, op)
-    if _grad(tensor):
+    op = op_of(average, op)
+    if wants_grad(tensor):
         return _Allreduce.apply(tensor, op, name, compression, prescale_factor,
                                 postscale_factor, process_set)
     return _reduce(tensor, op, name, compression, prescale_factor, postscale_factor,
@@ -62,10 +62,10 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
-    return _named(name, process_set, lambda: _C.allreduce_async(
+    op, postscale_factor = as_horovod(op_of(average, op), postscale_factor, process_set)
+    return start_named(name, process_set, lambda: _C.allreduce_async(
         tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        name=name, process_set=_set(process_set)))
+        name=name, process_set=set_of(process_set)))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -77,20 +77,20 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
-    return _named(name, process_set, lambda: _C.allreduce_async_(
+    op, postscale_factor = as_horovod(op_of(average, op), postscale_factor, process_set)
+    return start_named(name, process_set, lambda: _C.allreduce_async_(
         tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        name=name, process_set=_set(process_set)))
+        name=name, process_set=set_of(process_set)))
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, compression, prescale, postscale, process_set, *tensors):
         ctx.args = (op, prescale, postscale, process_set)
-        op, postscale = _as_horovod(op, postscale, process_set)
+        op, postscale = as_horovod(op, postscale, process_set)
         return tuple(_C.grouped_allreduce(list(tensors), op=op, compression=compression,
                                           prescale_factor=prescale, postscale_factor=postscale,
-                                          name=name, process_set=_set(process_set)))
+                                          name=name, process_set=set_of(process_set)))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -103,23 +103,23 @@ class _GroupedAllreduce(torch.autograd.Function):
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set) -> list:
-    op = _op(average, op)
-    if any(_grad(t) for t in tensors):
+    op = op_of(average, op)
+    if any(wants_grad(t) for t in tensors):
         return list(_GroupedAllreduce.apply(op, name, compression, prescale_factor,
                                             postscale_factor, process_set, *tensors))
-    op, postscale_factor = _as_horovod(op, postscale_factor, process_set)
+    op, postscale_factor = as_horovod(op, postscale_factor, process_set)
     return _C.grouped_allreduce(list(tensors), op=op, compression=compression,
                                 prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, name=name,
-                                process_set=_set(process_set))
+                                process_set=set_of(process_set))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
-    return _named(name, process_set, lambda: _C.grouped_allreduce_async(
+    op, postscale_factor = as_horovod(op_of(average, op), postscale_factor, process_set)
+    return start_named(name, process_set, lambda: _C.grouped_allreduce_async(
         list(tensors), op=op, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))
+        postscale_factor=postscale_factor, name=name, process_set=set_of(process_set)))
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -130,10 +130,10 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op, postscale_factor = _as_horovod(_op(average, op), postscale_factor, process_set)
-    return _named(name, process_set, lambda: _C.grouped_allreduce_async_(
+    op, postscale_factor = as_horovod(op_of(average, op), postscale_factor, process_set)
+    return start_named(name, process_set, lambda: _C.grouped_allreduce_async_(
         list(tensors), op=op, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))
+        postscale_factor=postscale_factor, name=name, process_set=set_of(process_set)))
 
 
 class _SparseHandle(Handle):
@@ -164,14 +164,14 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
     if op not in (Sum, Average):
         raise ValueError(f"op: sparse allreduce supports Sum and Average, got {op!r}")
     grad = tensor.coalesce()
-    n = _topology_of(process_set).size
+    n = topology_of(process_set).size
 
     def start() -> Handle:  # only once the name is known free
-        parts = [_C.allgather_async(t, process_set=_set(process_set))
+        parts = [_C.allgather_async(t, process_set=set_of(process_set))
                  for t in (grad.indices().t().contiguous(), grad.values())]
         return _SparseHandle(*parts, tensor.shape, 1.0 / n if op == Average else 1.0)
 
-    return _named(name, process_set, start)
+    return start_named(name, process_set, start)
 
 
 # -------------------------------------------------------------------------- reducescatter
@@ -182,38 +182,38 @@ class _Reducescatter(torch.autograd.Function):
         ctx.args = (op, prescale, postscale, process_set)
         return _C.reducescatter(tensor, op=op, prescale_factor=prescale,
                                 postscale_factor=postscale, name=name,
-                                process_set=_set(process_set))
+                                process_set=set_of(process_set))
 
     @staticmethod
     def backward(ctx, grad):
         """Every rank's part of the gradient, gathered; scaled by the factors and, for Sum,
         by the number of ranks (Horovod's convention: gradients are averaged)."""
         op, prescale, postscale, process_set = ctx.args
-        scale = prescale * postscale * (_topology_of(process_set).size if op == Sum else 1)
-        return (_C.allgather((grad * scale).contiguous(), process_set=_set(process_set)),
+        scale = prescale * postscale * (topology_of(process_set).size if op == Sum else 1)
+        return (_C.allgather((grad * scale).contiguous(), process_set=set_of(process_set)),
                 None, None, None, None, None)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """This rank's rows of the reduction over all ranks (differentiable)."""
-    _no_adasum(op, "reducescatter")
+    refuse_adasum(op, "reducescatter")
     if compression is not Compression.none:
         raise ValueError("compression: reducescatter supports Compression.none only")
-    if _grad(tensor):
+    if wants_grad(tensor):
         return _Reducescatter.apply(tensor, op, name, prescale_factor, postscale_factor,
                                     process_set)
     return _C.reducescatter(tensor, op=op, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, name=name,
-                            process_set=_set(process_set))
+                            process_set=set_of(process_set))
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> Handle:
-    _no_adasum(op, "reducescatter")
-    return _named(name, process_set, lambda: _C.reducescatter_async(
+    refuse_adasum(op, "reducescatter")
+    return start_named(name, process_set, lambda: _C.reducescatter_async(
         tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        name=name, process_set=_set(process_set)))
+        name=name, process_set=set_of(process_set)))
 
 
 class _GroupedReducescatter(torch.autograd.Function):
@@ -222,37 +222,37 @@ class _GroupedReducescatter(torch.autograd.Function):
         ctx.args = (op, prescale, postscale, process_set)
         return tuple(_C.grouped_reducescatter(list(tensors), op=op, prescale_factor=prescale,
                                               postscale_factor=postscale, name=name,
-                                              process_set=_set(process_set)))
+                                              process_set=set_of(process_set)))
 
     @staticmethod
     def backward(ctx, *grads):
         """As _Reducescatter's, for every tensor in one grouped allgather."""
         op, prescale, postscale, process_set = ctx.args
-        scale = prescale * postscale * (_topology_of(process_set).size if op == Sum else 1)
+        scale = prescale * postscale * (topology_of(process_set).size if op == Sum else 1)
         return (None,) * 5 + tuple(_C.grouped_allgather(
-            [(g * scale).contiguous() for g in grads], process_set=_set(process_set)))
+            [(g * scale).contiguous() for g in grads], process_set=set_of(process_set)))
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> list:
-    _no_adasum(op, "reducescatter")
+    refuse_adasum(op, "reducescatter")
     if compression is not Compression.none:
         raise ValueError("compression: grouped_reducescatter supports Compression.none only")
-    if any(_grad(t) for t in tensors):
+    if any(wants_grad(t) for t in tensors):
         return list(_GroupedReducescatter.apply(op, name, prescale_factor, postscale_factor,
                                                 process_set, *tensors))
     return _C.grouped_reducescatter(list(tensors), op=op, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor, name=name,
-                                    process_set=_set(process_set))
+                                    process_set=set_of(process_set))
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average,
                                 process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0) -> Handle:
-    _no_adasum(op, "reducescatter")
-    return _named(name, process_set, lambda: _C.grouped_reducescatter_async(
+    refuse_adasum(op, "reducescatter")
+    return start_named(name, process_set, lambda: _C.grouped_reducescatter_async(
         list(tensors), op=op, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, name=name, process_set=_set(process_set)))
+        postscale_factor=postscale_factor, name=name, process_set=set_of(process_set)))
 
 
