@@ -178,7 +178,7 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
         if out is not None:
             return out
     return run(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
-                prescale_factor, postscale_factor)
+               prescale_factor, postscale_factor)
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -192,7 +192,7 @@ def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
             and _fast(topo, x, op, algorithm, True) is not None:
         return x
     return run(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
-                prescale_factor, postscale_factor)
+               prescale_factor, postscale_factor)
 
 
 def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -201,7 +201,7 @@ def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "a
                     comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
     return submit(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
-                   prescale_factor, postscale_factor)
+                  prescale_factor, postscale_factor)
 
 
 def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -210,7 +210,7 @@ def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "
                      comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
     return submit(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
-                   prescale_factor, postscale_factor)
+                  prescale_factor, postscale_factor)
 
 
 # --------------------------------------------------------------------- grouped allreduce
@@ -320,7 +320,7 @@ def grouped_allreduce(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm:
     in shape and type; returns a list of new arrays like them."""
     topo = process_sets.resolve(comm, process_set)
     return run(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                compression, False, prescale_factor, postscale_factor)
+               compression, False, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -330,7 +330,7 @@ def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm
     """grouped_allreduce in place; returns the tensors."""
     topo = process_sets.resolve(comm, process_set)
     return run(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                compression, True, prescale_factor, postscale_factor)
+               compression, True, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -340,7 +340,7 @@ def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                             process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
     return submit(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                   compression, False, prescale_factor, postscale_factor)
+                  compression, False, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -350,6 +350,6 @@ def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
                              process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
     return submit(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                   compression, True, prescale_factor, postscale_factor)
+                  compression, True, prescale_factor, postscale_factor)
 
 

@@ -32,12 +32,15 @@ ALGORITHMS = algorithms.ALGORITHMS
 
 
 def run(topo: topology.Topology, name: str | None, collective: str,
-         prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Any:
+        prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Any:
+    """The call prepare(topo, *args) describes, run after everything submitted before (its
+    argument errors taking part in the agreement: calls.prepare); its result."""
     return ENGINE.run(topo, *calls.prepare(topo, name, collective, prepare, args))
 
 
 def submit(topo: topology.Topology, name: str | None, collective: str,
-            prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Handle:
+           prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Handle:
+    """run()'s call queued on the engine: its Handle, at once."""
     return calls.submit(topo, name, collective, prepare, args)
 
 

@@ -177,7 +177,7 @@ def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str 
     """root_rank's x on every rank, as a new array."""
     topo = process_sets.resolve(comm, process_set)
     return run(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, False,
-                process_sets.job_ranks(process_set))
+               process_sets.job_ranks(process_set))
 
 
 def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
@@ -185,7 +185,7 @@ def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str
     """Overwrite x with root_rank's x on every rank; returns x."""
     topo = process_sets.resolve(comm, process_set)
     return run(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, True,
-                process_sets.job_ranks(process_set))
+               process_sets.job_ranks(process_set))
 
 
 def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
@@ -193,7 +193,7 @@ def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                     process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
     return submit(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, False,
-                process_sets.job_ranks(process_set))
+                  process_sets.job_ranks(process_set))
 
 
 def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
@@ -201,7 +201,7 @@ def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                      process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
     return submit(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, True,
-                process_sets.job_ranks(process_set))
+                  process_sets.job_ranks(process_set))
 
 
 def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
@@ -231,7 +231,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
     """root_rank's picklable obj on every rank."""
     topo = process_sets.resolve(comm, process_set)
     return run(topo, name, "broadcast_object", _broadcast_object, obj, root_rank,
-                process_sets.job_ranks(process_set))
+               process_sets.job_ranks(process_set))
 
 
 def _allgather_object(topo: topology.Topology, obj: Any) -> tuple[Call, Job]:

@@ -64,7 +64,7 @@ def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "aut
     """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
     topo = process_sets.resolve(comm, process_set)
     return run(topo, name, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
-                postscale_factor)
+               postscale_factor)
 
 
 def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
@@ -73,7 +73,7 @@ def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str 
                         process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
     return submit(topo, name, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
-                   postscale_factor)
+                  postscale_factor)
 
 
 def _grouped_reducescatter(topo: topology.Topology, tensors: Any, op: Any, algorithm: Any,
@@ -130,7 +130,7 @@ def grouped_reducescatter(tensors: list, op: ReduceOp = ReduceOp.Average,
     reducescatter (each tensor split by Horovod's row rule). One dtype per group."""
     topo = process_sets.resolve(comm, process_set)
     return run(topo, name, "grouped_reducescatter", _grouped_reducescatter, tensors, op, algorithm,
-                prescale_factor, postscale_factor)
+               prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter_async(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -139,6 +139,6 @@ def grouped_reducescatter_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                                 comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
     return submit(topo, name, "grouped_reducescatter", _grouped_reducescatter, tensors, op,
-                   algorithm, prescale_factor, postscale_factor)
+                  algorithm, prescale_factor, postscale_factor)
 
 
