@@ -163,7 +163,8 @@ class Int8Compressor(TensorCompressor):
                 ranks: int) -> np.ndarray:
         """The float32 reduction of every rank's compress() pair (row r of all_q and
         all_scales: rank r's), decompressed and summed in rank order, so the same bytes give
-        the same bits on every rank; Average divides as algorithms.average does over ranks."""
+        the same bits on every rank. Average divides as algorithms.average does (by ranks
+        less those that joined the call running on the engine): for calls on the engine."""
         total = self.decompress(all_q[0], (all_scales[0], shape, "float32"))
         for r in range(1, all_q.shape[0]):
             part = self.decompress(all_q[r], (all_scales[r], shape, "float32"))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from collectives import api
+from collectives import api, kernels
 from collectives.algorithms.onebit import error_sizes
 from collectives.api.compressed import compressed_allreduce_async
 from collectives.compression import Compression, onebit
@@ -84,8 +84,10 @@ def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
                                                     comm=group.comm))
     codec = Compression.int8
     q, (scales, shape, _) = codec.compress(buffer)
+    # a Sum, divided here: the call is not on our engine, so no rank of it has joined
     total = codec.combine(_gather_rows(q, group), _gather_rows(scales, group), shape,
-                          ReduceOp.Average, group.size())
+                          ReduceOp.Sum, group.size())
+    kernels.divide(total, "float32", group.size())
     return torch_backend.done(buffer.copy_(torch.from_numpy(total).view(buffer.shape)))
 
 
