@@ -38,6 +38,7 @@ except ImportError:
 
 # ----------------------------------------------------------------------------- allreduce
 
+
 def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: bool) -> Any:
     """The allreduce fast entry: a host NumPy array or CPU torch tensor whose call was
     described before and has a C++ path (calls.Call.fast) goes straight to it. None: not

@@ -106,6 +106,7 @@ def check_factor(name: str, value: object) -> float:
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     return float(value)
 
+
 def scale_factors(prescale_factor: object, postscale_factor: object) -> tuple[tuple, float, float]:
     """The agreed fields of a reduction's scale factors (none at 1.0) and the factors."""
     pre = check_factor("prescale_factor", prescale_factor)
@@ -113,6 +114,7 @@ def scale_factors(prescale_factor: object, postscale_factor: object) -> tuple[tu
     fields = ((("prescale_factor", pre),) if pre != 1 else ()) + \
         ((("postscale_factor", post),) if post != 1 else ())
     return fields, pre, post
+
 
 def scale(src: np.ndarray, dst: np.ndarray, dtype: str, factor: float) -> None:
     """dst = src * factor, one pass (dst may be src), as Horovod scales: in the dtype for
@@ -124,6 +126,7 @@ def scale(src: np.ndarray, dst: np.ndarray, dtype: str, factor: float) -> None:
         store_float(dst, dtype, host_float(src, dtype).astype(np.float32) * np.float32(factor))
     else:
         dst[...] = (src * factor).astype(dst.dtype)
+
 
 def one_dtype(bufs: list[Buffer]) -> str:
     """The dtype every buffer of a group shares (float32 for an empty group)."""

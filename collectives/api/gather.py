@@ -40,6 +40,7 @@ _INT64 = CODES["int64"]
 
 # ----------------------------------------------------------------------------- allgather
 
+
 class _FromEveryRank:
     """k ints from every rank (row counts, sizes, splits), in rank order: gathered by the
     agreement exchange's Sum, each rank filling its own row of a zero table, when the table

@@ -29,6 +29,7 @@ from collectives.runtime.p2p import even_split
 
 # ------------------------------------------------------------------------- reducescatter
 
+
 def _reducescatter(topo: topology.Topology, x: Any, op: Any, algorithm: Any,
                    prescale_factor: Any = 1.0, postscale_factor: Any = 1.0
                    ) -> tuple[Call, Job]:

@@ -38,6 +38,7 @@ from collectives.runtime.buffers import Buffer, wrap
 
 # ------------------------------------------------------------------------- argument checks
 
+
 def check_x(x: Any) -> Buffer:
     buf = wrap(x, "x")
     if buf.dtype not in FLOATING:

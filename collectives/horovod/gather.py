@@ -16,6 +16,7 @@ from collectives.runtime.topology import rank
 
 # ------------------------------------------------------------------------------ allgather
 
+
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):

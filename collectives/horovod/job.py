@@ -16,6 +16,7 @@ from collectives.runtime import topology as _topology
 
 # ------------------------------------------------------------------------ the job itself
 
+
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     """Start (once; again after shutdown()). comm: an mpi4py communicator, or a list of
     MPI_COMM_WORLD ranks (only they call init) to run on; process_sets: sets to register."""

@@ -28,6 +28,7 @@ from collectives.runtime.engine import Handle
 
 # ------------------------------------------------------------------------------ allreduce
 
+
 def _reduce(tensor, op, name, compression, prescale, postscale, process_set):
     if op == Adasum:
         return _adasum.allreduce(tensor, name=name, process_set=set_of(process_set))

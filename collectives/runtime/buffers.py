@@ -30,6 +30,7 @@ try:
 except ImportError:
     cupy = cupyx = None
 
+
 class Buffer:
     """A caller's array seen as one C-contiguous 1-D host array (`flat`).
 

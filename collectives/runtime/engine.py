@@ -34,11 +34,12 @@ class Communicator(Protocol):
     channel: Any  # _C.AgreeChannel: its agreement exchange
 
 
-class Call(Protocol):
+class Described(Protocol):
     """What the engine reads of a described call (api/calls.py's Call)."""
 
     collective: str
     native: Any  # _C.Call: digest, stall-record text, counter, mismatch report
+
 
 _NO_DATA = np.empty(0, np.uint8)
 _UINT8 = CODES["uint8"]
@@ -119,7 +120,7 @@ class Engine:
         self._start = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def run(self, topo: Communicator, call: Call, job: Job) -> Any:
+    def run(self, topo: Communicator, call: Described, job: Job) -> Any:
         """Run the call after everything submitted before and return its result."""
         native = self.native
         if not native.try_claim():
@@ -133,7 +134,7 @@ class Engine:
         finally:
             native.release()
 
-    def submit(self, topo: Communicator, call: Call, job: Job) -> Handle:
+    def submit(self, topo: Communicator, call: Described, job: Job) -> Handle:
         """Queue the call behind everything submitted before; returns at once."""
         native = self.native
         handle = Handle(call.collective, native.clock() if native.tracing else -1.0)
@@ -157,7 +158,7 @@ class Engine:
             handle._fire()
 
 
-def _execute(native: Any, topo: Communicator, call: Call, job: Job, queued: float = -1.0) -> Any:
+def _execute(native: Any, topo: Communicator, call: Described, job: Job, queued: float = -1.0) -> Any:
     return native.execute(topo.channel, call.native, job.send, job.out, job.count,
                           job.dtype_code, job.op_code, job.divisor, job.move, queued)
 
