@@ -1,4 +1,5 @@
-"""Integrations with torch: the "collectives" torch.distributed backend (torch_backend.py)
-and its rendezvous under mpirun (torch_rendezvous.py), DDP communication hooks
+"""Integrations with torch: the "collectives" torch.distributed backend (torch_backend.py,
+with torch_args.py, torch_work.py and monitored_barrier.py) and its rendezvous under mpirun
+(torch_rendezvous.py), DDP communication hooks
 (ddp_hooks.py), differentiable collectives (autograd.py) and SyncBatchNorm.
 May import: the leaves, kernels, runtime, algorithms, auto, compression, api, optim."""

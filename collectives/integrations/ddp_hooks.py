@@ -34,7 +34,7 @@ from collectives import api, kernels
 from collectives.algorithms.onebit import error_sizes
 from collectives.api.compressed import compressed_allreduce_async
 from collectives.compression import Compression, onebit
-from collectives.integrations import torch_backend
+from collectives.integrations import torch_backend, torch_work
 from collectives.ops import ReduceOp
 
 
@@ -50,7 +50,7 @@ def _average(bucket: dist.GradBucket, group: Any, compression: Any) -> Future[to
     """The bucket averaged over group in place, under compression (none or fp16)."""
     buffer = bucket.buffer()
     if _ours(group):
-        return torch_backend.future(api.allreduce_async_(buffer, ReduceOp.Average,
+        return torch_work.future(api.allreduce_async_(buffer, ReduceOp.Average,
                                                     compression=compression, comm=group.comm))
     wire = buffer if compression is Compression.none else buffer.to(torch.float16)
     wire.div_(group.size())
@@ -79,7 +79,7 @@ def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     the default group)."""
     group, buffer = _group(state), bucket.buffer()
     if _ours(group):
-        return torch_backend.future(api.allreduce_async_(buffer, ReduceOp.Average,
+        return torch_work.future(api.allreduce_async_(buffer, ReduceOp.Average,
                                                     compression=Compression.int8,
                                                     comm=group.comm))
     codec = Compression.int8
@@ -88,7 +88,7 @@ def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     total = codec.combine(_gather_rows(q, group), _gather_rows(scales, group), shape,
                           ReduceOp.Sum, group.size())
     kernels.divide(total, "float32", group.size())
-    return torch_backend.done(buffer.copy_(torch.from_numpy(total).view(buffer.shape)))
+    return torch_work.done(buffer.copy_(torch.from_numpy(total).view(buffer.shape)))
 
 
 class OnebitHookState:
@@ -157,7 +157,7 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
     if _ours(group):
         handle = compressed_allreduce_async(buffer, worker, server, state.block_size,
                                                    comm=group.comm)
-        return torch_backend.future(handle)
+        return torch_work.future(handle)
     n = group.size()
 
     def scatter(rows: np.ndarray) -> np.ndarray:
@@ -171,4 +171,4 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
     values = buffer.detach().to(torch.float32).numpy()
     total = onebit.reduce(values, onebit.OnebitState(worker, server, state.block_size), n,
                           scatter, gather)
-    return torch_backend.done(buffer.copy_(torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))
+    return torch_work.done(buffer.copy_(torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))

@@ -25,7 +25,7 @@ from collectives.kernels import _C
 from collectives.runtime.window import Window, shares_memory
 
 if TYPE_CHECKING:
-    from collectives.runtime.watchdog import Watchdog
+    from collectives.runtime.watchdog import Limit, Watchdog
 
 
 class MismatchError(ValueError, RuntimeError):
@@ -114,15 +114,17 @@ def shared_window(comm: MPI.Comm) -> Window | None:
     return Window(comm, _SHARED_HEADER + SHARED_BYTES, SHARED_DEPTH, math.inf)
 
 
-def channel(comm: MPI.Comm, watchdog: Watchdog, window: Window | None) -> _C.AgreeChannel:
+def channel(comm: MPI.Comm, watchdog: Watchdog, limit: Limit,
+            window: Window | None) -> _C.AgreeChannel:
     """comm's agreement exchange in C++ (csrc/runtime/agree.h): over window's shared memory
     with up to SHARED_BYTES of payload when given (shared_window), else messages of a
-    40-byte header and up to PIGGYBACK_BYTES; a long wait calls the watchdog."""
+    40-byte header and up to PIGGYBACK_BYTES; a long wait calls the watchdog, which holds
+    it to limit."""
+    on_wait = functools.partial(watchdog.on_wait, limit)
+    first = watchdog.first_deadline(limit)
     if window is None:
-        return _C.AgreeChannel(comm, _TAG, PIGGYBACK_BYTES, watchdog.first_deadline,
-                               watchdog.on_wait)
-    return _C.AgreeChannel(comm, _TAG, SHARED_BYTES, watchdog.first_deadline, watchdog.on_wait,
-                           window.native)
+        return _C.AgreeChannel(comm, _TAG, PIGGYBACK_BYTES, first, on_wait)
+    return _C.AgreeChannel(comm, _TAG, SHARED_BYTES, first, on_wait, window.native)
 
 
 def raise_mismatch(comm: MPI.Comm, collective: str, fields: tuple) -> None:

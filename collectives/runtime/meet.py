@@ -59,8 +59,10 @@ def meet(topo: Topology, value: int) -> int:
         polls = 0
         while not MPI.Request.Testall(requests):
             waited = time.monotonic() - start
-            if config.stall_timeout_s is not None and waited >= config.stall_timeout_s:
-                why = f"barrier timed out after {waited:.1f} s waiting for rank {src}"
+            timeout_s = topo.limit.timeout_s
+            if timeout_s is not None and waited >= timeout_s:
+                why = (f"barrier: Timed out waiting {waited * 1000:.0f}ms for rank {src} "
+                       f"(timeout {timeout_s:g} s)")
                 ENGINE.native.fail(why)
                 raise StallError(why)
             if waited >= warn_at:

@@ -10,7 +10,8 @@ window where the group is one node), and the state the layers above keep per com
 (described calls, fast entries, stats, `auto`'s trials and settled classes, process sets,
 the timeline's recording, Horovod's names in flight), made with it and freed with it
 (shm's algorithm windows are tied to the MPI communicator itself, see algorithms/shm.py).
-The watchdog and the Config are the process's, shared by every communicator."""
+The watchdog and the Config are the process's, shared by every communicator; the stall
+timeout is each communicator's (set_timeout)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from mpi4py import MPI
 from collectives import config as _config
 from collectives.kernels import _C
 from collectives.runtime import agreement
-from collectives.runtime.watchdog import Watchdog
+from collectives.runtime.watchdog import Limit, Watchdog
 
 
 class Topology:
@@ -56,7 +57,8 @@ class Topology:
         self._shard_comms: list[MPI.Comm] | None = None
         # the agreement over shared memory where the group is one node that shares it
         self.window = agreement.shared_window(self.comm) if len(self.nodes) == 1 else None
-        self.channel = agreement.channel(self.comm, watchdog, self.window)
+        self.limit = Limit(config.stall_timeout_s)  # how long a call here waits for others
+        self.channel = agreement.channel(self.comm, watchdog, self.limit, self.window)
         # What the layers above keep per communicator: each field has one owner (the module
         # named), lives exactly as long as this object and goes with it in free(), so a
         # communicator rebuilt after a failure starts from a clean state.
@@ -72,6 +74,14 @@ class Topology:
         self.in_flight: dict[str, Any] = {}         # horovod/common.py: async names in flight
         self.started = 0                            # horovod/common.py: async calls started,
         self.outstanding: list[tuple[int, Any]] = []  # and those not known finished
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """How long a call on this communicator waits for the other ranks before it raises
+        StallError (None: forever); COLLECTIVES_STALL_TIMEOUT_S until set."""
+        if seconds is not None and not seconds >= 0:
+            raise ValueError(f"timeout: expected seconds >= 0 or None, got {seconds!r}")
+        self.limit.timeout_s = seconds
+        self.channel.first_wait = self.watchdog.first_deadline(self.limit)
 
     def shard_owner(self, shard: int) -> int:
         """Local rank owning shard s of max_local_size shards: contiguous runs of shards go to
@@ -118,7 +128,7 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
             config.ranks_per_node = ranks_per_node
         _config.set(config)
         comm = MPI.COMM_WORLD if comm is None else comm
-        watchdog = Watchdog(comm, config.stall_warning_s, config.stall_timeout_s)
+        watchdog = Watchdog(comm, config.stall_warning_s)
         _topology = Topology(comm, config, watchdog)
         _abort_on_uncaught_exceptions()
         try:

@@ -6,8 +6,9 @@ about it on a private communicator, polling every 50 ms, so even a rank busy in 
 answers. A rank whose
 agreement step has waited longer than COLLECTIVES_STALL_WARNING_S asks every other rank
 for its record and logs which ranks have not joined and what they are doing; after
-COLLECTIVES_STALL_TIMEOUT_S (default 1800 s) it raises StallError. MPI cannot cancel a
-collective, so after a StallError the library refuses further calls."""
+its communicator's timeout (COLLECTIVES_STALL_TIMEOUT_S, default 1800 s, or a torch process
+group's `timeout`) it raises StallError. MPI cannot cancel a collective, so after a
+StallError the library refuses further calls."""
 
 from __future__ import annotations
 
@@ -40,12 +41,18 @@ def describe(snapshot: tuple) -> str:
     return f"{state} {age:.1f} s in {what}"
 
 
+class Limit:
+    """One communicator's stall timeout in seconds (None: wait forever), owned by its
+    Topology; the waits of its agreement read it through on_wait."""
+
+    def __init__(self, timeout_s: float | None):
+        self.timeout_s = timeout_s
+
+
 class Watchdog:
-    def __init__(self, comm: MPI.Comm, warn_s: float, timeout_s: float | None):
+    def __init__(self, comm: MPI.Comm, warn_s: float):
         self.comm = comm.Dup()  # status traffic never mixes with data
-        self.warn_s, self.timeout_s = warn_s, timeout_s
-        #: seconds of waiting after which on_wait is first due
-        self.first_deadline = warn_s if timeout_s is None else min(warn_s, timeout_s)
+        self.warn_s = warn_s
         self._stop = threading.Event()
         self._asked = 0
         self._thread = threading.Thread(target=self._respond, name="collectives-watchdog",
@@ -90,14 +97,21 @@ class Watchdog:
                 time.sleep(0.005)
         return {r: answers.get(r) for r in range(n) if r != me}
 
-    def on_wait(self, waited: float) -> float:
+    def first_deadline(self, limit: Limit) -> float:
+        """Seconds of waiting after which on_wait is first due."""
+        timeout_s = limit.timeout_s
+        return self.warn_s if timeout_s is None else min(self.warn_s, timeout_s)
+
+    def on_wait(self, limit: Limit, waited: float) -> float:
         """Called by a waiting agreement step (csrc/runtime/agree.cpp) at each deadline: logs
-        who is missing, or past timeout_s marks the engine failed and raises StallError;
-        returns the next deadline."""
-        warn_s, timeout_s = self.warn_s, self.timeout_s
+        who is missing, or past the communicator's limit marks the engine failed and raises
+        StallError (its text says "Timed out", as torch's backends do); returns the next
+        deadline."""
+        warn_s, timeout_s = self.warn_s, limit.timeout_s
         if timeout_s is not None and waited >= timeout_s:
             _, calls, collective, _, _ = ENGINE.native.snapshot()
-            why = f"{collective} #{calls} timed out after {waited:.1f} s waiting for other ranks"
+            why = (f"{collective} #{calls}: Timed out waiting {waited * 1000:.0f}ms for "
+                   f"other ranks (timeout {timeout_s:g} s)")
             ENGINE.native.fail(why)
             raise StallError(why + "\n" + self._report(waited))
         log.warning(self._report(waited))

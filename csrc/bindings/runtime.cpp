@@ -360,6 +360,11 @@ void bind_runtime(py::module_& m) {
            py::arg("comm"), py::arg("tag"), py::arg("capacity"), py::arg("first_wait"),
            py::arg("on_wait"), py::arg("window") = py::none())
       .def_property_readonly("capacity", [](const PyChannel& c) { return c.channel.capacity; })
+      .def_property(
+          "first_wait", [](const PyChannel& c) { return c.channel.first_wait; },
+          [](PyChannel& c, double seconds) { c.channel.first_wait = seconds; },
+          "Seconds of waiting before on_wait is first called (a call in progress keeps its "
+          "own)")
       .def_property_readonly("shared",
                              [](const PyChannel& c) { return c.channel.window != nullptr; },
                              "Whether the exchange runs over a shared window");

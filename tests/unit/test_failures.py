@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,7 +43,7 @@ def test_stall_warns_then_raises():
     assert "collectives stall: rank 0 has waited" in out, out
     assert "not joined: ranks [1]" in out, out
     assert "rank 1: has made no collective call yet" in out, out
-    assert "StallError: allreduce #1 timed out after 2." in out, out
+    assert "StallError: allreduce #1: Timed out waiting 2" in out, out
     assert "refused after stall" in out, out
     assert elapsed < 30
 
@@ -51,6 +52,15 @@ def test_a_barrier_beside_the_engine_warns_then_raises():
     env = {"COLLECTIVES_STALL_WARNING_S": "0.5", "COLLECTIVES_STALL_TIMEOUT_S": "2"}
     code, out, elapsed = mpirun(2, "stall.py", "4", "barrier", env=env)
     assert "collectives stall: rank 0 has waited" in out and "in a barrier for rank 1" in out, out
-    assert "StallError: barrier timed out after 2." in out, out
-    assert "waiting for rank 1" in out and "refused after stall" in out, out
+    assert "StallError: barrier: Timed out waiting 2" in out, out
+    assert "ms for rank 1 (timeout 2 s)" in out and "refused after stall" in out, out
     assert elapsed < 30
+
+
+@pytest.mark.parametrize("group", ["default", "new"])
+def test_a_torch_groups_timeout_ends_a_barrier_a_rank_skips(group):
+    code, out, elapsed = mpirun(3, "torch_timeout.py", group)
+    found = re.search(r"raised after ([0-9.]+) s: (.*)", out)
+    assert found, out
+    assert 1.0 <= float(found.group(1)) < 5, out
+    assert "Timed out waiting" in found.group(2) and "torch's pattern matches: True" in out, out

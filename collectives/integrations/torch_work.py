@@ -1,0 +1,78 @@
+"""The torch objects a backend call returns: `Work`s and their futures, over our calls'
+handles (async), over values already computed (sync), and over MPI requests (send/recv)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from mpi4py import MPI
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+from collectives.runtime.engine import Handle
+
+
+def done(value: Any) -> Future:
+    """A torch future that already holds value."""
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+def finished(value: Any) -> dist.Work:
+    """The work of a sync call, done: wait() returns at once, get_future() holds value (the
+    call's tensors, as torch's backends give)."""
+    return _create_work_from_future(done(value))
+
+
+def future(handle: Handle, finish: Any = None) -> Future:
+    """A torch future of an async call: it gets the call's result, or finish(result), or
+    the call's error, on the engine's thread once the call is done."""
+    result = Future()
+
+    def complete(done: Handle) -> None:
+        try:
+            value = done.wait() if finish is None else finish(done.wait())
+        except BaseException as exc:
+            result.set_exception(exc)
+            return
+        result.set_result(value)
+
+    handle.add_done_callback(complete)
+    return result
+
+
+def pending(handle: Handle, finish: Any) -> dist.Work:
+    """The work of an async call: its future gets finish(the call's result)."""
+    return _create_work_from_future(future(handle, finish))
+
+
+class Request(dist._Work):
+    """Work over an MPI request of send/recv: wait() completes it and, for a device tensor
+    received through host memory, copies it in."""
+
+    def __init__(self, request: MPI.Request, tensors: list, finish: Any = None):
+        super().__init__()
+        self._request, self._tensors, self._finish = request, tensors, finish
+        self._source = -1
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._request != MPI.REQUEST_NULL:
+            status = MPI.Status()
+            self._request.Wait(status)
+            self._source = status.Get_source()
+            if self._finish is not None:
+                self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._request == MPI.REQUEST_NULL or bool(self._request.Test())
+
+    def get_future(self) -> Future:
+        self.wait()
+        return done(self._tensors)
+
+    def _source_rank(self) -> int:
+        return self._source
