@@ -11,7 +11,8 @@ file barriers and `file://` init), the process group is made as the suite's own 
 makes it, then the test method runs. The suite decides its skips from the name of the backend
 (`BACKEND`, read when the module is imported): every backend here is judged by gloo's
 rules (so ours runs every test gloo runs), and the name the tests read while running is the
-backend's own, so a test that branches on the name (`if BACKEND == "gloo"`) sees ours.
+backend's own, so a test that branches on the name (`if BACKEND == "gloo"`) sees ours
+(--name-as-gloo: it sees gloo's, to tell such a branch from a fault of the backend).
 
 A test is `pass` when every rank returns, `skip` when a rank skips (unittest's SkipTest, or
 the suite's skip exit codes), `fail` with the first failing rank's last traceback line, and
@@ -59,7 +60,7 @@ def worker(backend: str, name: str, temp: str) -> None:
     os.environ.update(TEMP_DIR=temp, INIT_METHOD=f"file://{temp}/init_dir/shared_init_file",
                       MASTER_ADDR="127.0.0.1")
     dt = suite(np)
-    dt.BACKEND = backend  # what the test bodies read while running
+    dt.BACKEND = os.environ.get("TORCH_SUITE_NAME") or backend  # what test bodies read
     if backend != "gloo":
         import collectives  # noqa: F401  (registers the backend)
     import datetime
@@ -165,11 +166,16 @@ def main() -> None:
     parser.add_argument("--all", action="store_true",
                         help="run every backend on every test (default: the others only "
                              "where gloo passes, the tests the comparison is about)")
+    parser.add_argument("--name-as-gloo", action="store_true",
+                        help="the test bodies read BACKEND as 'gloo' while running (ours still "
+                             "in every group): which failures come from a branch on the name")
     parser.add_argument("--json", type=Path, help="write every result here")
     parser.add_argument("--logs", type=Path, default=ROOT / "build" / "torch_suite",
                         help="a failing test's output and tracebacks go here")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.name_as_gloo:
+        os.environ["TORCH_SUITE_NAME"] = "gloo"
     if args.worker:
         worker(*args.worker)
         return
