@@ -10,6 +10,11 @@ key>.json (~/.cache when XDG_CACHE_HOME is unset), the same format as the one
 contents through MPI, so ranks on hosts without a shared file system agree, and every timing
 is the slowest rank's, so every rank makes the same choices however noisy its own clock.
 
+The same file keeps what `auto`'s online check (online.py) settled in this setup: the
+algorithm each allreduce size class settled on, its time and what its trial cost (Memory).
+A later job of the setup starts from them and runs no trial for those classes; a cache
+whose key differs (another version, world size, node layout or host) is not read at all.
+
 COLLECTIVES_TUNING_FILE, when set, is used instead: a file that does not exist or does not
 parse is an error at init (naming the variable and the file); one made for another node
 layout is set aside with a warning. COLLECTIVES_AUTOTUNE=0 turns the measurement off (the
@@ -190,7 +195,55 @@ def setup(topo: Any, timed: Timed) -> dict:
     return tuning
 
 
+class Memory:
+    """The settled classes of the job's online check, kept in its cache file beside the
+    measurement: {size class: {"algorithm": name, "seconds_per_byte": the class's call
+    time, "spent": what its trial cost}}. Every rank holds the entries read at init (rank 0
+    read them, MPI spread them), so every rank recalls alike; rank 0 writes a class when it
+    settles (the file read again, updated and replaced at once, so a concurrent job of the
+    same setup loses nothing but a race on the same class)."""
+
+    def __init__(self, path: Path, k: dict, settled: dict, rank: int):
+        self.path, self.key, self.rank = path, k, rank
+        self._recall = {int(c): entry for c, entry in settled.items() if _entry(entry)}
+
+    def recall(self, c: int) -> dict | None:
+        """Class c's entry from the cache, once per job (a class tried again later in the
+        job trusts its own trial)."""
+        return self._recall.pop(c, None)
+
+    def remember(self, c: int, entry: dict) -> None:
+        """Keep class c's entry for later jobs (rank 0 writes; a cache replaced by another
+        setup's, or gone, is left alone)."""
+        if self.rank != 0:
+            return
+        try:
+            tuning = _read(self.path)
+            if tuning.get("key") != self.key:
+                return
+            tuning.setdefault("settled", {})[str(c)] = entry
+            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(tuning, indent=1))
+            partial.replace(self.path)
+        except (OSError, ValueError) as exc:
+            warnings.warn(f"collectives: could not keep auto's settled choice in {self.path} "
+                          f"({exc}); the next job tries the class again", stacklevel=2)
+
+
+def _entry(entry: Any) -> bool:
+    """Whether a cache's settled entry is well formed (a hand-edited file may not be)."""
+    return (isinstance(entry, dict) and isinstance(entry.get("algorithm"), str)
+            and isinstance(entry.get("seconds_per_byte"), float)
+            and entry["seconds_per_byte"] > 0 and isinstance(entry.get("spent"), (int, float)))
+
+
 def install(topo: Any, timed: Timed) -> None:
-    """Put the tuning of setup() in force for this job (collective over it)."""
-    costmodel.install(setup(topo, timed))
+    """Put the tuning of setup() in force for this job (collective over it), and give the
+    job's communicator the cache's settled classes (topo.memory) when it came from the
+    cache or a fresh measurement."""
+    tuning = setup(topo, timed)
+    costmodel.install(tuning)
     select.choose.cache_clear()
+    k = tuning.get("key")
+    if k is not None and not topo.config.tuning_file:
+        topo.memory = Memory(cache_path(k), k, tuning.get("settled", {}), topo.rank)

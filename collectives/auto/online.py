@@ -42,6 +42,11 @@ a call that comes due leaves its fast entry and reviews here, in its data phase.
 rank has joined, no call counts on it, so every watch is renewed when the join ends
 (rejoined()).
 
+A class settled by a trial is kept for later jobs of the same setup (autotune.Memory, in
+the job's cache file): a later job's first call of that class settles it from the cache,
+with the same watch, and runs no trial. Trial calls are counted apart in the stats
+(`allreduce/<algorithm> (trial)`), so a job can see what its learning cost.
+
 Size classes are factors of 4 (select.size_class); sizes that ride in the agreement are
 left to the first measurement, and a settled class holds for its sizes that do not. Cost:
 ROUNDS x BURST x candidates calls per class, each at most CLOSE x the estimated best's time
@@ -61,6 +66,7 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives.auto import select
+from collectives.auto.autotune import Memory
 from collectives.kernels import _C
 from collectives.runtime.engine import ENGINE
 from collectives.runtime.topology import Topology
@@ -184,7 +190,7 @@ def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
         return
     k = trial.calls // BURST % len(trial.candidates)
     algo = trial.candidates[k]
-    ENGINE.native.credit(topo.stats, "allreduce", algo)
+    ENGINE.native.credit(topo.stats, "allreduce", f"{algo} (trial)")
     start = clock()
     reduce(algo)
     if trial.calls % BURST == BURST - 1:
@@ -214,6 +220,16 @@ def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
             return
         call = float(best[k]) * nbytes
     _settle(topo, c, trial.candidates[k])
+    _watch(topo, c, call, spent)
+    memory: Memory | None = topo.memory
+    if memory is not None:
+        memory.remember(c, {"algorithm": trial.candidates[k], "seconds_per_byte": call / nbytes,
+                            "spent": spent})
+
+
+def _watch(topo: Topology, c: int, call: float, spent: float) -> None:
+    """Watch class c, just settled: its calls take `call` seconds, its trials cost
+    `spent`."""
     window = max(MIN_WATCH, math.ceil(WATCH_S / call))
     retry = max(RETRY_S, spent / RETRY_SHARE)
     topo.watches[c] = Watch(window, math.ceil(retry / (window * call)))
@@ -244,8 +260,16 @@ def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:
 
 def _trial(topo: Topology, c: int, nbytes: int) -> Trial | None:
     """Class c's trial, begun at its first call (of nbytes) if need be; None (and the class
-    settled on `auto`'s usual choice) when only one candidate is close."""
+    settled) when an earlier job of this setup settled it (the cache's entry, watched as
+    if this job had tried it), or when only one candidate is close (on `auto`'s usual
+    choice)."""
     trial = topo.trials.get(c)
+    memory: Memory | None = topo.memory
+    kept = None if trial is not None or memory is None else memory.recall(c)
+    if kept is not None and kept["algorithm"] in select.candidates(topo):
+        _settle(topo, c, kept["algorithm"])
+        _watch(topo, c, kept["seconds_per_byte"] * nbytes, kept["spent"])
+        return None
     if trial is None:
         estimates = select.estimates("allreduce", nbytes, topo)
         best = min(estimates.values())

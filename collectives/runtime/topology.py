@@ -68,6 +68,8 @@ class Topology:
         self.trials: dict[int, Any] = {}            # auto/online.py: trials running per class
         self.settled: dict[int, str | None] = {}    # auto/online.py: settled size classes
         self.watches: dict[int, Any] = {}           # auto/online.py: their watches
+        self.memory: Any = None                     # auto/autotune.py: the cache's settled
+                                                    # classes (the job's communicator only)
         self.process_sets: dict[int, Any] = {}      # api/process_sets.py: sets registered
         self.last_set_id = 0                        # over this (the job's) communicator
         self.timeline: dict[str, Any] | None = None  # api/timeline.py: the recording, if any

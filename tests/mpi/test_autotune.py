@@ -9,6 +9,7 @@ import json
 import time
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,6 +126,7 @@ def trials(monkeypatch):
     monkeypatch.setattr(topo, "trials", {})
     monkeypatch.setattr(topo, "settled", {})
     monkeypatch.setattr(topo, "watches", {})
+    monkeypatch.setattr(topo, "memory", None)  # the user's cache is not this test's
     monkeypatch.setattr(topo, "config", config.Config())
     select.choose.cache_clear()
     yield topo
@@ -162,10 +164,13 @@ def _fake_time(monkeypatch, seconds) -> None:
     monkeypatch.setattr(online, "clock", lambda: now[0])
 
 
-def _runs(*algos: str) -> dict[str, int]:
-    """Allreduce calls run so far per algorithm."""
+def _runs(*algos: str, trial: bool | None = None) -> dict[str, int]:
+    """Allreduce calls run so far per algorithm: trial calls (trial=True), the others
+    (False), or both (None)."""
     per_op = C.stats()["per_op"]
-    return {a: per_op.get(f"allreduce/{a}", {}).get("calls", 0) for a in algos}
+    keys = {None: ("", " (trial)"), True: (" (trial)",), False: ("",)}[trial]
+    return {a: sum(per_op.get(f"allreduce/{a}{k}", {}).get("calls", 0) for k in keys)
+            for a in algos}
 
 
 @pytest.mark.mpi(min_size=2)
@@ -429,3 +434,98 @@ def test_online_trial_under_async_calls_of_many_shapes(comm, trials, monkeypatch
         assert_equal(C.synchronize(h), np.full(c, float(n * i + n * (n - 1) // 2)), f"call {i}")
     assert len(trials.settled) == 1 and not trials.trials
     assert len({tuple(s.items()) for s in comm.allgather(dict(trials.settled))}) == 1
+
+
+# ------------------------------------------ autotune.Memory: settled classes for later jobs
+
+def _memory(comm, tmp_path_factory, settled: dict | None = None) -> autotune.Memory:
+    """A Memory over a cache file of this job's key (on rank 0's disk, the path the same on
+    every rank), holding settled as a later job would read it."""
+    k = autotune.key(topology.get())
+    path = comm.bcast(str(tmp_path_factory.mktemp("memory") / "tuning.json")
+                      if comm.rank == 0 else None)
+    if comm.rank == 0:
+        with open(path, "w") as f:
+            json.dump({"key": k, "measured": {}, "settled": settled or {}}, f)
+    comm.Barrier()
+    return autotune.Memory(Path(path), k, settled or {}, comm.rank)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_later_job_starts_from_the_classes_an_earlier_one_settled(comm, trials, monkeypatch,
+                                                                  tmp_path_factory):
+    """Job 1 settles a class on ring by a trial and keeps it in the cache file; job 2 (a
+    fresh table, the file's entries) settles that class at its first call, runs no trial
+    call, and watches it as job 1 did; a class the file lacks is tried as before."""
+    seconds: dict[str, float] = {}
+    _fake_time(monkeypatch, lambda a: seconds[a])
+    trials.memory = _memory(comm, tmp_path_factory)
+    x = _settle_ring_over_mpi(comm, trials, monkeypatch, seconds)
+    c = select.size_class(x.nbytes)
+    window = trials.watches[c].window
+    kept = comm.bcast(json.loads(trials.memory.path.read_text())["settled"]
+                      if comm.rank == 0 else None)
+    assert list(kept) == [str(c)] and kept[str(c)]["algorithm"] == "ring"
+    assert kept[str(c)]["seconds_per_byte"] == pytest.approx(1.0 / x.nbytes)
+    assert kept[str(c)]["spent"] == pytest.approx(online.ROUNDS * online.BURST * (1.0 + 2.0))
+
+    monkeypatch.setattr(trials, "settled", {})  # job 2
+    monkeypatch.setattr(trials, "watches", {})
+    trials.memory = autotune.Memory(trials.memory.path, trials.memory.key, kept, comm.rank)
+    tried = _runs("ring", "mpi", trial=True)
+    _calls(comm, x, 3)
+    assert trials.settled == {c: "ring"} and trials.watches[c].window == window
+    assert _runs("ring", "mpi", trial=True) == tried
+    other = np.full(x.size * 4, comm.Get_rank() + 1.0)  # the next class: not in the file
+    C.allreduce(other, op=C.Sum)
+    assert select.size_class(other.nbytes) in trials.trials
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_remembered_class_is_tried_again_when_it_drifts(comm, trials, monkeypatch,
+                                                          tmp_path_factory):
+    """A class settled from the cache on ring; ring then slows 4x: its watch tries the
+    class again (not the cache's word again), every rank settles on mpi, and the file now
+    keeps mpi."""
+    seconds = {"ring": 1.0, "mpi": 2.0}
+    _fake_time(monkeypatch, lambda a: seconds[a])
+    monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.5}))
+    x = np.full(_tried(trials), comm.Get_rank() + 1.0)
+    c = select.size_class(x.nbytes)
+    entry = {"algorithm": "ring", "seconds_per_byte": 1.0 / x.nbytes, "spent": 18.0}
+    trials.memory = _memory(comm, tmp_path_factory, {str(c): entry})
+    tried = _runs("ring", "mpi", trial=True)
+    _calls(comm, x, online.MIN_WATCH + 1)  # settled from the cache; reviewed, renewed
+    assert trials.settled == {c: "ring"} and _runs("ring", "mpi", trial=True) == tried
+    seconds["ring"] = 4.0
+    _calls(comm, x, online.MIN_WATCH + online.ROUNDS * online.BURST * 2)
+    assert trials.settled == {c: "mpi"}
+    if comm.rank == 0:
+        assert json.loads(trials.memory.path.read_text())["settled"][str(c)]["algorithm"] \
+            == "mpi"
+
+
+def test_a_cache_of_another_setup_gives_no_settled_class(comm, cache, monkeypatch):
+    """A cache file at this setup's path whose key is another's (another host): install
+    measures again and the job's communicator recalls nothing from it."""
+    topo = topology.get()
+    k = autotune.key(topo)
+    path = autotune.cache_path(k)
+    if comm.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        other = dict(k, hosts=["elsewhere"] * len(k["hosts"]))
+        path.write_text(json.dumps({"key": other, "measured": {},
+                                    "settled": {"5": {"algorithm": "ring",
+                                                      "seconds_per_byte": 1e-9,
+                                                      "spent": 1.0}}}))
+    comm.Barrier()
+    monkeypatch.setattr(topo, "memory", None)
+    monkeypatch.setattr(topo, "config", config.Config())
+    monkeypatch.setattr(autotune, "measure", lambda topo, timed: {})
+    monkeypatch.setattr(costmodel, "_installed", costmodel._installed)  # restored after
+    try:
+        autotune.install(topo, timed_call)
+        assert topo.memory is not None and topo.memory.recall(5) is None
+        assert comm.bcast(json.loads(path.read_text())["key"] if comm.rank == 0 else None) == k
+    finally:
+        select.choose.cache_clear()
