@@ -144,7 +144,8 @@ struct PyEngine {
     py::list out;
     for (const Timeline::Event& e : taken.events) {
       const CallTexts& t = taken.texts[e.call];
-      out.append(py::make_tuple(t.collective, t.detail, t.algorithm, e.queued, e.start,
+      out.append(py::make_tuple(t.collective, t.detail,
+                                e.algorithm.empty() ? t.algorithm : e.algorithm, e.queued, e.start,
                                 e.agreed, e.moved, e.end, e.bytes));
     }
     return out;
@@ -294,10 +295,11 @@ void bind_engine(py::module_& m) {
       .def("credit",
            [](PyEngine& s, Stats& stats, const std::string& collective,
               const std::string& algorithm) {
-             s.engine.running().credit = stats.counter(collective, algorithm);
+             Engine::Running& running = s.engine.running();
+             running.credit = stats.counter(collective, algorithm, &running.algorithm);
            },
            py::arg("stats"), py::arg("collective"), py::arg("algorithm"),
-           "Count the running call as (collective, algorithm)")
+           "Count the running call as (collective, algorithm); the timeline shows algorithm")
       .def("add_bytes",
            [](PyEngine& s, int64_t sent, int64_t received) {
              s.engine.add_bytes(sent, received);

@@ -41,6 +41,7 @@ void execute(Engine& engine, const AgreeChannel& channel, const CallInfo& call,
   const InCall in_call(engine, call);
   Engine::Running& running = engine.running();
   running.credit = call.counter;
+  running.algorithm = nullptr;
   const auto before = engine.bytes();
   const AgreeResult r = channel.run(call.digest, payload.send, payload.out, payload.count,
                                     payload.dtype, payload.op);
@@ -60,10 +61,11 @@ void execute(Engine& engine, const AgreeChannel& channel, const CallInfo& call,
   const auto after = engine.bytes();
   const int64_t sent = after.first - before.first;
   running.credit->add(1, sent, after.second - before.second);
-  if (tracing) {
+  if (tracing && engine.timeline().on()) {  // (not the call whose move stopped it)
     const double end = steady_seconds();
     engine.timeline().add(call.id, call.texts,
-                          {0, queued, start, agreed, move ? end : agreed, end, sent});
+                          {0, queued, start, agreed, move ? end : agreed, end, sent,
+                           running.algorithm ? *running.algorithm : std::string()});
   }
 }
 

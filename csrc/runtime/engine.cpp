@@ -35,8 +35,11 @@ Record::Snapshot Record::snapshot() const {
   return {state_, calls_, collective_, detail_, now() - since_};
 }
 
-Counter* Stats::counter(const std::string& collective, const std::string& algorithm) {
-  return &per_[{collective, algorithm}];
+Counter* Stats::counter(const std::string& collective, const std::string& algorithm,
+                        const std::string** name) {
+  auto& entry = *per_.try_emplace({collective, algorithm}).first;
+  if (name != nullptr) *name = &entry.first.second;
+  return &entry.second;
 }
 
 std::vector<std::tuple<std::string, std::string, Counts>> Stats::snapshot() const {

@@ -80,7 +80,10 @@ struct Counter {
 // as its Stats. Callers of counter() and snapshot() serialize (the binding holds the GIL).
 class Stats {
  public:
-  Counter* counter(const std::string& collective, const std::string& algorithm);
+  // The counter of (collective, algorithm); its name's algorithm into *name when given
+  // (stable, as the counter is).
+  Counter* counter(const std::string& collective, const std::string& algorithm,
+                   const std::string** name = nullptr);
   std::vector<std::tuple<std::string, std::string, Counts>> snapshot() const;
 
  private:
@@ -107,6 +110,9 @@ class Engine {
   // joined in its agreement (0 outside a call).
   struct Running {
     Counter* credit = nullptr;
+    // the algorithm credit counts, when a move credited another counter than its call's
+    // (`auto`'s online check): the timeline shows it instead of the described one
+    const std::string* algorithm = nullptr;
     int joined = 0;
   };
   Running& running() { return current_; }

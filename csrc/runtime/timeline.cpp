@@ -16,7 +16,7 @@ void Timeline::add(int64_t call_id, const CallTexts& texts, Event event) {
   const auto found = index_.try_emplace(call_id, taken_.texts.size());
   if (found.second) taken_.texts.push_back(texts);
   event.call = found.first->second;
-  taken_.events.push_back(event);
+  taken_.events.push_back(std::move(event));
 }
 
 Timeline::Taken Timeline::take() {

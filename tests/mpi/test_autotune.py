@@ -529,3 +529,28 @@ def test_a_cache_of_another_setup_gives_no_settled_class(comm, cache, monkeypatc
         assert comm.bcast(json.loads(path.read_text())["key"] if comm.rank == 0 else None) == k
     finally:
         select.choose.cache_clear()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_timeline_and_stats_name_the_trial_calls(comm, trials, monkeypatch, tmp_path_factory):
+    """A class tried between ring and mpi: the timeline shows each trial call's algorithm as
+    "<algorithm> (trial)" and the settled calls' as the one that ran; the stats count the
+    trial calls apart."""
+    seconds: dict[str, float] = {}
+    _fake_time(monkeypatch, lambda a: seconds[a])
+    path = comm.bcast(str(tmp_path_factory.mktemp("trace") / "t.json")
+                      if comm.rank == 0 else None)
+    tried = _runs("ring", "mpi", trial=True)
+    C.start_timeline(path)
+    x = _settle_ring_over_mpi(comm, trials, monkeypatch, seconds)
+    C.allreduce(x, op=C.Sum)
+    C.stop_timeline()
+    turns = online.ROUNDS * online.BURST
+    assert _runs("ring", "mpi", trial=True) == {a: tried[a] + turns for a in tried}
+    comm.Barrier()
+    if comm.rank == 0:
+        events = json.loads(Path(path).read_text())["traceEvents"]
+        ran = [e["args"]["algorithm"] for e in events if e["pid"] == 0 and e["ph"] == "X"
+               and e["tid"] == 0 and e.get("args", {}).get("collective") == "allreduce"]
+        assert sorted(ran[:-1]) == ["mpi (trial)"] * turns + ["ring (trial)"] * turns, ran
+        assert ran[-1] == "ring"
