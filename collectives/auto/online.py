@@ -1,6 +1,7 @@
 """`auto` checks its choice online: the first allreduces of each size class too large to
 ride in the agreement try every algorithm `auto` rates within CLOSE of the best, ROUNDS
 turns of BURST calls each, and the class settles on the fastest for the rest of the job.
+After every candidate's first turn, those over DROP x the fastest's turn leave the trial.
 When the runner-up's fastest turn is within RUNOFF of the leader's, the two take
 RUNOFF_TURNS more turns each, alternating, and the class settles on the one faster in most
 of those pairs of neighbouring turns.
@@ -49,7 +50,8 @@ with the same watch, and runs no trial. Trial calls are counted apart in the sta
 
 Size classes are factors of 4 (select.size_class); sizes that ride in the agreement are
 left to the first measurement, and a settled class holds for its sizes that do not. Cost:
-ROUNDS x BURST x candidates calls per class, each at most CLOSE x the estimated best's time
+BURST calls of every candidate and one allreduce, then ROUNDS - 1 turns of BURST calls of
+those within DROP, each at most CLOSE x the estimated best's time
 (as far as the estimate holds), and one allreduce when the trial ends; a runoff's
 RUNOFF_TURNS x BURST x 2 calls at most RUNOFF x the leader's time, and one allreduce; then
 one allreduce of a float per review, and a trial again when the time drifts or RETRY_S has
@@ -84,6 +86,11 @@ BURST = 2
 #: A runner-up whose fastest turn is within this multiple of the leader's goes to a runoff:
 #: wide enough for two candidates whose turns overlap (ring's 16 MiB turns above).
 RUNOFF = 1.5
+#: After every candidate's first turn, one whose turn took over this multiple of the
+#: fastest's leaves the trial (further from the leader than a runoff reaches, with room
+#: for one noisy turn): at 64 MiB with 2 ranks on one node, the three candidates that
+#: trail shm by 2.4-3.2x then cost one turn each instead of ROUNDS.
+DROP = 2.0
 #: Turns per finalist in a runoff: pairs enough for their median to outvote a spell of two.
 RUNOFF_TURNS = 8
 #: Seconds of a settled class's calls between reviews (at least MIN_WATCH calls). A review
@@ -198,6 +205,8 @@ def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
     trial.calls += 1
     if trial.calls == trial.turns * BURST * len(trial.candidates):
         _end(topo, c, trial, nbytes)
+    elif trial.calls == BURST * len(trial.candidates) and not trial.runoff:
+        _screen(topo, c, trial, nbytes)
 
 
 def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
@@ -219,11 +228,37 @@ def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
             topo.trials[c] = Trial(finalists, runoff=True, spent=spent)
             return
         call = float(best[k]) * nbytes
-    _settle(topo, c, trial.candidates[k])
+    _decide(topo, c, trial.candidates[k], call, spent, nbytes)
+
+
+def _screen(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
+    """Class c's trial after every candidate's first turn (in this call, of nbytes): the
+    candidates whose turn took over DROP x the fastest's (the slowest rank's times) leave
+    it; the rest go on with their first turn counted. One left: the class settles on it."""
+    first = np.empty(len(trial.candidates))
+    topo.comm.Allreduce(np.array([t[0] for t in trial.times]), first, op=MPI.MAX)
+    keep = [k for k in range(len(first)) if first[k] <= DROP * first.min()]
+    if len(keep) == len(first):
+        return
+    if len(keep) == 1:
+        spent = trial.spent + float(first.sum()) * nbytes * BURST
+        _decide(topo, c, trial.candidates[keep[0]], float(first[keep[0]]) * nbytes, spent, nbytes)
+        return
+    dropped = sum(float(first[k]) for k in range(len(first)) if k not in keep)
+    spent = trial.spent + dropped * nbytes * BURST  # the rest's first turns count at the end
+    rest = topo.trials[c] = Trial([trial.candidates[k] for k in keep], spent=spent)
+    rest.times = [[float(first[k])] for k in keep]
+    rest.calls = BURST * len(keep)
+
+
+def _decide(topo: Topology, c: int, algo: str, call: float, spent: float, nbytes: int) -> None:
+    """Class c settles on algo, whose calls of nbytes take `call` seconds, after trials that
+    cost `spent`: watched, and kept for later jobs."""
+    _settle(topo, c, algo)
     _watch(topo, c, call, spent)
     memory: Memory | None = topo.memory
     if memory is not None:
-        memory.remember(c, {"algorithm": trial.candidates[k], "seconds_per_byte": call / nbytes,
+        memory.remember(c, {"algorithm": algo, "seconds_per_byte": call / nbytes,
                             "spent": spent})
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import types
 import warnings
@@ -363,6 +364,35 @@ def test_watched_fast_entries_under_reviews_trials_and_a_join(comm, trials, monk
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mpi_s", [2.5, 1.8])
+def test_candidates_far_behind_after_one_turn_leave_the_trial(comm, trials, monkeypatch, mpi_s):
+    """ring 1 s, tree 3 s a call, mpi mpi_s: after one turn each, tree (over DROP x ring)
+    leaves; mpi at 2.5 s leaves too and the class settles on ring at once, at 1.8 s it
+    takes the trial's other turns (beyond RUNOFF: no runoff). Exact results throughout."""
+    monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.1, "tree": 1.2}))
+    _fake_time(monkeypatch, {"ring": 1.0, "mpi": mpi_s, "tree": 3.0}.get)
+    n = comm.Get_size()
+    x = np.full(_tried(trials), comm.Get_rank() + 1.0)
+    c = select.size_class(x.nbytes)
+    before = _runs("ring", "mpi", "tree", trial=True)
+    first = online.BURST * 3
+    stays = mpi_s <= online.DROP
+    total = first + (online.ROUNDS - 1) * online.BURST * 2 if stays else first
+    for i in range(total):
+        assert c not in trials.settled, i
+        assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), f"call {i}")
+    assert trials.settled == {c: "ring"} and not trials.trials
+    ran = _runs("ring", "mpi", "tree", trial=True)
+    turns = online.ROUNDS * online.BURST if stays else online.BURST
+    assert {a: ran[a] - before[a] for a in ran} == {"ring": turns, "mpi": turns,
+                                                   "tree": online.BURST}
+    # what the trial cost (each call once) sets how long the class runs before a retry
+    spent = online.BURST * (3.0 + (online.ROUNDS * (1.0 + mpi_s) if stays else 1.0 + mpi_s))
+    window = online.MIN_WATCH  # 1 s calls
+    assert abs(trials.watches[c].reviews_left - spent / online.RETRY_SHARE / window) <= 1
+
+
+@pytest.mark.mpi(min_size=2)
 def test_online_trial_with_one_close_candidate_settles_at_once(comm, trials, monkeypatch):
     monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0}))
     x = np.ones(_tried(trials))
@@ -388,6 +418,7 @@ def test_online_trials_under_per_rank_noise_and_a_joined_rank(comm, trials, monk
 
     monkeypatch.setattr(online, "clock", noisy)
     monkeypatch.setattr(online, "WATCH_S", 1e3)  # no review: this noise drifts at will
+    monkeypatch.setattr(online, "DROP", math.inf)  # every trial runs its ROUNDS
     n, r = comm.Get_size(), comm.Get_rank()
     base = _tried(trials)
     sizes = [base, 4 * base + 3, 16 * base + 5]
