@@ -389,7 +389,7 @@ def test_candidates_far_behind_after_one_turn_leave_the_trial(comm, trials, monk
     # what the trial cost (each call once) sets how long the class runs before a retry
     spent = online.BURST * (3.0 + (online.ROUNDS * (1.0 + mpi_s) if stays else 1.0 + mpi_s))
     window = online.MIN_WATCH  # 1 s calls
-    assert abs(trials.watches[c].reviews_left - spent / online.RETRY_SHARE / window) <= 1
+    assert abs(trials.watches[c].reviews_left - spent / online.RETRY_SHARE / window) < 1.5
 
 
 @pytest.mark.mpi(min_size=2)
