@@ -59,7 +59,7 @@ from collectives.integrations.torch_args import (
     same_dtype,
     scatter_into,
 )
-from collectives.integrations.torch_work import Finished, Request, pending
+from collectives.integrations.torch_work import DONE, Request, pending
 from collectives.ops import ReduceOp
 from collectives.runtime import p2p, topology
 
@@ -131,7 +131,7 @@ class ProcessGroup(dist.ProcessGroup):
             return pending(api.allreduce_async_(tensor, op, self._algorithm, comm=self._comm),
                            lambda _: tensors)
         api.allreduce_(tensor, op, self._algorithm, comm=self._comm)
-        return Finished(tensors)
+        return DONE
 
     def _sparse_allreduce(self, opts: Any, op: ReduceOp, tensor: torch.Tensor,
                           tensors: list) -> dist.Work:
@@ -154,8 +154,8 @@ class ProcessGroup(dist.ProcessGroup):
             rows = api.allgather_async(parts[0], self._algorithm, comm=self._comm)
             return pending(api.allgather_async(parts[1], self._algorithm, comm=self._comm),
                            lambda values: finish(rows.wait(), values))
-        return Finished(finish(*(api.allgather(p, self._algorithm, comm=self._comm)
-                                 for p in parts)))
+        finish(*(api.allgather(p, self._algorithm, comm=self._comm) for p in parts))
+        return DONE
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> dist.Work:
         opts = options(opts, c10d.AllreduceCoalescedOptions)
@@ -403,7 +403,7 @@ class ProcessGroup(dist.ProcessGroup):
         """The agreement exchange (api.barrier); a rank that does not come makes it raise
         StallError ("Timed out ...") after the group's timeout."""
         api.barrier(comm=self._comm)
-        return Finished([])
+        return DONE
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
@@ -439,7 +439,8 @@ class ProcessGroup(dist.ProcessGroup):
         future, as opts.asyncOp says."""
         if opts.asyncOp:
             return pending(submit(*args, comm=self._comm), finish)
-        return Finished(finish(sync(*args, comm=self._comm)))
+        finish(sync(*args, comm=self._comm))
+        return DONE
 
 
 def _create(group_options: Any, backend_options: Any) -> ProcessGroup:

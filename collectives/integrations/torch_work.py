@@ -21,23 +21,10 @@ def done(value: Any) -> Future:
     return future
 
 
-class Finished(dist._Work):
-    """The work of a sync call, done: wait() returns at once, get_future() holds value (the
-    call's tensors, as torch's backends give). A future is made only when asked for: this
-    object costs a sync call about a fifth of what a work over a future does."""
-
-    def __init__(self, value: Any):
-        super().__init__()
-        self._value = value
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> Future:
-        return done(self._value)
+#: What a sync call returns: torch's sync calls only wait() on it, and it is done. One object
+#: for every call (a work of its own costs a call 0.7 us, 7% of a small all_reduce); its
+#: future holds no value (an async call's holds the tensors).
+DONE = _create_work_from_future(done([]))
 
 
 def future(handle: Handle, finish: Any = None) -> Future:

@@ -1,8 +1,7 @@
 """What PyTorch's own distributed test suite (ci/torch_suite.py) found missing in the
 "collectives" backend, each against an independent reference: all_gather_coalesced over
 shapes and dtypes, sparse COO all_reduce, the group methods called without options
-(torch's defaults) with sync work whose future holds the tensors, and the monitored
-barrier naming the rank that did not come. A group's timeout is tested in
+(torch's defaults), and the monitored barrier naming the rank that did not come. A group's timeout is tested in
 tests/unit/test_failures.py (a timed-out call leaves the process's engine refusing
 calls, so it runs in a job of its own)."""
 
@@ -101,15 +100,6 @@ def test_group_methods_take_torchs_default_options(comm, group):
     outs = [torch.zeros(2) for _ in range(n)]
     group.allgather([outs], [torch.full((2,), 1.0)]).wait()
     assert all(o.tolist() == [1.0, 1.0] for o in outs)
-
-
-def test_sync_work_holds_the_tensors(comm, group):
-    t = torch.ones(2)
-    opts = dist.AllreduceOptions()
-    opts.asyncOp = False
-    work = group.allreduce([t], opts)
-    assert work.get_future().wait()[0] is t
-    assert t.tolist() == [comm.Get_size()] * 2
 
 
 def test_monitored_barrier_passes_and_names_the_rank_that_did_not_come(comm):
