@@ -1,9 +1,9 @@
 """What PyTorch's own distributed test suite (ci/torch_suite.py) found missing in the
 "collectives" backend, each against an independent reference: all_gather_coalesced over
 shapes and dtypes, sparse COO all_reduce, the group methods called without options
-(torch's defaults), and the monitored barrier naming the rank that did not come. A group's timeout is tested in
-tests/unit/test_failures.py (a timed-out call leaves the process's engine refusing
-calls, so it runs in a job of its own)."""
+(torch's defaults), and the monitored barrier naming the rank that did not come. A
+group's timeout is tested in tests/unit/test_failures.py (a timed-out call leaves the
+process's engine refusing calls, so it runs in a job of its own)."""
 
 from __future__ import annotations
 
