@@ -536,6 +536,7 @@ def test_a_remembered_class_is_tried_again_when_it_drifts(comm, trials, monkeypa
             == "mpi"
 
 
+@pytest.mark.mpi(min_size=2)  # one rank measures nothing and keeps no cache
 def test_a_cache_of_another_setup_gives_no_settled_class(comm, cache, monkeypatch):
     """A cache file at this setup's path whose key is another's (another host): install
     measures again and the job's communicator recalls nothing from it."""
