@@ -83,6 +83,13 @@ def _read(path: Path) -> dict:
     return tuning
 
 
+def _write(path: Path, tuning: dict) -> None:
+    """tuning into path at once: a concurrent job reads all of it or nothing."""
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(tuning, indent=1))
+    partial.replace(path)
+
+
 def _on_rank0(comm: MPI.Comm, fn: Callable[[], Any]) -> Any:
     """fn() on rank 0, its result (or its error, re-raised) on every rank."""
     result: Any = None
@@ -186,9 +193,7 @@ def setup(topo: Any, timed: Timed) -> dict:
     if topo.rank == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(tuning, indent=1))
-            partial.replace(path)  # atomic: a concurrent job reads all or nothing
+            _write(path, tuning)
         except OSError as exc:
             warnings.warn(f"collectives: could not save the tuning to {path} ({exc}); the "
                           "next job measures again", stacklevel=2)
@@ -222,9 +227,7 @@ class Memory:
             if tuning.get("key") != self.key:
                 return
             tuning.setdefault("settled", {})[str(c)] = entry
-            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(tuning, indent=1))
-            partial.replace(self.path)
+            _write(self.path, tuning)
         except (OSError, ValueError) as exc:
             warnings.warn(f"collectives: could not keep auto's settled choice in {self.path} "
                           f"({exc}); the next job tries the class again", stacklevel=2)
