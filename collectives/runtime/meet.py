@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from collectives.runtime.engine import ENGINE
 from collectives.runtime.topology import Topology
-from collectives.runtime.watchdog import StallError
+from collectives.runtime.watchdog import StallError, timed_out
 
 log = logging.getLogger("collectives")
 
@@ -61,8 +61,7 @@ def meet(topo: Topology, value: int) -> int:
             waited = time.monotonic() - start
             timeout_s = topo.limit.timeout_s
             if timeout_s is not None and waited >= timeout_s:
-                why = (f"barrier: Timed out waiting {waited * 1000:.0f}ms for rank {src} "
-                       f"(timeout {timeout_s:g} s)")
+                why = timed_out("barrier", waited, f"rank {src}", timeout_s)
                 ENGINE.native.fail(why)
                 raise StallError(why)
             if waited >= warn_at:

@@ -41,6 +41,11 @@ def describe(snapshot: tuple) -> str:
     return f"{state} {age:.1f} s in {what}"
 
 
+def timed_out(what: str, waited: float, whom: str, timeout_s: float) -> str:
+    """Why a wait ended in StallError, in the words torch users match ("Timed out")."""
+    return f"{what}: Timed out waiting {waited * 1000:.0f}ms for {whom} (timeout {timeout_s:g} s)"
+
+
 class Limit:
     """One communicator's stall timeout in seconds (None: wait forever), owned by its
     Topology; the waits of its agreement read it through on_wait."""
@@ -110,8 +115,7 @@ class Watchdog:
         warn_s, timeout_s = self.warn_s, limit.timeout_s
         if timeout_s is not None and waited >= timeout_s:
             _, calls, collective, _, _ = ENGINE.native.snapshot()
-            why = (f"{collective} #{calls}: Timed out waiting {waited * 1000:.0f}ms for "
-                   f"other ranks (timeout {timeout_s:g} s)")
+            why = timed_out(f"{collective} #{calls}", waited, "other ranks", timeout_s)
             ENGINE.native.fail(why)
             raise StallError(why + "\n" + self._report(waited))
         log.warning(self._report(waited))
