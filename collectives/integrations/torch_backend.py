@@ -73,7 +73,7 @@ class ProcessGroup(dist.ProcessGroup):
     def __init__(self, store: Any, comm: MPI.Comm | None, timeout: timedelta | None = None):
         topo = topology.of(comm)  # collective over comm on first use
         super().__init__(topo.rank, topo.size)  # (store, rank, size) cannot be subclassed
-        self._store, self._comm, self._size, self._topo = store, comm, topo.size, topo
+        self._store, self._comm, self._size = store, comm, topo.size
         self._name = self._desc = ""
         self._p2p = topo.comm.Dup()  # user messages: never confused with ours
         self._monitored = MonitoredBarrier(topo.comm.Dup())
@@ -410,7 +410,8 @@ class ProcessGroup(dist.ProcessGroup):
         """A barrier in which rank 0 names the ranks that did not arrive within timeout
         (default: the group's), as gloo's does (monitored_barrier.py). torch's
         dist.monitored_barrier accepts gloo groups only; call this on the group."""
-        seconds = self._topo.limit.timeout_s if timeout is None else timeout.total_seconds()
+        seconds = (topology.of(self._comm).limit.timeout_s if timeout is None
+                   else timeout.total_seconds())
         self._monitored(float("inf") if seconds is None else seconds, wait_all_ranks)
 
     # ------------------------------------------------------------ point-to-point
