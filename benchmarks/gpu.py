@@ -7,12 +7,15 @@
 (median of 20 after 3 warm-ups), as GB/s of the bytes it must read and write, beside a
 device-to-device copy (read + write) of the same bytes: the copy is the ceiling.
 
-`allreduce`: an in-place float32 Average on a torch CUDA tensor (which the library stages
-through pinned host memory: device to host, the host algorithm, host to device), beside the
-same call on a host tensor, the staging copies alone (`copies`: to a pinned host tensor and
-back), and gloo's all_reduce on the CUDA tensor; the slowest rank's median per-call time
-over interleaved rounds. `vs_gloo` = gloo's CUDA time / ours (>1 = faster). With several
-ranks on one GPU, the copies share it."""
+`allreduce`: an in-place float32 Average on a torch CUDA tensor, reduced on the device
+(`device`: what `auto` runs on one node, algorithm="device") and staged through pinned host
+memory (`staged`: algorithm="shm", the host algorithm `auto` ran on one node before: device
+to host, the host algorithm, host to device), beside the same call on a host tensor, the
+staging copies alone (`copies`: to a pinned host tensor and back), a device-to-device copy
+of the buffer on every rank (`d2d`: the copy ceiling) and gloo's all_reduce on the CUDA
+tensor; the slowest rank's median per-call time over interleaved rounds. Ratios:
+staged / device, device / d2d (how far from the copy bound), gloo / device (>1 = we are
+faster). With several ranks on one GPU, they share its bandwidth."""
 
 from __future__ import annotations  # noqa: I001  (collectives first: see bandwidth.py)
 
@@ -84,20 +87,25 @@ def allreduce(lo: int, hi: int, rounds: int) -> None:
     torch.cuda.set_device(C.local_rank() % torch.cuda.device_count())
     dist.init_process_group("gloo", init_method=_tcp(comm),
                             rank=comm.rank, world_size=comm.size)
+    columns = ("device", "staged", "host", "copies", "d2d", "gloo")
     if comm.rank == 0:
-        print(f"{'size':>10}{'cuda us':>11}{'host us':>11}{'copies us':>11}{'gloo us':>11}"
-              f"{'vs_gloo':>9}   (np {comm.size}, {torch.cuda.get_device_name()})")
+        print(f"{'size':>10}" + "".join(f"{c + ' us':>12}" for c in columns)
+              + f"{'staged/dev':>11}{'dev/d2d':>9}{'gloo/dev':>9}"
+              f"   (np {comm.size}, {torch.cuda.get_device_name()})")
     nbytes = lo
     while nbytes <= hi:
         count = nbytes // 4
         dev = torch.ones(count, device="cuda")
+        other = torch.empty_like(dev)
         cpu = torch.ones(count)
         pinned = torch.ones(count, pin_memory=True)
         calls = max(2, min(200, (64 * MIB) // nbytes))
         runs = {
-            "cuda": lambda: C.allreduce_(dev, op=C.Average),  # noqa: B023
+            "device": lambda: C.allreduce_(dev, op=C.Average, algorithm="device"),  # noqa: B023
+            "staged": lambda: C.allreduce_(dev, op=C.Average, algorithm="shm"),  # noqa: B023
             "host": lambda: C.allreduce_(cpu, op=C.Average),  # noqa: B023
             "copies": lambda: dev.copy_(pinned.copy_(dev)),  # noqa: B023
+            "d2d": lambda: other.copy_(dev),  # noqa: B023
             "gloo": lambda: dist.all_reduce(dev),  # noqa: B023
         }
         times: dict[str, list[float]] = {k: [] for k in runs}
@@ -114,8 +122,9 @@ def allreduce(lo: int, hi: int, rounds: int) -> None:
                                                   MPI.MAX))
         us = {k: statistics.median(v) * 1e6 for k, v in times.items()}
         if comm.rank == 0:
-            print(f"{_size(nbytes):>10}{us['cuda']:>11.1f}{us['host']:>11.1f}{us['copies']:>11.1f}"
-                  f"{us['gloo']:>11.1f}{us['gloo'] / us['cuda']:>9.2f}", flush=True)
+            print(f"{_size(nbytes):>10}" + "".join(f"{us[c]:>12.1f}" for c in columns)
+                  + f"{us['staged'] / us['device']:>11.1f}{us['device'] / us['d2d']:>9.2f}"
+                  f"{us['gloo'] / us['device']:>9.1f}", flush=True)
         nbytes *= 4
     dist.destroy_process_group()
 

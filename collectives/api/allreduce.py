@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from collectives import algorithms, kernels
-from collectives.api import calls, process_sets
+from collectives.api import calls, on_device, process_sets
 from collectives.api.base import (
     check_algorithm,
     check_list,
@@ -37,6 +37,9 @@ except ImportError:
     torch = _Tensor = None
 
 # ----------------------------------------------------------------------------- allreduce
+
+#: allreduce's algorithms: the host ones, and `device` for device data (api/on_device.py).
+ALLREDUCE_ALGORITHMS = (*algorithms.ALGORITHMS, on_device.NAME)
 
 
 def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: bool) -> Any:
@@ -74,8 +77,11 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
                inplace: bool, prescale_factor: Any = 1.0,
                postscale_factor: Any = 1.0) -> tuple[Call, Job]:
     op = check_op(op)
-    check_algorithm(algorithm)
+    check_algorithm(algorithm, ALLREDUCE_ALGORITHMS)
     compressor = check_compression(compression)
+    plain = compressor is Compression.none and prescale_factor == 1 and postscale_factor == 1
+    if on_device.takes(topo, x, algorithm, plain):
+        return on_device.allreduce(topo, x, op, algorithm, inplace)
     buf = wrap(x, "x")  # type check now, in the caller's thread
     if prescale_factor != 1 or postscale_factor != 1:
         return _scaled(topo, buf, op, algorithm, compressor, inplace, prescale_factor,

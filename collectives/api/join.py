@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from collectives import algorithms
-from collectives.api import calls, process_sets
+from collectives.api import calls, on_device, process_sets
 from collectives.auto import online, select
 from collectives.compression import Compression
 from collectives.dtypes import FLOATING, STORAGE
@@ -60,6 +60,9 @@ def _contribute(topo: Topology, collective: str, fields: tuple) -> None:
     op, dtype, algorithm = ReduceOp[f["op"]], f["dtype"], f["algorithm"]
     count = sum(int(np.prod(s, dtype=np.int64)) for s in shapes)
     data = identity(op, dtype, count)
+    if f.get("memory") == "device":
+        on_device.contribute(topo, op, dtype, data)
+        return
     compressor = getattr(Compression, f["compression"])
     if compressor is not Compression.none and dtype in FLOATING:
         compressor.allreduce(topo, host_float(data, dtype), op, algorithm)

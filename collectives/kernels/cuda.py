@@ -117,6 +117,28 @@ def _pointers(arrays: Sequence[cupy.ndarray]) -> cupy.ndarray:
     return cupy.asarray(np.array([a.data.ptr for a in arrays], np.uint64))
 
 
+def storage(x: Array, name: str) -> tuple[cupy.ndarray, str]:
+    """A C-contiguous CuPy array or torch CUDA tensor as a flat CuPy view of its storage (no
+    copy; bfloat16 as uint16) and its dtype name."""
+    arr, dtype = _device(x, name)
+    return arr.reshape(-1), dtype
+
+
+def device_of(x: Array) -> int:
+    """The index of the CUDA device x lives on."""
+    return x.device.index if _is_torch(x) else x.device.id
+
+
+def recorded(ref: Array) -> cupy.cuda.Event:
+    """An event recorded now on the stream that orders work on ref (torch's current stream
+    for a torch tensor, CuPy's for a CuPy array): a stream that waits for it sees ref as the
+    caller's work so far leaves it."""
+    with _context(ref):
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record()
+        return event
+
+
 # ---- reduce / divide --------------------------------------------------------------------
 
 _OP_NAMES = {ReduceOp.Sum: "sum", ReduceOp.Min: "min", ReduceOp.Max: "max",

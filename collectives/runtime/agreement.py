@@ -73,7 +73,7 @@ def describe_mismatch(signatures: list[tuple]) -> str:
         text = "collective mismatch: " + _groups("called", names)
     else:
         text = f"{names[0][1]} mismatch: " + _groups("has", [(r, repr(s[1])) for r, s in ranked])
-        for key in fields[0][1]:
+        for key in dict.fromkeys(k for _, f in fields for k in f):  # every rank's fields
             values = [(r, repr(f.get(key))) for r, f in fields]
             if len({v for _, v in values}) > 1:
                 text = f"{names[0][1]} {key} mismatch: " + _groups("has", values)

@@ -73,6 +73,8 @@ class Topology:
         self.process_sets: dict[int, Any] = {}      # api/process_sets.py: sets registered
         self.last_set_id = 0                        # over this (the job's) communicator
         self.timeline: dict[str, Any] | None = None  # api/timeline.py: the recording, if any
+        self.ipc: Any = None                        # algorithms/device.py: the node's CUDA
+                                                    # IPC workspaces (runtime/ipc.py)
         self.in_flight: dict[str, Any] = {}         # horovod/common.py: async names in flight
         self.started = 0                            # horovod/common.py: async calls started,
         self.outstanding: list[tuple[int, Any]] = []  # and those not known finished
@@ -104,6 +106,8 @@ class Topology:
     def free(self) -> None:
         if self.window is not None:
             self.window.free()
+        if self.ipc is not None:
+            self.ipc.close()
         for c in (self._shard_comms or []) + [self.cross_comm, self.node_comm, self.comm]:
             if c != MPI.COMM_NULL:
                 c.Free()

@@ -116,6 +116,10 @@ def test_two_bad_ranks_with_different_errors(comm):
 def test_the_same_bad_argument_everywhere_raises_it_everywhere(comm):
     with pytest.raises(ValueError, match="algorithm"):
         C.allreduce(GOOD, algorithm="butterfly")
+    with pytest.raises(ValueError, match="algorithm: 'device' reduces device memory.*numpy"):
+        C.allreduce(GOOD, algorithm="device")
+    with pytest.raises(ValueError, match="algorithm: expected one of"):
+        C.allgather(GOOD, algorithm="device")  # an allreduce's algorithm only
     with pytest.raises(TypeError, match="dtype"):
         C.allgather(np.zeros((2, 2), np.complex128))
     n = comm.Get_size()

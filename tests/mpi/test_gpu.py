@@ -73,7 +73,7 @@ def frameworks(dtype: str) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("algo", [*ALGOS, "device"])
 def test_gpu_allreduce(comm, algo, dtype):
     n, r = comm.Get_size(), comm.Get_rank()
     for k, op in enumerate(OPS):
@@ -88,6 +88,47 @@ def test_gpu_allreduce(comm, algo, dtype):
                                            inplace, what, host)
                     assert_equal(got, reference_reduce(comm.allgather(before), op, dtype, n), what)
                     assert_same_on_all_ranks(comm, got, what)
+
+
+def test_gpu_device_allreduce_stays_on_the_device(comm):
+    """On one node, `auto` reduces device data on the device (counted as allreduce/device,
+    nothing staged through the host), in place and out, async, for torch and CuPy; host
+    data under algorithm="device" is refused on every rank; a rank passing host data to
+    the others' device call gets a MismatchError, as they do."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    calls = lambda: C.stats()["per_op"].get("allreduce/device", {}).get("calls", 0)  # noqa: E731
+    before = calls()
+    for framework in FRAMEWORKS:
+        x = on_device(np.full(BIG, r + 1, np.float32), "float32", framework)
+        y = C.allreduce(x, op=C.Sum)
+        assert_equal(host(y), np.full(BIG, n * (n + 1) / 2, np.float32), f"{framework} sum")
+        assert_equal(host(x), np.full(BIG, r + 1, np.float32), f"{framework}: input modified")
+        handle = C.allreduce_async_(x, op=C.Average)
+        assert C.synchronize(handle) is x
+        assert_equal(host(x), np.full(BIG, (n + 1) / 2, np.float32), f"{framework} async")
+    assert calls() - before == 4, "auto staged device data through the host on one node"
+    with pytest.raises(ValueError, match="algorithm: 'device' reduces device memory"):
+        C.allreduce(np.ones(3, np.float32), algorithm="device")
+    if n > 1:
+        x = np.ones(3, np.float32) if r == 0 else torch.ones(3, device="cuda")
+        with pytest.raises(C.MismatchError, match="memory"):
+            C.allreduce(x, op=C.Sum)
+
+
+def test_gpu_device_allreduce_with_a_joined_rank(comm):
+    """The last rank joins; the others' device Averages divide by the ranks that are left
+    and Sums see the joined rank's zeros."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    if n < 2:
+        pytest.skip("needs two ranks")
+    if r == n - 1:
+        C.join()
+        return
+    for op, expected in ((C.Sum, sum(range(1, n))), (C.Average, sum(range(1, n)) / (n - 1))):
+        x = torch.full((1001,), float(r + 1), device="cuda")
+        assert_equal(host(C.allreduce(x, op=op)), np.full(1001, expected, np.float32),
+                     f"{op.name} with rank {n - 1} joined")
+    C.join()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,150 @@
+"""The allreduce of device data that stays on the device (algorithms/device.py): which calls
+take it, their agreed fields, and the job that runs it.
+
+A torch CUDA tensor or CuPy array takes it under algorithm="device", and under "auto" where
+the communicator is one node and CUDA IPC works there (its first failure, seen by every rank
+alike, sends this and later `auto` calls through the host instead). Scale factors and
+compression keep the staged path for now. The call's fields say ("memory", "device"): a
+rank passing host data to the same call gets a MismatchError, like any disagreement.
+
+Ordering with the caller's work: an event recorded on the caller's stream when the call is
+made; the algorithm's stream waits for it. The result is complete when the call returns (or
+its handle completes), on every stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collectives import algorithms
+from collectives.api import calls
+from collectives.api.base import result_of
+from collectives.api.calls import Call
+from collectives.auto import select
+from collectives.ops import ReduceOp
+from collectives.runtime.buffers import wrap
+from collectives.runtime.engine import ENGINE, Job
+from collectives.runtime.ipc import IpcError
+from collectives.runtime.topology import Topology
+
+NAME = "device"  # algorithms/device.py's NAME (that module imports CuPy: device data only)
+
+
+def is_device_data(x: Any) -> bool:
+    """A torch CUDA tensor or a CuPy array."""
+    module = type(x).__module__
+    return module.startswith("cupy") or module.startswith("torch") and \
+        getattr(getattr(x, "device", None), "type", None) == "cuda"
+
+
+def takes(topo: Topology, x: Any, algorithm: str, plain: bool) -> bool:
+    """Whether this allreduce runs on the device. plain: no compression or scale factors.
+    Raises ValueError where algorithm="device" cannot run this call."""
+    if algorithm != NAME:
+        if algorithm != "auto" or not plain or not is_device_data(x):
+            return False
+        try:
+            from collectives.algorithms import device
+        except ImportError:  # no CuPy: the data goes through the host
+            return False
+        return device.usable(topo)
+    if not is_device_data(x):
+        raise ValueError(f"algorithm: {NAME!r} reduces device memory (a torch CUDA tensor or "
+                         f"a CuPy array); x is a {type(x).__module__}.{type(x).__name__} "
+                         f"on the host")
+    if not plain:
+        raise ValueError(f"algorithm: {NAME!r} takes no compression or scale factors; pass "
+                         f"algorithm='auto' for those")
+    try:
+        from collectives.algorithms import device
+    except ImportError as exc:
+        raise ValueError(f"algorithm: {NAME!r} needs CuPy (its kernels run through it): "
+                         f"{exc}") from exc
+    device.check(topo)
+    return True
+
+
+def allreduce(topo: Topology, x: Any, op: ReduceOp, algorithm: str,
+              inplace: bool) -> tuple[Call, Job]:
+    """The description and job of a device allreduce of x (takes() said yes)."""
+    from collectives.algorithms import device
+    from collectives.kernels import cuda as cuda_kernels
+
+    data = x.detach() if hasattr(x, "detach") else x
+    contiguous = data.is_contiguous() if hasattr(data, "is_contiguous") \
+        else data.flags.c_contiguous
+    src = data if contiguous else (data.contiguous() if hasattr(data, "contiguous")
+                                   else data.copy())
+    send, dtype = cuda_kernels.storage(src, "x")
+    ws = device.workspaces(topo, cuda_kernels.device_of(src))
+    out = data if inplace and contiguous else (
+        src if inplace else _empty_like(src))
+    recv = send if out is src else cuda_kernels.storage(out, "out")[0]
+    fields = (("op", op.name), ("dtype", dtype), ("shape", tuple(x.shape)),
+              ("algorithm", algorithm), ("compression", "none"), ("memory", "device"))
+    call = calls.describe(topo, "allreduce", fields, NAME)
+    ready = cuda_kernels.recorded(src)
+
+    def move() -> Any:
+        if send.size:
+            try:
+                device.allreduce(topo, ws, send, recv, op, dtype,
+                                 topo.size - ENGINE.native.joined, ready)
+            except IpcError:
+                if algorithm != "auto":
+                    raise
+                return _staged(topo, x, op, inplace)
+        if inplace and out is not data:
+            _copy_into(data, out)
+        return x if inplace else out
+
+    return call, Job(move)
+
+
+def contribute(topo: Topology, op: ReduceOp, dtype: str, identity: Any) -> None:
+    """A joined rank's part of a device allreduce (api/join.py): the same schedule, from
+    identity (host storage of op's identity) copied to the device, its result dropped."""
+    import cupy
+
+    from collectives.algorithms import device
+
+    if not identity.size:
+        return
+    ws = device.workspaces(topo, topo.ipc.device if topo.ipc is not None
+                           else cupy.cuda.runtime.getDevice())
+    with cupy.cuda.Device(ws.device):
+        data = cupy.asarray(identity)
+        ws.stream.synchronize()
+        try:
+            device.allreduce(topo, ws, data, data, op, dtype, topo.size - ENGINE.native.joined,
+                             None)
+        except IpcError:
+            algorithms.reduce(select.concrete(topo, "allreduce", "auto", identity.nbytes), topo,
+                              identity, identity, op, dtype)
+
+
+def _staged(topo: Topology, x: Any, op: ReduceOp, inplace: bool) -> Any:
+    """The call through host memory: `auto`'s way where CUDA IPC failed (on every rank)."""
+    buf = wrap(x, "x")
+    out = buf if inplace else buf.empty(buf.shape)
+    algo = select.concrete(topo, "allreduce", "auto", buf.nbytes)
+    algorithms.reduce(algo, topo, buf.flat, out.flat, op, buf.dtype)
+    return result_of(buf, out)
+
+
+def _empty_like(x: Any) -> Any:
+    """A new C-contiguous array of x's kind, dtype, shape and device."""
+    if hasattr(x, "new_empty"):
+        return x.new_empty(x.shape)
+    import cupy
+
+    with x.device:
+        return cupy.empty(x.shape, x.dtype)
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    """dst[...] = src for a non-contiguous in-place call's result (after the algorithm's
+    stream is synchronized, so any stream may read src)."""
+    if hasattr(dst, "copy_"):
+        dst.copy_(src)
+    else:
+        dst[...] = src
