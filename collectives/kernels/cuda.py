@@ -129,14 +129,22 @@ def device_of(x: Array) -> int:
     return x.device.index if _is_torch(x) else x.device.id
 
 
-def recorded(ref: Array) -> cupy.cuda.Event:
-    """An event recorded now on the stream that orders work on ref (torch's current stream
-    for a torch tensor, CuPy's for a CuPy array): a stream that waits for it sees ref as the
-    caller's work so far leaves it."""
-    with _context(ref):
-        event = cupy.cuda.Event(disable_timing=True)
-        event.record()
-        return event
+def stream_of(ref: Array) -> cupy.cuda.Stream:
+    """The stream that orders the caller's work on ref: torch's current stream for a torch
+    tensor, CuPy's current stream for a CuPy array (of this thread, on ref's device)."""
+    if _is_torch(ref):
+        torch_stream = sys.modules["torch"].cuda.current_stream(ref.device)
+        return cupy.cuda.ExternalStream(torch_stream.cuda_stream, ref.device.index)
+    with ref.device:
+        return cupy.cuda.get_current_stream()
+
+
+def recorded(stream: cupy.cuda.Stream) -> cupy.cuda.Event:
+    """An event recorded now on stream: a stream that waits for it sees what was queued
+    on stream so far done."""
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record(stream)
+    return event
 
 
 # ---- reduce / divide --------------------------------------------------------------------

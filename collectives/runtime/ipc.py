@@ -16,7 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-#: A workspace grows to at least this (bytes), then by doubling.
+#: A workspace (both halves) grows to at least this (bytes), then by doubling.
 MIN_BYTES = 2 << 20
 
 
@@ -37,6 +37,7 @@ class Workspaces:
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self.capacity = 0
         self.broken = False          # reserve() failed: `auto` stages device data instead
+        self.calls = 0               # calls made (half() alternates halves by its parity)
         self._mine: Any = None       # this rank's cupy.cuda.Memory
         self._opened: list[int] = []  # peers' pointers opened here (closed on growth)
         self._pointers: list[int] = []
@@ -48,7 +49,9 @@ class Workspaces:
             return
         import cupy
 
-        capacity = max(nbytes, 2 * self.capacity, MIN_BYTES)
+        capacity = _aligned(max(nbytes, 2 * self.capacity, MIN_BYTES))
+        if self.capacity:  # peers may still read the old workspaces: wait for every rank
+            self.sync()
         self.close()
         with cupy.cuda.Device(self.device):
             error, handle = _attempt(lambda: cupy.cuda.runtime.ipcGetMemHandle(
@@ -87,13 +90,17 @@ class Workspaces:
                 self._opened.append(pointers[-1])
         return pointers
 
-    def views(self, count: int, dtype: Any) -> list[Any]:
-        """The first count elements of dtype of every rank's workspace, in rank order."""
+    def half(self, count: int, dtype: Any) -> list[Any]:
+        """count elements of dtype in this call's half of every rank's workspace (rank
+        order): calls alternate between the halves. Collective over comm (reserve)."""
         import cupy
 
         nbytes = count * cupy.dtype(dtype).itemsize
+        self.reserve(2 * _aligned(nbytes))
+        offset = self.calls % 2 * (self.capacity // 2)
+        self.calls += 1
         return [cupy.ndarray((count,), dtype, cupy.cuda.MemoryPointer(
-            cupy.cuda.UnownedMemory(ptr, nbytes, self, self.device), 0))
+            cupy.cuda.UnownedMemory(ptr + offset, nbytes, self, self.device), 0))
             for ptr in self._pointers]
 
     def sync(self) -> None:
@@ -115,6 +122,11 @@ class Workspaces:
             except cupy.cuda.runtime.CUDARuntimeError:
                 pass  # at exit the context may be gone, and the mappings with it
         self._opened, self._pointers, self._mine, self.capacity = [], [], None, 0
+
+
+def _aligned(nbytes: int) -> int:
+    """nbytes rounded up to a multiple of 2 * 256 (each half starts 256-byte aligned)."""
+    return -(-nbytes // 512) * 512
 
 
 def _attempt(fn: Any) -> tuple[str, Any]:

@@ -91,8 +91,9 @@ def test_gpu_allreduce(comm, algo, dtype):
 
 
 def test_gpu_device_allreduce_stays_on_the_device(comm):
-    """On one node, `auto` reduces device data on the device (counted as allreduce/device,
-    nothing staged through the host), in place and out, async, for torch and CuPy; host
+    """On one node, `auto` reduces 4 MiB of device data on the device (counted as
+    allreduce/device, nothing staged through the host), in place and out, async, for torch
+    and CuPy; host
     data under algorithm="device" is refused on every rank; a rank passing host data to
     the others' device call gets a MismatchError, as they do."""
     n, r = comm.Get_size(), comm.Get_rank()
@@ -110,8 +111,8 @@ def test_gpu_device_allreduce_stays_on_the_device(comm):
     with pytest.raises(ValueError, match="algorithm: 'device' reduces device memory"):
         C.allreduce(np.ones(3, np.float32), algorithm="device")
     if n > 1:
-        x = np.ones(3, np.float32) if r == 0 else torch.ones(3, device="cuda")
-        with pytest.raises(C.MismatchError, match="memory"):
+        x = np.ones(BIG, np.float32) if r == 0 else torch.ones(BIG, device="cuda")
+        with pytest.raises(C.MismatchError, match="allreduce memory mismatch"):
             C.allreduce(x, op=C.Sum)
 
 
@@ -126,8 +127,8 @@ def test_gpu_device_allreduce_with_a_joined_rank(comm):
         return
     for op, expected in ((C.Sum, sum(range(1, n))), (C.Average, sum(range(1, n)) / (n - 1))):
         x = torch.full((1001,), float(r + 1), device="cuda")
-        assert_equal(host(C.allreduce(x, op=op)), np.full(1001, expected, np.float32),
-                     f"{op.name} with rank {n - 1} joined")
+        assert_equal(host(C.allreduce(x, op=op, algorithm="device")),
+                     np.full(1001, expected, np.float32), f"{op.name} with rank {n - 1} joined")
     C.join()
 
 
