@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py kernels                       # one process, one GPU
     mpirun -np 2 python benchmarks/gpu.py allreduce -e 256M
+    mpirun -np 2 python benchmarks/gpu.py onebit -e 64M
 
 `kernels`: each CUDA kernel (csrc/cuda) on 64 Mi float32 values, timed with CUDA events
 (median of 20 after 3 warm-ups), as GB/s of the bytes it must read and write, beside a
@@ -15,7 +16,14 @@ staging copies alone (`copies`: to a pinned host tensor and back), a device-to-d
 of the buffer on every rank (`d2d`: the copy ceiling) and gloo's all_reduce on the CUDA
 tensor; the slowest rank's median per-call time over interleaved rounds. Ratios:
 staged / device, device / d2d (how far from the copy bound), gloo / device (>1 = we are
-faster). With several ranks on one GPU, they share its bandwidth."""
+faster). With several ranks on one GPU, they share its bandwidth.
+
+`onebit`: compressed_allreduce (1-bit, DeepSpeed's scales) of a float32 CUDA tensor of the
+largest size: with CUDA error buffers (`device`: compressed, served and decompressed on the
+device, only the packets staged), with host error buffers (`staged`: the vector staged whole,
+as every compressed call of device data was before), and of a host tensor (`host`); beside
+each, the bytes it moves between host and device per rank (computed from the sizes: the
+packets, (3n + 1)(L/8 + 4) for chunks of L values; or the vector both ways, 2N)."""
 
 from __future__ import annotations  # noqa: I001  (collectives first: see bandwidth.py)
 
@@ -129,6 +137,47 @@ def allreduce(lo: int, hi: int, rounds: int) -> None:
     dist.destroy_process_group()
 
 
+def onebit(nbytes: int, rounds: int) -> None:
+    from mpi4py import MPI
+
+    from collectives.algorithms.onebit import error_sizes
+
+    comm = MPI.COMM_WORLD
+    C.init()
+    torch.cuda.set_device(C.local_rank() % torch.cuda.device_count())
+    n, count = comm.size, nbytes // 4
+    padded, chunk = error_sizes(count, n)
+    x = torch.randn(count, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    host_x = x.cpu()
+    errors = {where: [torch.zeros(k, device=where) for k in (padded, chunk)]
+              for where in ("cuda", "cpu")}
+    spare = [torch.zeros(k) for k in (padded, chunk)]
+    runs = {
+        "device": (lambda: C.compressed_allreduce(x, *errors["cuda"]),
+                   (3 * n + 1) * (chunk // 8 + 4)),
+        "staged": (lambda: C.compressed_allreduce(x, *errors["cpu"]), 2 * nbytes),
+        "host": (lambda: C.compressed_allreduce(host_x, *spare), 0),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for fn, _ in runs.values():
+        fn()
+    for _ in range(rounds):
+        for name, (fn, _) in runs.items():
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            times[name].append(comm.allreduce((time.perf_counter() - start) / 5, MPI.MAX))
+    if comm.rank == 0:
+        print(f"1-bit compressed_allreduce of {_size(nbytes)} float32 (np {n}, "
+              f"{torch.cuda.get_device_name()})")
+        print(f"{'path':<8}{'ms':>9}{'MiB staged':>12}")
+        for name, (_, staged) in runs.items():
+            print(f"{name:<8}{statistics.median(times[name]) * 1e3:>9.2f}"
+                  f"{staged / MIB:>12.1f}")
+
+
 def _tcp(comm) -> str:
     import socket
 
@@ -149,9 +198,9 @@ def _size(nbytes: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("kernels", "allreduce"))
+    p.add_argument("what", choices=("kernels", "allreduce", "onebit"))
     p.add_argument("-b", default="4K", help="allreduce: smallest size (K/M)")
-    p.add_argument("-e", default="64M", help="allreduce: largest size (K/M)")
+    p.add_argument("-e", default="64M", help="allreduce: largest size; onebit: the size (K/M)")
     p.add_argument("-r", "--rounds", type=int, default=5)
     p.add_argument("--count", type=int, default=64 * MIB, help="kernels: float32 values")
     args = p.parse_args()
@@ -159,6 +208,8 @@ def main() -> None:
     lo, hi = (int(s[:-1]) * parse[s[-1].upper()] for s in (args.b, args.e))
     if args.what == "kernels":
         kernels(args.count)
+    elif args.what == "onebit":
+        onebit(hi, args.rounds)
     else:
         allreduce(lo, hi, args.rounds)
 

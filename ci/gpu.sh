@@ -38,5 +38,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the benchmarks import colle
 step bench_kernels "$py" benchmarks/gpu.py kernels
 step bench_allreduce timeout 600 "${MPIRUN:-$(dirname "$py")/mpirun}" -np 2 "$py" benchmarks/gpu.py \
   allreduce -b 4K -e 1024M -r 3
+step bench_onebit timeout 300 "${MPIRUN:-$(dirname "$py")/mpirun}" -np 2 "$py" benchmarks/gpu.py \
+  onebit -e 64M
 echo "== $failed step(s) failed"
 exit "$failed"

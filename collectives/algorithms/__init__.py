@@ -30,6 +30,7 @@ from types import ModuleType
 
 import numpy as np
 
+from collectives import kernels
 from collectives.algorithms import flat, hierarchical, pairwise
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.dtypes import CODES
@@ -97,8 +98,12 @@ def average(out: np.ndarray, dtype: str, op: ReduceOp, n: int) -> None:
     integers); nothing for the other ops. The engine divides (_C: divide_average), by n
     less the ranks inside join() (collectives/api/join.py), which contributed the identity:
     the one rule every Average of the library follows, the agreement's payload included."""
-    if op is ReduceOp.Average:
+    if op is not ReduceOp.Average:
+        return
+    if isinstance(out, np.ndarray):
         ENGINE.native.divide_average(out, CODES[dtype], n)
+    elif n - ENGINE.native.joined > 1:  # device memory (a CuPy array): the same rule
+        kernels.divide(out, dtype, n - ENGINE.native.joined)
 
 
 def reducescatter(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,

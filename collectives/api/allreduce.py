@@ -82,6 +82,9 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
     plain = compressor is Compression.none and prescale_factor == 1 and postscale_factor == 1
     if on_device.takes(topo, x, algorithm, plain):
         return on_device.allreduce(topo, x, op, algorithm, inplace)
+    if compressor is not Compression.none and prescale_factor == 1 \
+            and postscale_factor == 1 and on_device.compressible(x):
+        return on_device.compressed(topo, x, op, algorithm, compressor, inplace)
     buf = wrap(x, "x")  # type check now, in the caller's thread
     if prescale_factor != 1 or postscale_factor != 1:
         return _scaled(topo, buf, op, algorithm, compressor, inplace, prescale_factor,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from collectives.algorithms.onebit import error_sizes
-from collectives.api import calls
+from collectives.api import calls, on_device
 from collectives.compression.onebit import ONEBIT, OnebitState, check_block, check_error, check_x
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
@@ -18,14 +18,16 @@ def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
                          block_size: int | None = None, *, comm: Any = None) -> Any:
     """The average of x over all ranks, each value sent as one bit (see the module doc).
 
-    x: a floating NumPy array, torch tensor or CuPy array (device memory is staged through
-    the host); the result is a new array of x's type, dtype, shape and device, the same on
-    every rank. worker_error, server_error: this rank's float32 1-D error buffers of
-    error_sizes(x.size, world size) elements, zeros at first, updated in place (keep them
-    for the next call on the same vector). block_size: None for DeepSpeed's scales (one for
-    the whole vector on the worker side, one per chunk on the server side), or one scale per
-    block of this many elements within each chunk (finer, for 4/block_size more bytes per
-    element). comm: the mpi4py communicator to run over (default: the job's)."""
+    x: a floating NumPy array, torch tensor or CuPy array; with device error buffers on x's
+    device, device data is compressed, served and decompressed on the device and only the
+    packets are staged (else through the host). The result is a new array of x's type,
+    dtype, shape and device, the same on every rank. worker_error, server_error: this
+    rank's float32 1-D error buffers of error_sizes(x.size, world size) elements, zeros at
+    first, updated in place (keep them for the next call on the same vector). block_size:
+    None for DeepSpeed's scales (one for the whole vector on the worker side, one per chunk
+    on the server side), or one scale per block of this many elements within each chunk
+    (finer, for 4/block_size more bytes per element). comm: the mpi4py communicator to run
+    over (default: the job's)."""
     topo = topology.of(comm)
     return ENGINE.run(topo, *calls.prepare(topo, None, "compressed_allreduce", _prepare,
                                            (x, worker_error, server_error, block_size)))
@@ -41,6 +43,9 @@ def compressed_allreduce_async(x: Any, worker_error: Any, server_error: Any,
 
 def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: Any,
              block_size: Any) -> tuple[calls.Call, Job]:
+    if on_device.is_device_data(x) and on_device.is_device_data(worker_error) \
+            and on_device.compressible(x):
+        return on_device.onebit(topo, x, worker_error, server_error, block_size)
     buf = check_x(x)
     block = check_block(block_size)
     padded, chunk = error_sizes(buf.flat.size, topo.size)

@@ -16,13 +16,18 @@ sees the result; another stream or the host must synchronize first, as after any
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from collectives import algorithms
+from collectives.algorithms.onebit import error_sizes
 from collectives.api import calls
 from collectives.api.base import result_of
 from collectives.api.calls import Call
 from collectives.auto import select
+from collectives.compression import Compressor
+from collectives.compression.onebit import ONEBIT, OnebitState, check_block
 from collectives.ops import ReduceOp
 from collectives.runtime.buffers import wrap
 from collectives.runtime.engine import ENGINE, Job
@@ -30,6 +35,9 @@ from collectives.runtime.ipc import IpcError
 from collectives.runtime.topology import Topology
 
 NAME = "device"  # algorithms/device.py's NAME (that module imports CuPy: device data only)
+#: The dtypes compressed on the device (float64 is staged: CuPy's float64 -> float16 cast
+#: is not NumPy's).
+COMPRESSED_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def is_device_data(x: Any) -> bool:
@@ -112,6 +120,68 @@ def allreduce(topo: Topology, x: Any, op: ReduceOp, algorithm: str,
     return call, Job(move)
 
 
+def compressible(x: Any) -> bool:
+    """Whether a compressed allreduce of x runs its compression on the device: device data
+    of a dtype in COMPRESSED_DTYPES, with CuPy installed."""
+    if not is_device_data(x):
+        return False
+    try:
+        from collectives.kernels import cuda  # noqa: F401  (CuPy runs the kernels)
+    except ImportError:
+        return False
+    return _dtype(x) in COMPRESSED_DTYPES
+
+
+def compressed(topo: Topology, x: Any, op: ReduceOp, algorithm: str, compressor: Compressor,
+               inplace: bool) -> tuple[Call, Job]:
+    """An allreduce of device data under fp16 or int8 compression (compressible(x)): the
+    compressor's kernels run on the device and only what travels is staged; the call and
+    its bits are those of the same call on host data (its fields are the same)."""
+    compressor.check_op(op)
+    fields = (("op", op.name), ("dtype", _dtype(x)), ("shape", tuple(x.shape)),
+              ("algorithm", algorithm), ("compression", compressor.name))
+    call = calls.describe(topo, "allreduce", fields, compressor.name)
+    values, on_callers_stream = _floats(x), _callers_stream(x)
+
+    def move() -> Any:
+        with on_callers_stream():
+            result = _result(compressor.allreduce(topo, values, op, algorithm), x)
+            if not inplace:
+                return result
+            _copy_into(x.detach() if hasattr(x, "detach") else x, result)
+            return x
+
+    return call, Job(move)
+
+
+def onebit(topo: Topology, x: Any, worker_error: Any, server_error: Any,
+           block_size: Any) -> tuple[Call, Job]:
+    """compressed_allreduce of device data with device error buffers: compression, the
+    server step and decompression on the device (compression/onebit.py), only the packets
+    staged; the error buffers are updated in place where they are."""
+    from collectives.kernels import cuda as cuda_kernels
+
+    dtype = _dtype(x)
+    if dtype not in COMPRESSED_DTYPES:
+        raise TypeError(f"x: expected a floating dtype {list(COMPRESSED_DTYPES)} in device "
+                        f"memory, got {dtype}")
+    block = check_block(block_size)
+    padded, chunk = error_sizes(_count(x), topo.size)
+    device = cuda_kernels.device_of(x)
+    worker = _error_buffer(worker_error, "worker_error", padded, device)
+    server = _error_buffer(server_error, "server_error", chunk, device)
+    fields = (("dtype", dtype), ("shape", tuple(x.shape)), ("block_size", block))
+    call = calls.describe(topo, "compressed_allreduce", fields, ONEBIT.name)
+    values, on_callers_stream = _floats(x), _callers_stream(x)
+    state = OnebitState(worker, server, block)
+
+    def move() -> Any:
+        with on_callers_stream():
+            return _result(ONEBIT.allreduce(topo, values, ReduceOp.Average, "auto", state), x)
+
+    return call, Job(move)
+
+
 def contribute(topo: Topology, op: ReduceOp, dtype: str, identity: Any) -> None:
     """A joined rank's part of a device allreduce (api/join.py): the same schedule, from
     identity (host storage of op's identity) copied to the device, its result dropped."""
@@ -141,6 +211,90 @@ def _staged(topo: Topology, x: Any, op: ReduceOp, inplace: bool) -> Any:
     algo = select.concrete(topo, "allreduce", "auto", buf.nbytes)
     algorithms.reduce(algo, topo, buf.flat, out.flat, op, buf.dtype)
     return result_of(buf, out)
+
+
+def _dtype(x: Any) -> str:
+    """x's dtype name (TypeError naming x where we have none)."""
+    from collectives.dtypes import numpy_dtype_name, torch_dtype_name
+
+    name = torch_dtype_name(x.dtype) if hasattr(x, "detach") else numpy_dtype_name(x.dtype)
+    if name is None:
+        raise TypeError(f"x: unsupported dtype {x.dtype}")
+    return name
+
+
+def _count(x: Any) -> int:
+    return x.numel() if hasattr(x, "numel") else x.size
+
+
+def _floats(x: Any) -> Any:
+    """x's values as a flat CuPy array on its device, made on the caller's stream: float16
+    as it is, float32 as it is (a view where x is contiguous), bfloat16 widened to float32
+    (exact), as the host path's values (buffers.host_float)."""
+    from collectives.kernels import cuda as cuda_kernels
+
+    if hasattr(x, "detach"):
+        t = x.detach().reshape(-1)
+        t = (t.float() if _dtype(x) == "bfloat16" else t).contiguous()
+        return cuda_kernels.storage(t, "x")[0]
+    return x.reshape(-1)
+
+
+def _result(values: Any, x: Any) -> Any:
+    """A new array of x's kind, dtype, shape and device holding values (a flat CuPy array),
+    rounded to x's dtype to nearest even where it is narrower."""
+    if hasattr(x, "detach"):
+        import torch
+
+        return torch.from_dlpack(values).to(x.dtype).reshape(x.shape)
+    return values.astype(x.dtype, copy=False).reshape(x.shape)
+
+
+def _error_buffer(error: Any, name: str, expected: int, device: int) -> Any:
+    """A device error buffer as a flat CuPy view (updated in place), checked as on the host:
+    float32, 1-D, expected elements; and contiguous, on x's device."""
+    from collectives.kernels import cuda as cuda_kernels
+
+    if not is_device_data(error):
+        raise TypeError(f"{name}: expected device memory like x, got "
+                        f"{type(error).__module__}.{type(error).__name__}")
+    if _dtype(error) != "float32":
+        raise TypeError(f"{name}: expected float32, got {_dtype(error)}")
+    if len(error.shape) != 1 or error.shape[0] != expected:
+        raise ValueError(f"{name}: expected a 1-D array of {expected} elements, got shape "
+                         f"{tuple(error.shape)} (see collectives.algorithms.onebit.error_sizes)")
+    if cuda_kernels.device_of(error) != device:
+        raise ValueError(f"{name}: on CUDA device {cuda_kernels.device_of(error)}, x on "
+                         f"{device}")
+    return cuda_kernels.storage(error, name)[0]
+
+
+def _callers_stream(x: Any) -> Callable[[], Any]:
+    """A context, to enter on any thread, in which CuPy's and torch's work on x's device go
+    to the stream the caller's work on x is on now (ordered after it, and before what the
+    caller queues there next)."""
+    import cupy
+
+    if hasattr(x, "detach"):
+        import torch
+
+        stream = torch.cuda.current_stream(x.device)
+
+        def context() -> Any:
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.cuda.stream(stream))
+            stack.enter_context(cupy.cuda.Device(x.device.index))
+            stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, x.device.index))
+            return stack
+        return context
+    current = cupy.cuda.get_current_stream(x.device.id)
+
+    def context() -> Any:
+        stack = contextlib.ExitStack()
+        stack.enter_context(cupy.cuda.Device(x.device.id))
+        stack.enter_context(current)
+        return stack
+    return context
 
 
 def _empty_like(x: Any) -> Any:

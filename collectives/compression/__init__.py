@@ -28,6 +28,7 @@ from collectives import algorithms, kernels
 from collectives.auto import select
 from collectives.dtypes import FLOATING, numpy_dtype_name, torch_dtype, torch_dtype_name
 from collectives.ops import ReduceOp
+from collectives.runtime.buffers import to_device, to_host
 from collectives.runtime.topology import Topology
 
 try:
@@ -36,11 +37,15 @@ except ImportError:
     torch = None
 
 
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
 def _float_dtype(x: Any) -> str | None:
-    """x's dtype name if x is a NumPy array or torch tensor of a floating dtype, else None:
-    only those are compressed."""
-    if isinstance(x, np.ndarray):
-        name = numpy_dtype_name(x.dtype)
+    """x's dtype name if x is a NumPy or CuPy array or torch tensor of a floating dtype,
+    else None: only those are compressed."""
+    if isinstance(x, np.ndarray) or _is_cupy(x):
+        name = numpy_dtype_name(np.dtype(x.dtype))
     elif torch is not None and isinstance(x, torch.Tensor):
         name = torch_dtype_name(x.dtype)
     else:
@@ -49,7 +54,7 @@ def _float_dtype(x: Any) -> str | None:
 
 
 def _cast(x: Any, dtype_name: str) -> Any:
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) or _is_cupy(x):
         return x.astype(dtype_name)
     return x.to(torch_dtype(dtype_name))
 
@@ -93,12 +98,14 @@ class TensorCompressor(Compressor):
 
     def allreduce(self, topo: Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
                   state: Any = None) -> np.ndarray:
-        """compress, a plain allreduce of what travels, decompress."""
+        """compress, a plain allreduce of what travels, decompress. Device data (a CuPy
+        array) is compressed and decompressed on the device; only what travels is staged."""
         sent, ctx = self.compress(x)
-        out = np.empty_like(sent)
-        algo = select.concrete(topo, "allreduce", algorithm, sent.nbytes)
-        algorithms.reduce(algo, topo, sent, out, op, sent.dtype.name)
-        return self.decompress(out, ctx)
+        host = to_host(sent)
+        out = np.empty_like(host)
+        algo = select.concrete(topo, "allreduce", algorithm, host.nbytes)
+        algorithms.reduce(algo, topo, host, out, op, host.dtype.name)
+        return self.decompress(to_device(out, sent), ctx)
 
 
 class FP16Compressor(TensorCompressor):
@@ -132,8 +139,10 @@ class Int8Compressor(TensorCompressor):
         dtype = _float_dtype(x)
         if dtype is None:
             return x, None
-        flat = np.asarray(x, dtype=np.float32).reshape(-1) if isinstance(x, np.ndarray) \
-            else x.detach().float().reshape(-1)
+        if isinstance(x, np.ndarray) or _is_cupy(x):
+            flat = x.reshape(-1).astype(np.float32, copy=False)
+        else:
+            flat = x.detach().float().reshape(-1)
         q, scales = kernels.quantize_int8(flat)
         return q, (scales, tuple(x.shape), dtype)
 
@@ -152,11 +161,12 @@ class Int8Compressor(TensorCompressor):
         n = topo.size
         q, (scales, shape, _) = self.compress(x)
         gathered = []
-        for mine in (q, scales):
-            everyone = np.empty((n, mine.size), mine.dtype)
+        for mine in (q, scales):  # on the device for device data: only these are staged
+            host = to_host(mine)
+            everyone = np.empty((n, host.size), host.dtype)
             algo = select.concrete(topo, "allgather", algorithm, everyone.nbytes)
-            algorithms.allgather(algo, topo, mine, everyone.reshape(-1), [mine.size] * n)
-            gathered.append(everyone)
+            algorithms.allgather(algo, topo, host, everyone.reshape(-1), [host.size] * n)
+            gathered.append(to_device(everyone, mine))
         return self.combine(*gathered, shape, op, topo.size)
 
     def combine(self, all_q: np.ndarray, all_scales: np.ndarray, shape: tuple, op: ReduceOp,

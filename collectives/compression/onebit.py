@@ -34,7 +34,7 @@ from collectives.compression import Compressor
 from collectives.dtypes import FLOATING
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
-from collectives.runtime.buffers import Buffer, wrap
+from collectives.runtime.buffers import Buffer, to_device, to_host, wrap
 
 # ------------------------------------------------------------------------- argument checks
 
@@ -70,19 +70,28 @@ def check_block(block_size: object) -> int | None:
 # message per peer and phase.
 
 
-def _split(packet: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+def _split(packet: Any, chunk: int) -> tuple[Any, Any]:
     """(signs, scales) of a packet; scales copied out, since they may sit unaligned."""
     return packet[:chunk // 8], packet[chunk // 8:].copy().view(np.float32)
 
 
-def _worker_packets(x: np.ndarray, error: np.ndarray, n: int, block: int | None) -> np.ndarray:
-    """Row j: chunk j of x + error as signs and scale(s); error keeps what they miss."""
-    chunk = x.size // n
-    rows = np.empty((n, chunk // 8 + 4 * onebit_exchange.nscales(chunk, block)), np.uint8)
+def _xp(x: Any) -> Any:
+    """NumPy for host arrays, CuPy for device arrays: where a step's buffers are made."""
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def _worker_packets(x: Any, error: Any, n: int, block: int | None) -> Any:
+    """Row j: chunk j of x + error as signs and scale(s); error keeps what they miss. On
+    x's side: host, or the device for device data."""
+    chunk, xp = x.size // n, _xp(x)
+    rows = xp.empty((n, chunk // 8 + 4 * onebit_exchange.nscales(chunk, block)), np.uint8)
     if block is None:  # DeepSpeed: one scale for the whole vector, repeated in every packet
         bits, scale = kernels.onebit_compress(x, error)
         rows[:, :chunk // 8] = bits.reshape(n, chunk // 8)
-        rows[:, chunk // 8:] = np.array([scale], np.float32).view(np.uint8)
+        rows[:, chunk // 8:] = xp.asarray(scale, np.float32).reshape(1).view(np.uint8)
         return rows
     for j in range(n):
         part = slice(j * chunk, (j + 1) * chunk)
@@ -92,58 +101,77 @@ def _worker_packets(x: np.ndarray, error: np.ndarray, n: int, block: int | None)
     return rows
 
 
-def _serve(rows: np.ndarray, error: np.ndarray, block: int | None) -> np.ndarray:
-    """This rank's chunk: the average of every rank's (rows[k]) plus error, compressed
-    again into one packet; error keeps what the packet misses."""
+def _serve(rows: np.ndarray, error: Any, block: int | None) -> Any:
+    """This rank's chunk: the average of every rank's (rows[k], host) plus error, compressed
+    again into one packet; error keeps what the packet misses. For a device error buffer
+    the accumulation and compression run on the device (onebit_accumulate into zeros, then
+    onebit_compress: onebit_serve's bits); the scales are divided by n on the host either
+    way, so both give the same bits."""
     n, chunk = rows.shape[0], error.size
     parts = [_split(row, chunk) for row in rows]
-    bits, scales = kernels.onebit_serve([bits for bits, _ in parts],
-                                        [scales / np.float32(n) for _, scales in parts],
-                                        error, block)
-    return np.concatenate([bits, np.asarray(scales, np.float32).reshape(-1).view(np.uint8)])
+    scaled = [scales / np.float32(n) for _, scales in parts]
+    if isinstance(error, np.ndarray):
+        bits, scales = kernels.onebit_serve([bits for bits, _ in parts], scaled, error, block)
+        return np.concatenate([bits, np.asarray(scales, np.float32).reshape(-1).view(np.uint8)])
+    import cupy
+
+    with error.device:
+        acc = cupy.zeros(chunk, cupy.float32)
+        kernels.onebit_accumulate(acc, [to_device(bits, error) for bits, _ in parts],
+                                  [to_device(s, error) for s in scaled], chunk, block)
+        bits, scales = kernels.onebit_compress(acc, error, block)
+        return cupy.concatenate([bits, cupy.asarray(scales, cupy.float32).reshape(-1)
+                                 .view(cupy.uint8)])
 
 
-def _decompress(rows: np.ndarray, chunk: int, block: int | None, out: np.ndarray) -> None:
+def _decompress(rows: Any, chunk: int, block: int | None, out: Any) -> None:
     """out = the whole vector (its first out.size elements) from every rank's server packet
-    (rows[j] = chunk j), decompressed in place."""
+    (rows[j] = chunk j), decompressed in place (rows and out both host or both device)."""
     for j, row in enumerate(rows):
         lo, hi = j * chunk, min((j + 1) * chunk, out.size)
         if lo < hi:
             bits, scales = _split(row, chunk)
-            kernels.onebit_decompress(bits, scales, hi - lo, block, out=out[lo:hi])
+            if isinstance(out, np.ndarray):
+                kernels.onebit_decompress(bits, scales, hi - lo, block, out=out[lo:hi])
+            else:
+                out[lo:hi] = kernels.onebit_decompress(bits, scales, hi - lo, block)
 
 
 # -------------------------------------------------------------------------------- driver
 
 class OnebitState(NamedTuple):
-    """One vector's error-feedback state, held by the caller across calls: float32 host
-    arrays of error_sizes(count, ranks) elements, updated in place."""
+    """One vector's error-feedback state, held by the caller across calls: float32 arrays
+    of error_sizes(count, ranks) elements, updated in place; host arrays, or CuPy arrays
+    on x's device for device data."""
 
-    worker_error: np.ndarray
-    server_error: np.ndarray
+    worker_error: Any
+    server_error: Any
     block_size: int | None
 
 
-def reduce(x: np.ndarray, state: OnebitState, n: int,
+def reduce(x: Any, state: OnebitState, n: int,
            scatter: Callable[[np.ndarray], np.ndarray],
-           gather: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+           gather: Callable[[np.ndarray], np.ndarray]) -> Any:
     """The algorithm of the module docstring over any transport: the average over n ranks
-    of every rank's flat floating host array x, as float32, with state's error buffers
-    updated. scatter(rows) must return the rows received (row j: rank j's row for this
-    rank), gather(packet) every rank's packet as rows, in rank order."""
+    of every rank's flat floating array x, as float32, with state's error buffers updated.
+    scatter(rows) must return the rows received (row j: rank j's row for this rank),
+    gather(packet) every rank's packet as rows, in rank order: host arrays. x and the error
+    buffers are host arrays, or CuPy arrays on one device: then compression, the server's
+    accumulation and decompression run there, and only the packets are staged."""
     worker, server, block = state
-    out = np.empty(x.size, np.float32)
+    xp = _xp(x)
+    out = xp.empty(x.size, np.float32)
     if not worker.size:
         return out
-    padded = x if x.dtype == np.float32 and x.size == worker.size else np.zeros(
+    padded = x if x.dtype == np.float32 and x.size == worker.size else xp.zeros(
         worker.size, np.float32)
     if padded is not x:
         padded[:x.size] = x
     # worker: compress, then all-to-all so that rank j holds chunk j from everyone
-    received = scatter(_worker_packets(padded, worker, n, block))
+    received = scatter(to_host(_worker_packets(padded, worker, n, block)))
     # server: average and compress this rank's chunk, then allgather every server chunk
-    gathered = gather(_serve(received, server, block))
-    _decompress(gathered, server.size, block, out)
+    gathered = gather(to_host(_serve(received, server, block)))
+    _decompress(to_device(gathered, out), server.size, block, out)
     return out
 
 

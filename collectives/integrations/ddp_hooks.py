@@ -116,29 +116,36 @@ class OnebitHookState:
         self.process_group = process_group
         self.warmup_steps, self.block_size = warmup_steps, block_size
         self.step = 0  # backward passes seen
-        #: bucket index -> (layout, worker error, server error)
-        self.errors: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = {}
+        #: bucket index -> (layout, worker error, server error): float32 tensors on the
+        #: bucket's device (CUDA buckets are compressed on the device)
+        self.errors: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
 
-    def _errors(self, bucket: dist.GradBucket, ranks: int) -> tuple[np.ndarray, np.ndarray]:
-        """The bucket's (worker, server) error buffers; new zeros if its layout changed."""
+    def _errors(self, bucket: dist.GradBucket, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's (worker, server) error buffers on its device; new zeros if its
+        layout changed, moved if they were restored onto another device."""
         layout = tuple(tuple(p.shape) for p in bucket.parameters())
+        device = bucket.buffer().device
         found = self.errors.get(bucket.index())
         if found is None or found[0] != layout:
             worker, server = error_sizes(bucket.buffer().numel(), ranks)
-            found = self.errors[bucket.index()] = (layout, np.zeros(worker, np.float32),
-                                                   np.zeros(server, np.float32))
+            found = (layout, torch.zeros(worker, device=device),
+                     torch.zeros(server, device=device))
+        elif found[1].device != device:
+            found = (layout, found[1].to(device), found[2].to(device))
+        self.errors[bucket.index()] = found
         return found[1], found[2]
 
     def state_dict(self) -> dict:
         return {"step": self.step, "warmup_steps": self.warmup_steps,
                 "block_size": self.block_size,
-                "errors": {i: (layout, torch.from_numpy(w.copy()), torch.from_numpy(s.copy()))
+                "errors": {i: (layout, w.clone(), s.clone())
                            for i, (layout, w, s) in self.errors.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.warmup_steps = state["step"], state["warmup_steps"]
         self.block_size = state["block_size"]
-        self.errors = {int(i): (tuple(map(tuple, layout)), w.numpy().copy(), s.numpy().copy())
+        self.errors = {int(i): (tuple(map(tuple, layout)), torch.as_tensor(w).clone(),
+                                torch.as_tensor(s).clone())
                        for i, (layout, w, s) in state["errors"].items()}
 
 
@@ -168,7 +175,24 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
     def gather(packet: np.ndarray) -> np.ndarray:
         return _gather_rows(torch.from_numpy(packet), group)
 
-    values = buffer.detach().to(torch.float32).numpy()
-    total = onebit.reduce(values, onebit.OnebitState(worker, server, state.block_size), n,
-                          scatter, gather)
-    return torch_work.done(buffer.copy_(torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))
+    values = buffer.detach().to(torch.float32)
+    if not buffer.is_cuda:
+        total = onebit.reduce(values.numpy(), onebit.OnebitState(
+            worker.numpy(), server.numpy(), state.block_size), n, scatter, gather)
+        return torch_work.done(buffer.copy_(
+            torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))
+    # device buffers: compressed, served and decompressed on the device (onebit.reduce),
+    # on torch's current stream; only the packets go through the host
+    import cupy
+
+    from collectives.kernels import cuda as cuda_kernels
+
+    stream = torch.cuda.current_stream(buffer.device)
+    with cupy.cuda.Device(buffer.device.index), \
+            cupy.cuda.ExternalStream(stream.cuda_stream, buffer.device.index):
+        flat = [cuda_kernels.storage(t, name)[0] for t, name in
+                ((values, "buffer"), (worker, "worker"), (server, "server"))]
+        total = onebit.reduce(flat[0], onebit.OnebitState(flat[1], flat[2], state.block_size),
+                              n, scatter, gather)
+    return torch_work.done(buffer.copy_(
+        torch.from_dlpack(total)[:buffer.numel()].view(buffer.shape)))

@@ -199,6 +199,22 @@ def wrap(x: Any, name: str = "x") -> Buffer:
     )
 
 
+def to_host(x: Any) -> np.ndarray:
+    """A host copy of a CuPy array's bytes (x itself for a NumPy array): how compressed
+    device data is staged, only what travels (compression/)."""
+    if isinstance(x, np.ndarray):
+        return x
+    return cupy.asnumpy(x)
+
+
+def to_device(host: np.ndarray, like: Any) -> Any:
+    """host on like's device as a CuPy array (host itself where like is a NumPy array)."""
+    if isinstance(like, np.ndarray):
+        return host
+    with like.device:
+        return cupy.asarray(host)
+
+
 def _pinned_like(like: Any, kind: str, dtype: str, shape: tuple) -> Buffer:
     """A staged Buffer for device data of like's kind, dtype and device with this shape: an
     uninitialized page-locked host array, flat viewing it."""

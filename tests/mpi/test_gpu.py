@@ -207,26 +207,43 @@ def test_gpu_strided_views_are_read_and_written_back(comm, framework):
     assert float(host(C.allreduce(scalar, op=C.Sum))) == 2.5 * n
 
 
+def no_full_staging(monkeypatch) -> None:
+    """Make staging a whole device buffer through pinned host memory fail: compressed device
+    data must stage only what travels."""
+    from collectives.runtime import buffers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a device buffer was staged whole through the host")
+
+    monkeypatch.setattr(buffers, "_pinned_like", refuse)
+
+
 @pytest.mark.parametrize("compression", ["fp16", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_gpu_compression_gives_the_host_bits(comm, compression, dtype):
-    """Quantized on the device by the CUDA kernels, on the host by the C++ kernels: the
-    same bits, on every rank."""
+def test_gpu_compression_gives_the_host_bits(comm, compression, dtype, monkeypatch):
+    """Quantized on the device by the CUDA kernels (only the compressed values staged), on
+    the host by the C++ kernels: the same bits, on every rank, in place and out."""
     g = torch.Generator().manual_seed(37 + comm.Get_rank())
     for count in (1, 1000, BIG):
         x = torch.randn(count, generator=g).to(getattr(torch, dtype))
         kind = getattr(C.Compression, compression)
         on_host = C.allreduce(x, op=C.Average, compression=kind)
-        on_gpu = C.allreduce(x.cuda(), op=C.Average, compression=kind)
+        with monkeypatch.context() as m:
+            no_full_staging(m)
+            on_gpu = C.allreduce(x.cuda(), op=C.Average, compression=kind)
+            inplace = x.cuda()
+            assert C.allreduce_(inplace, op=C.Average, compression=kind) is inplace
+        assert torch.equal(inplace.cpu(), on_host), f"{compression} {dtype} in place"
         what = f"{compression} {dtype} ({count},)"
         assert on_gpu.is_cuda and on_gpu.dtype == x.dtype, what
         assert torch.equal(on_gpu.cpu(), on_host), f"{what}: device and host bits differ"
         assert_same_on_all_ranks(comm, on_gpu.cpu().view(torch.uint8).numpy(), what)
 
 
-def test_gpu_onebit_gives_the_host_bits(comm):
+def test_gpu_onebit_gives_the_host_bits(comm, monkeypatch):
     """The 1-bit compressed allreduce with error feedback, on CUDA tensors and CUDA error
-    buffers, over three calls: the host's bits, and both error buffers updated in place."""
+    buffers (compressed, served and decompressed on the device, only the packets staged),
+    over three calls: the host's bits, and both error buffers updated in place."""
     n = comm.Get_size()
     g = torch.Generator().manual_seed(41 + comm.Get_rank())
     count = 300001
@@ -235,12 +252,47 @@ def test_gpu_onebit_gives_the_host_bits(comm):
               for dev in ("cpu", "cuda")}
     for step in range(3):
         x = torch.randn(count, generator=g)
-        out = {dev: C.compressed_allreduce(x.to(dev), *errors[dev]) for dev in ("cpu", "cuda")}
+        out = {"cpu": C.compressed_allreduce(x, *errors["cpu"])}
+        with monkeypatch.context() as m:
+            no_full_staging(m)
+            out["cuda"] = C.compressed_allreduce(x.cuda(), *errors["cuda"])
         assert out["cuda"].is_cuda
         assert torch.equal(out["cuda"].cpu(), out["cpu"]), f"step {step}: results differ"
         for a, b in zip(errors["cuda"], errors["cpu"], strict=True):
             assert torch.equal(a.cpu(), b), f"step {step}: error buffers differ"
         assert bool(errors["cpu"][0].abs().sum() > 0), "error feedback never written"
+
+
+@pytest.mark.parametrize("backend", ["collectives", "gloo"])
+def test_gpu_onebit_hook_on_cuda_buckets_gives_the_host_bits(comm, backend, monkeypatch):
+    """The DDP onebit hook on a CUDA bucket, on our backend (compressed_allreduce) and on
+    gloo (its own exchange): the bits of the same steps on a CPU bucket, error buffers that
+    stay CUDA tensors, in the hook's state_dict too."""
+    import torch.distributed as dist
+    from test_ddp_hooks import _Bucket
+
+    from collectives.integrations.ddp_hooks import OnebitHookState, onebit_hook
+
+    dist.init_process_group(backend)
+    try:
+        states = {dev: OnebitHookState(warmup_steps=1, block_size=32) for dev in ("cpu", "cuda")}
+        g = torch.Generator().manual_seed(53 + comm.Get_rank())
+        for step in range(4):
+            x = torch.randn(300001, generator=g)
+            got = {"cpu": onebit_hook(states["cpu"], _Bucket(x.clone())).wait()}
+            with monkeypatch.context() as m:
+                if step >= 1:  # after the warm-up step, which is a plain average
+                    no_full_staging(m)
+                got["cuda"] = onebit_hook(states["cuda"], _Bucket(x.cuda())).wait()
+            assert got["cuda"].is_cuda and torch.equal(got["cuda"].cpu(), got["cpu"]), \
+                f"{backend} step {step}"
+        for w_gpu, w_cpu in zip(states["cuda"].errors[0][1:], states["cpu"].errors[0][1:],
+                                strict=True):
+            assert w_gpu.is_cuda and torch.equal(w_gpu.cpu(), w_cpu), backend
+        saved = states["cuda"].state_dict()["errors"][0]
+        assert saved[1].is_cuda and torch.equal(saved[1], states["cuda"].errors[0][1])
+    finally:
+        dist.destroy_process_group()
 
 
 def _sgd_steps(comm, device: str, steps: int = 3) -> list[torch.Tensor]:
