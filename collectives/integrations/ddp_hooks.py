@@ -175,24 +175,14 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
     def gather(packet: np.ndarray) -> np.ndarray:
         return _gather_rows(torch.from_numpy(packet), group)
 
-    values = buffer.detach().to(torch.float32)
-    if not buffer.is_cuda:
-        total = onebit.reduce(values.numpy(), onebit.OnebitState(
-            worker.numpy(), server.numpy(), state.block_size), n, scatter, gather)
-        return torch_work.done(buffer.copy_(
-            torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))
-    # device buffers: compressed, served and decompressed on the device (onebit.reduce),
-    # on torch's current stream; only the packets go through the host
-    import cupy
-
-    from collectives.kernels import cuda as cuda_kernels
-
-    stream = torch.cuda.current_stream(buffer.device)
-    with cupy.cuda.Device(buffer.device.index), \
-            cupy.cuda.ExternalStream(stream.cuda_stream, buffer.device.index):
-        flat = [cuda_kernels.storage(t, name)[0] for t, name in
-                ((values, "buffer"), (worker, "worker"), (server, "server"))]
-        total = onebit.reduce(flat[0], onebit.OnebitState(flat[1], flat[2], state.block_size),
-                              n, scatter, gather)
+    # another backend's group: the exchange through it, the arithmetic on the host (a CUDA
+    # bucket's values and error buffers copied there and back)
+    w, s = worker.cpu(), server.cpu()
+    total = onebit.reduce(buffer.detach().to(torch.float32).cpu().numpy(),
+                          onebit.OnebitState(w.numpy(), s.numpy(), state.block_size), n,
+                          scatter, gather)
+    if w is not worker:
+        worker.copy_(w)
+        server.copy_(s)
     return torch_work.done(buffer.copy_(
-        torch.from_dlpack(total)[:buffer.numel()].view(buffer.shape)))
+        torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))
