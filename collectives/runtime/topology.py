@@ -8,7 +8,7 @@ inter-node level). What a communicator keeps across calls lives on its Topology,
 object per communicator: its MPI duplicates and nodes, the agreement channel (with its shared
 window where the group is one node), and the state the layers above keep per communicator
 (described calls, fast entries, stats, `auto`'s trials and settled classes, process sets,
-the timeline's recording, Horovod's names in flight), made with it and freed with it
+the timeline's recording, Horovod's names in flight, the CUDA IPC workspaces), made with it and freed with it
 (shm's algorithm windows are tied to the MPI communicator itself, see algorithms/shm.py).
 The watchdog and the Config are the process's, shared by every communicator; the stall
 timeout is each communicator's (set_timeout)."""
