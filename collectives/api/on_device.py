@@ -1,12 +1,15 @@
-"""The allreduce of device data that stays on the device (algorithms/device.py): which calls
-take it, their agreed fields, and the job that runs it.
+"""Allreduces of device data that keep it on the device: which calls do, their agreed
+fields, and the jobs that run them.
 
-A torch CUDA tensor or CuPy array takes it under algorithm="device", and under "auto" where
-the communicator is one node, CUDA IPC works there (its first failure, seen by every rank
-alike, sends this and later `auto` calls through the host instead) and its price is below
-the staged call's (device.cost, device.staged_cost: every rank computes the same). Scale factors and
-compression keep the staged path for now. The call's fields say ("memory", "device"): a
-rank passing host data to the same call gets a MismatchError, like any disagreement.
+Uncompressed (algorithms/device.py): a torch CUDA tensor or CuPy array takes it under
+algorithm="device", and under "auto" where the communicator is one node, CUDA IPC works
+there (its first failure, seen by every rank alike, sends this and later `auto` calls
+through the host instead) and its price is below the staged call's (device.cost,
+device.staged_cost: every rank computes the same). The call's fields say ("memory",
+"device"): a rank passing host data to the same call gets a MismatchError, like any
+disagreement. Compressed (compressed(), onebit()): the compressor's kernels run on the
+device and only what travels is staged, with the fields and bits of the host call. Scale
+factors keep the staged path.
 
 Ordering with the caller's work, as for a kernel of the caller's: the algorithm's stream
 waits for an event recorded on the caller's stream (torch's or CuPy's current stream) when
@@ -308,8 +311,8 @@ def _empty_like(x: Any) -> Any:
 
 
 def _copy_into(dst: Any, src: Any) -> None:
-    """dst[...] = src for a non-contiguous in-place call's result (after the algorithm's
-    stream is synchronized, so any stream may read src)."""
+    """dst[...] = src, an in-place call's result into the caller's array, on this thread's
+    current stream (src is complete there: see the callers)."""
     if hasattr(dst, "copy_"):
         dst.copy_(src)
     else:
