@@ -27,7 +27,15 @@ from collectives.compression import Compression, check_compression
 from collectives.dtypes import FLOATING, STORAGE, numpy_dtype_name, torch_dtype_name
 from collectives.ops import ReduceOp, check_op
 from collectives.runtime import topology
-from collectives.runtime.buffers import POOL_MIN_BYTES, Buffer, host_empty, host_float, store_float, wrap
+from collectives.runtime.buffers import (
+    POOL_MIN_BYTES,
+    Buffer,
+    host_empty,
+    host_float,
+    is_device_data,
+    store_float,
+    wrap,
+)
 from collectives.runtime.engine import Handle, Job
 
 try:
@@ -79,12 +87,12 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
     op = check_op(op)
     check_algorithm(algorithm, ALLREDUCE_ALGORITHMS)
     compressor = check_compression(compression)
-    plain = compressor is Compression.none and prescale_factor == 1 and postscale_factor == 1
-    if on_device.takes(topo, x, algorithm, plain):
-        return on_device.allreduce(topo, x, op, algorithm, inplace)
-    if compressor is not Compression.none and prescale_factor == 1 \
-            and postscale_factor == 1 and on_device.compressible(x):
-        return on_device.compressed(topo, x, op, algorithm, compressor, inplace)
+    if algorithm == on_device.NAME or is_device_data(x):
+        scaled = prescale_factor != 1 or postscale_factor != 1
+        if on_device.takes(topo, x, algorithm, compressor is Compression.none and not scaled):
+            return on_device.allreduce(topo, x, op, algorithm, inplace)
+        if compressor is not Compression.none and not scaled and on_device.compressible(x):
+            return on_device.compressed(topo, x, op, algorithm, compressor, inplace)
     buf = wrap(x, "x")  # type check now, in the caller's thread
     if prescale_factor != 1 or postscale_factor != 1:
         return _scaled(topo, buf, op, algorithm, compressor, inplace, prescale_factor,

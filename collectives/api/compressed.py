@@ -10,7 +10,7 @@ from collectives.api import calls, on_device
 from collectives.compression.onebit import ONEBIT, OnebitState, check_block, check_error, check_x
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
-from collectives.runtime.buffers import host_float, store_float
+from collectives.runtime.buffers import host_float, is_device_data, store_float
 from collectives.runtime.engine import ENGINE, Job
 
 
@@ -43,7 +43,7 @@ def compressed_allreduce_async(x: Any, worker_error: Any, server_error: Any,
 
 def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: Any,
              block_size: Any) -> tuple[calls.Call, Job]:
-    if on_device.is_device_data(x) and on_device.is_device_data(worker_error) \
+    if is_device_data(x) and is_device_data(worker_error) \
             and on_device.compressible(x):
         return on_device.onebit(topo, x, worker_error, server_error, block_size)
     buf = check_x(x)

@@ -32,7 +32,7 @@ from collectives.auto import select
 from collectives.compression import Compressor
 from collectives.compression.onebit import ONEBIT, OnebitState, check_block
 from collectives.ops import ReduceOp
-from collectives.runtime.buffers import wrap
+from collectives.runtime.buffers import is_device_data, wrap
 from collectives.runtime.engine import ENGINE, Job
 from collectives.runtime.ipc import IpcError
 from collectives.runtime.topology import Topology
@@ -43,16 +43,10 @@ NAME = "device"  # algorithms/device.py's NAME (that module imports CuPy: device
 COMPRESSED_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def is_device_data(x: Any) -> bool:
-    """A torch CUDA tensor or a CuPy array."""
-    module = type(x).__module__
-    return module.startswith("cupy") or module.startswith("torch") and \
-        getattr(getattr(x, "device", None), "type", None) == "cuda"
-
-
 def takes(topo: Topology, x: Any, algorithm: str, plain: bool) -> bool:
-    """Whether this allreduce runs on the device. plain: no compression or scale factors.
-    Raises ValueError where algorithm="device" cannot run this call."""
+    """Whether this allreduce runs on the device (x is device data, or algorithm="device").
+    plain: no compression or scale factors. Raises ValueError where algorithm="device"
+    cannot run this call."""
     if algorithm != NAME:
         if algorithm != "auto" or not plain or not is_device_data(x):
             return False

@@ -199,6 +199,13 @@ def wrap(x: Any, name: str = "x") -> Buffer:
     )
 
 
+def is_device_data(x: Any) -> bool:
+    """A torch CUDA tensor or a CuPy array."""
+    module = type(x).__module__
+    return module.startswith("cupy") or module.startswith("torch") and \
+        getattr(getattr(x, "device", None), "type", None) == "cuda"
+
+
 def to_host(x: Any) -> np.ndarray:
     """A host copy of a CuPy array's bytes (x itself for a NumPy array): how compressed
     device data is staged, only what travels (compression/)."""
