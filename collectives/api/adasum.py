@@ -24,7 +24,7 @@ import numpy as np
 from collectives.api import calls, process_sets
 from collectives.dtypes import FLOATING
 from collectives.runtime.buffers import host_float, store_float, wrap
-from collectives.runtime.engine import ENGINE, Job
+from collectives.runtime.engine import Job
 from collectives.runtime.p2p import count
 
 _TAG = 31
@@ -72,4 +72,6 @@ def allreduce(x: Any, *, name: str | None = None, comm: Any = None,
     """The Adasum of every rank's x (a floating NumPy array, torch tensor or CuPy array), as
     a new array like x."""
     topo = process_sets.resolve(comm, process_set)
-    return ENGINE.run(topo, *calls.prepare(topo, name, "adasum_allreduce", _prepare, (x,)))
+    with calls.Prepared(topo, "adasum_allreduce", name) as p:
+        p.call, p.job = _prepare(topo, x)
+    return p.run()

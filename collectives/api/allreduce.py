@@ -16,12 +16,10 @@ from collectives.api.base import (
     check_reduction,
     one_dtype,
     result_of,
-    run,
     scale,
     scale_factors,
-    submit,
 )
-from collectives.api.calls import Call
+from collectives.api.calls import Call, Prepared
 from collectives.auto import online, select
 from collectives.compression import Compression, check_compression
 from collectives.dtypes import FLOATING, STORAGE, numpy_dtype_name, torch_dtype_name
@@ -195,8 +193,10 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
         out = _fast(topo, x, op, algorithm, False)
         if out is not None:
             return out
-    return run(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
-               prescale_factor, postscale_factor)
+    with Prepared(topo, "allreduce", name) as p:
+        p.call, p.job = _allreduce(topo, x, op, algorithm, compression, False, prescale_factor,
+                                   postscale_factor)
+    return p.run()
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -209,8 +209,10 @@ def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
     if compression is None and name is None and prescale_factor == 1 and postscale_factor == 1 \
             and _fast(topo, x, op, algorithm, True) is not None:
         return x
-    return run(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
-               prescale_factor, postscale_factor)
+    with Prepared(topo, "allreduce", name) as p:
+        p.call, p.job = _allreduce(topo, x, op, algorithm, compression, True, prescale_factor,
+                                   postscale_factor)
+    return p.run()
 
 
 def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -218,8 +220,10 @@ def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "a
                     postscale_factor: float = 1.0, name: str | None = None,
                     comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
-                  prescale_factor, postscale_factor)
+    with Prepared(topo, "allreduce", name) as p:
+        p.call, p.job = _allreduce(topo, x, op, algorithm, compression, False, prescale_factor,
+                                   postscale_factor)
+    return p.submit()
 
 
 def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -227,8 +231,10 @@ def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "
                      postscale_factor: float = 1.0, name: str | None = None,
                      comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
-                  prescale_factor, postscale_factor)
+    with Prepared(topo, "allreduce", name) as p:
+        p.call, p.job = _allreduce(topo, x, op, algorithm, compression, True, prescale_factor,
+                                   postscale_factor)
+    return p.submit()
 
 
 # --------------------------------------------------------------------- grouped allreduce
@@ -337,8 +343,10 @@ def grouped_allreduce(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm:
     message (the tensors packed by one C++ call). The tensors share one dtype and may differ
     in shape and type; returns a list of new arrays like them."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-               compression, False, prescale_factor, postscale_factor)
+    with Prepared(topo, "grouped_allreduce", name) as p:
+        p.call, p.job = _grouped_allreduce(topo, tensors, op, algorithm, compression, False, prescale_factor,
+                                           postscale_factor)
+    return p.run()
 
 
 def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -347,8 +355,10 @@ def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm
                        comm: Any = None, process_set: Any = None) -> list:
     """grouped_allreduce in place; returns the tensors."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-               compression, True, prescale_factor, postscale_factor)
+    with Prepared(topo, "grouped_allreduce", name) as p:
+        p.call, p.job = _grouped_allreduce(topo, tensors, op, algorithm, compression, True, prescale_factor,
+                                           postscale_factor)
+    return p.run()
 
 
 def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -357,8 +367,10 @@ def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                             name: str | None = None, comm: Any = None,
                             process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                  compression, False, prescale_factor, postscale_factor)
+    with Prepared(topo, "grouped_allreduce", name) as p:
+        p.call, p.job = _grouped_allreduce(topo, tensors, op, algorithm, compression, False, prescale_factor,
+                                           postscale_factor)
+    return p.submit()
 
 
 def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -367,7 +379,9 @@ def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
                              name: str | None = None, comm: Any = None,
                              process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op, algorithm,
-                  compression, True, prescale_factor, postscale_factor)
+    with Prepared(topo, "grouped_allreduce", name) as p:
+        p.call, p.job = _grouped_allreduce(topo, tensors, op, algorithm, compression, True, prescale_factor,
+                                           postscale_factor)
+    return p.submit()
 
 

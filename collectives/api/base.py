@@ -5,19 +5,17 @@ handles of async calls."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
 
 from collectives import algorithms
 from collectives.api import calls
-from collectives.api.calls import Call
 from collectives.dtypes import CODES, FLOATING
 from collectives.ops import ReduceOp, check_op
 from collectives.runtime import topology
 from collectives.runtime.buffers import Buffer, host_float, store_float
-from collectives.runtime.engine import ENGINE, Handle, Job
+from collectives.runtime.engine import Handle
 
 try:
     import torch
@@ -31,30 +29,15 @@ _INT64 = CODES["int64"]
 ALGORITHMS = algorithms.ALGORITHMS
 
 
-def run(topo: topology.Topology, name: str | None, collective: str,
-        prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Any:
-    """The call prepare(topo, *args) describes, run after everything submitted before (its
-    argument errors taking part in the agreement: calls.prepare); its result."""
-    return ENGINE.run(topo, *calls.prepare(topo, name, collective, prepare, args))
-
-
-def submit(topo: topology.Topology, name: str | None, collective: str,
-           prepare: Callable[..., tuple[Call, Job]], *args: Any) -> Handle:
-    """run()'s call queued on the engine: its Handle, at once."""
-    return calls.submit(topo, name, collective, prepare, args)
-
-
-def _raise(topo: topology.Topology, error: Exception) -> NoReturn:
-    raise error
-
-
 def refuse(collective: str, error: Exception, comm: Any = None) -> NoReturn:
     """Make the next call over comm a `collective` that failed its argument checks here
     with error (TypeError / ValueError): it takes part in the agreement like any call, so
     this rank raises error and the ranks making the real call raise MismatchError naming
     it, instead of waiting for this one. For callers that check arguments of their own
     before calling a collective (the torch.distributed backend)."""
-    run(topology.of(comm), None, collective, _raise, error)
+    with calls.Prepared(topology.of(comm), collective, None) as p:
+        raise error
+    p.run()
     raise error  # not reached: the call raises
 
 

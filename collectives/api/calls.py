@@ -106,31 +106,58 @@ def riding(topo: Topology, algo: str, nbytes: int) -> bool:
     return algo == ("shm" if topo.channel.shared else "tree") and nbytes <= topo.channel.capacity
 
 
-def prepare(topo: Topology, name: str | None, collective: str,
-            make: Callable[..., tuple[Call, Job]], args: tuple) -> tuple[Call, Job]:
-    """make(topo, *args): a call's description and job, with the caller's name for it
-    (agreed like the other fields) if given. If one of its argument checks fails on this
-    rank, the call still takes part in the agreement, carrying the error: every rank raises
-    in this same call (this rank its own TypeError / ValueError, the others a
-    MismatchError naming it), and the next call finds every rank in step."""
-    try:
-        if name is None:
-            return make(topo, *args)
-        call, job = make(topo, *args)
-        return named(topo, call, name), job
-    except (TypeError, ValueError) as exc:
-        return invalid(topo, collective, exc), Job(functools.partial(_reraise, exc))
+class Prepared:
+    """A call's description and job, made in the public function's own frame:
 
+        with Prepared(topo, "allreduce", name) as p:
+            p.call, p.job = _allreduce(topo, x, ...)
+        return p.run()       # or p.submit() for the async form
 
-def submit(topo: Topology, name: str | None, collective: str,
-           make: Callable[..., tuple[Call, Job]], args: tuple) -> Any:
-    """prepare()'s call queued on the engine: its Handle. One whose arguments are bad on
-    this rank also raises here at once (the queued call keeps the ranks in step)."""
-    call, job = prepare(topo, name, collective, make, args)
-    handle = ENGINE.submit(topo, call, job)
-    if call.algorithm == INVALID:
-        job.move()
-    return handle
+    so that no layer below calls back into the api module to make them. The caller's name
+    for the call, if given, joins its fields (agreed like the others) when the block ends.
+    If an argument check inside the block fails on this rank (TypeError / ValueError, a bad
+    name too), p holds an invalid call instead, which still takes part in the agreement,
+    carrying the error: every rank raises in this same call (this rank its own error, the
+    others a MismatchError naming it), and the next call finds every rank in step."""
+
+    __slots__ = ("topo", "collective", "name", "call", "job")
+
+    def __init__(self, topo: Topology, collective: str, name: str | None):
+        self.topo, self.collective, self.name = topo, collective, name
+        self.call: Any = None
+        self.job: Any = None
+
+    def __enter__(self) -> Prepared:
+        return self
+
+    def run(self) -> Any:
+        """The call, run after everything submitted before; its result (an argument error
+        made in the block is raised here, on every rank alike)."""
+        return ENGINE.run(self.topo, self.call, self.job)
+
+    def submit(self) -> Any:
+        """run()'s call queued on the engine: its Handle, at once. One whose arguments are
+        bad on this rank also raises here at once (the queued call keeps the ranks in
+        step)."""
+        handle = ENGINE.submit(self.topo, self.call, self.job)
+        if self.call.algorithm == INVALID:
+            self.job.move()
+        return handle
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> bool:
+        if kind is None:
+            if self.name is None:  # the common case first: nothing to do
+                return False
+            try:
+                self.call = named(self.topo, self.call, self.name)
+                return False
+            except TypeError as exc:
+                error = exc
+        elif not issubclass(kind, (TypeError, ValueError)):
+            return False
+        self.call = invalid(self.topo, self.collective, error)
+        self.job = Job(functools.partial(_reraise, error))
+        return True
 
 
 def named(topo: Topology, call: Call, name: object) -> Call:

@@ -11,7 +11,7 @@ from collectives.compression.onebit import ONEBIT, OnebitState, check_block, che
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
 from collectives.runtime.buffers import host_float, is_device_data, store_float
-from collectives.runtime.engine import ENGINE, Job
+from collectives.runtime.engine import Job
 
 
 def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
@@ -29,16 +29,19 @@ def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
     (finer, for 4/block_size more bytes per element). comm: the mpi4py communicator to run
     over (default: the job's)."""
     topo = topology.of(comm)
-    return ENGINE.run(topo, *calls.prepare(topo, None, "compressed_allreduce", _prepare,
-                                           (x, worker_error, server_error, block_size)))
+    with calls.Prepared(topo, "compressed_allreduce", None) as p:
+        p.call, p.job = _prepare(topo, x, worker_error, server_error, block_size)
+    return p.run()
 
 
 def compressed_allreduce_async(x: Any, worker_error: Any, server_error: Any,
                                block_size: int | None = None, *, comm: Any = None) -> Any:
     """compressed_allreduce queued on the engine: returns a Handle for synchronize(); the
     error buffers must not be touched until it completes."""
-    return calls.submit(topology.of(comm), None, "compressed_allreduce", _prepare,
-                        (x, worker_error, server_error, block_size))
+    topo = topology.of(comm)
+    with calls.Prepared(topo, "compressed_allreduce", None) as p:
+        p.call, p.job = _prepare(topo, x, worker_error, server_error, block_size)
+    return p.submit()
 
 
 def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: Any,

@@ -18,10 +18,8 @@ from collectives.api.base import (
     one_dtype,
     result_of,
     row_elems,
-    run,
-    submit,
 )
-from collectives.api.calls import Call
+from collectives.api.calls import Call, Prepared
 from collectives.auto import select
 from collectives.dtypes import CODES, STORAGE
 from collectives.ops import ReduceOp
@@ -93,13 +91,17 @@ def allgather(x: Any, algorithm: str = "auto", *, name: str | None = None,
               comm: Any = None, process_set: Any = None) -> Any:
     """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "allgather", _allgather, x, algorithm)
+    with Prepared(topo, "allgather", name) as p:
+        p.call, p.job = _allgather(topo, x, algorithm)
+    return p.run()
 
 
 def allgather_async(x: Any, algorithm: str = "auto", *, name: str | None = None,
                     comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "allgather", _allgather, x, algorithm)
+    with Prepared(topo, "allgather", name) as p:
+        p.call, p.job = _allgather(topo, x, algorithm)
+    return p.submit()
 
 
 def _grouped_allgather(topo: topology.Topology, tensors: Any,
@@ -142,13 +144,17 @@ def grouped_allgather(tensors: list, algorithm: str = "auto", *, name: str | Non
     """allgather of every tensor of the list in one call: one agreement (carrying every
     tensor's dim 0 from every rank) and one fused message. One dtype per group."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "grouped_allgather", _grouped_allgather, tensors, algorithm)
+    with Prepared(topo, "grouped_allgather", name) as p:
+        p.call, p.job = _grouped_allgather(topo, tensors, algorithm)
+    return p.run()
 
 
 def grouped_allgather_async(tensors: list, algorithm: str = "auto", *, name: str | None = None,
                             comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "grouped_allgather", _grouped_allgather, tensors, algorithm)
+    with Prepared(topo, "grouped_allgather", name) as p:
+        p.call, p.job = _grouped_allgather(topo, tensors, algorithm)
+    return p.submit()
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -177,32 +183,36 @@ def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str 
               comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's x on every rank, as a new array."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, False,
-               process_sets.job_ranks(process_set))
+    with Prepared(topo, "broadcast", name) as p:
+        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, False, process_sets.job_ranks(process_set))
+    return p.run()
 
 
 def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
                comm: Any = None, process_set: Any = None) -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, True,
-               process_sets.job_ranks(process_set))
+    with Prepared(topo, "broadcast", name) as p:
+        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, True, process_sets.job_ranks(process_set))
+    return p.run()
 
 
 def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                     name: str | None = None, comm: Any = None,
                     process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, False,
-                  process_sets.job_ranks(process_set))
+    with Prepared(topo, "broadcast", name) as p:
+        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, False, process_sets.job_ranks(process_set))
+    return p.submit()
 
 
 def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                      name: str | None = None, comm: Any = None,
                      process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, True,
-                  process_sets.job_ranks(process_set))
+    with Prepared(topo, "broadcast", name) as p:
+        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, True, process_sets.job_ranks(process_set))
+    return p.submit()
 
 
 def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
@@ -231,8 +241,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
                      comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's picklable obj on every rank."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "broadcast_object", _broadcast_object, obj, root_rank,
-               process_sets.job_ranks(process_set))
+    with Prepared(topo, "broadcast_object", name) as p:
+        p.call, p.job = _broadcast_object(topo, obj, root_rank, process_sets.job_ranks(process_set))
+    return p.run()
 
 
 def _allgather_object(topo: topology.Topology, obj: Any) -> tuple[Call, Job]:
@@ -260,7 +271,9 @@ def allgather_object(obj: Any, *, name: str | None = None, comm: Any = None,
                      process_set: Any = None) -> list:
     """Every rank's picklable obj, as a list in rank order."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "allgather_object", _allgather_object, obj)
+    with Prepared(topo, "allgather_object", name) as p:
+        p.call, p.job = _allgather_object(topo, obj)
+    return p.run()
 
 
 # ------------------------------------------------------------------------------ alltoall
@@ -319,14 +332,18 @@ def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, name: str |
     split. Returns the rows received, in rank order, and, when splits is given, the number
     received from each rank (int32, as Horovod does)."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "alltoall", _alltoall, x, splits, algorithm)
+    with Prepared(topo, "alltoall", name) as p:
+        p.call, p.job = _alltoall(topo, x, splits, algorithm)
+    return p.run()
 
 
 def alltoall_async(x: Any, splits: Any = None, algorithm: str = "auto", *,
                    name: str | None = None, comm: Any = None,
                    process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "alltoall", _alltoall, x, splits, algorithm)
+    with Prepared(topo, "alltoall", name) as p:
+        p.call, p.job = _alltoall(topo, x, splits, algorithm)
+    return p.submit()
 
 
 # ------------------------------------------------------------------------------- barrier
@@ -342,6 +359,8 @@ def barrier(*, name: str | None = None,
     partners, from every other; so it is checked (a rank in another collective raises
     MismatchError everywhere) and stall-watched like any call, in ceil(log2 n) steps."""
     topo = process_sets.resolve(comm, process_set)
-    run(topo, name, "barrier", _barrier)
+    with Prepared(topo, "barrier", name) as p:
+        p.call, p.job = _barrier(topo)
+    p.run()
 
 

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from collectives.api import calls, timeline
 from collectives.runtime import topology
-from collectives.runtime.engine import ENGINE, Job
+from collectives.runtime.engine import Job
 
 
 class ProcessSet:
@@ -119,7 +119,9 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     job = _sync_global()
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    return ENGINE.run(job, *calls.prepare(job, None, "add_process_set", _add, (process_set,)))
+    with calls.Prepared(job, "add_process_set", None) as p:
+        p.call, p.job = _add(job, process_set)
+    return p.run()
 
 
 def _remove(job: topology.Topology, process_set: Any) -> tuple[calls.Call, Job]:
@@ -147,8 +149,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set and free its communicator; collective over the whole job.
     Returns whether it was removed (the global set never is)."""
     job = _sync_global()
-    return ENGINE.run(job, *calls.prepare(job, None, "remove_process_set", _remove,
-                                           (process_set,)))
+    with calls.Prepared(job, "remove_process_set", None) as p:
+        p.call, p.job = _remove(job, process_set)
+    return p.run()
 
 
 def resolve(comm: Any, process_set: Any) -> topology.Topology:

@@ -14,11 +14,9 @@ from collectives.api.base import (
     need_dim0,
     one_dtype,
     row_elems,
-    run,
     scale,
-    submit,
 )
-from collectives.api.calls import Call
+from collectives.api.calls import Call, Prepared
 from collectives.auto import select
 from collectives.dtypes import STORAGE
 from collectives.ops import ReduceOp, kernel_op
@@ -64,8 +62,9 @@ def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "aut
                   name: str | None = None, comm: Any = None, process_set: Any = None) -> Any:
     """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
-               postscale_factor)
+    with Prepared(topo, "reducescatter", name) as p:
+        p.call, p.job = _reducescatter(topo, x, op, algorithm, prescale_factor, postscale_factor)
+    return p.run()
 
 
 def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
@@ -73,8 +72,9 @@ def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str 
                         name: str | None = None, comm: Any = None,
                         process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "reducescatter", _reducescatter, x, op, algorithm, prescale_factor,
-                  postscale_factor)
+    with Prepared(topo, "reducescatter", name) as p:
+        p.call, p.job = _reducescatter(topo, x, op, algorithm, prescale_factor, postscale_factor)
+    return p.submit()
 
 
 def _grouped_reducescatter(topo: topology.Topology, tensors: Any, op: Any, algorithm: Any,
@@ -130,8 +130,10 @@ def grouped_reducescatter(tensors: list, op: ReduceOp = ReduceOp.Average,
     """reducescatter of every tensor of the list in one call: one agreement and one fused
     reducescatter (each tensor split by Horovod's row rule). One dtype per group."""
     topo = process_sets.resolve(comm, process_set)
-    return run(topo, name, "grouped_reducescatter", _grouped_reducescatter, tensors, op, algorithm,
-               prescale_factor, postscale_factor)
+    with Prepared(topo, "grouped_reducescatter", name) as p:
+        p.call, p.job = _grouped_reducescatter(topo, tensors, op, algorithm, prescale_factor,
+                                               postscale_factor)
+    return p.run()
 
 
 def grouped_reducescatter_async(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -139,7 +141,9 @@ def grouped_reducescatter_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                                 postscale_factor: float = 1.0, name: str | None = None,
                                 comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    return submit(topo, name, "grouped_reducescatter", _grouped_reducescatter, tensors, op,
-                  algorithm, prescale_factor, postscale_factor)
+    with Prepared(topo, "grouped_reducescatter", name) as p:
+        p.call, p.job = _grouped_reducescatter(topo, tensors, op, algorithm, prescale_factor,
+                                               postscale_factor)
+    return p.submit()
 
 

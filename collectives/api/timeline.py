@@ -58,8 +58,9 @@ def start_timeline(file_path: str | os.PathLike, mark_cycles: bool = False) -> N
     at stop_timeline(). Collective over the job: every rank calls it."""
     global _at_exit_registered
     job = topology.get()
-    path = ENGINE.run(job, *calls.prepare(job, None, "start_timeline", _start,
-                                         (file_path, mark_cycles)))
+    with calls.Prepared(job, "start_timeline", None) as p:
+        p.call, p.job = _start(job, file_path, mark_cycles)
+    path = p.run()
     job.timeline = {"path": path, "mark_cycles": mark_cycles, "origin": ENGINE.native.clock()}
     ENGINE.native.tracing = True
     if not _at_exit_registered:  # the file is written even if stop_timeline() never is
@@ -91,7 +92,9 @@ def stop_timeline() -> None:
     everywhere when no timeline is being recorded."""
     job = topology.get()
     try:
-        ENGINE.run(job, *calls.prepare(job, None, "stop_timeline", _stop, ()))
+        with calls.Prepared(job, "stop_timeline", None) as p:
+            p.call, p.job = _stop(job)
+        p.run()
     finally:
         job.timeline = None
 

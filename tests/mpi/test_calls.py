@@ -40,7 +40,16 @@ def _make(topo: topology.Topology, tag: str, value: Any) -> tuple[calls.Call, Jo
 
 
 def _run(topo: topology.Topology, tag: str, value: Any, name: str | None = None) -> Any:
-    return ENGINE.run(topo, *calls.prepare(topo, name, "calls_test", _make, (tag, value)))
+    with calls.Prepared(topo, "calls_test", name) as p:
+        p.call, p.job = _make(topo, tag, value)
+    return p.run()
+
+
+def _submit(make: Any, *args: Any) -> Any:
+    topo = topology.get()
+    with calls.Prepared(topo, "calls_test", None) as p:
+        p.call, p.job = make(topo, *args)
+    return p.submit()
 
 
 def _in_step(comm: MPI.Comm, dup: MPI.Comm | None = None) -> None:
@@ -141,12 +150,13 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank(comm, error, where):
     bad = 0 if where == "first" else n - 1
     topo, made = topology.get(), []
     size = len(topo.calls)
-    prepared = calls.prepare(topo, None, "calls_test", _checked, (r == bad, error, made))
+    with calls.Prepared(topo, "calls_test", None) as p:
+        p.call, p.job = _checked(topo, r == bad, error, made)
     if r == bad:
-        assert prepared[0].algorithm == calls.INVALID
+        assert p.call.algorithm == calls.INVALID
         assert len(topo.calls) == size, "an invalid call is not cached"
     with pytest.raises((ValueError, TypeError)) as info:
-        ENGINE.run(topo, *prepared)
+        p.run()
     if r == bad:
         assert info.value is made[0], "the bad rank raises its own error"
     else:
@@ -179,10 +189,10 @@ def test_an_async_call_with_a_bad_argument(comm, where):
     error, made = ValueError("x: expected a positive count, got -3"), []
     if r == bad:
         with pytest.raises(ValueError) as info:
-            calls.submit(topology.get(), None, "calls_test", _checked, (True, error, made))
+            _submit(_checked, True, error, made)
         assert info.value is made[0]
     else:
-        handle = calls.submit(topology.get(), None, "calls_test", _checked, (False, error, made))
+        handle = _submit(_checked, False, error, made)
         with pytest.raises(C.MismatchError, match=f"rank {bad} passed an invalid argument"):
             _result(handle)
     _in_step(comm)
