@@ -179,6 +179,15 @@ def _compressed(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: s
     return call, Job(move)
 
 
+def _prepared(topo: topology.Topology, name: str | None, collective: str,
+              make: Callable[..., tuple[Call, Job]], *args: Any) -> Prepared:
+    """The call make(topo, *args) describes (allreduce's or grouped_allreduce's), prepared
+    in the public function's stead (calls.Prepared)."""
+    with Prepared(topo, collective, name) as p:
+        p.call, p.job = make(topo, *args)
+    return p
+
+
 def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
               compression: Any = None, *, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: str | None = None, comm: Any = None,
@@ -193,10 +202,8 @@ def allreduce(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
         out = _fast(topo, x, op, algorithm, False)
         if out is not None:
             return out
-    with Prepared(topo, "allreduce", name) as p:
-        p.call, p.job = _allreduce(topo, x, op, algorithm, compression, False, prescale_factor,
-                                   postscale_factor)
-    return p.run()
+    return _prepared(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
+                     prescale_factor, postscale_factor).run()
 
 
 def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -209,10 +216,8 @@ def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
     if compression is None and name is None and prescale_factor == 1 and postscale_factor == 1 \
             and _fast(topo, x, op, algorithm, True) is not None:
         return x
-    with Prepared(topo, "allreduce", name) as p:
-        p.call, p.job = _allreduce(topo, x, op, algorithm, compression, True, prescale_factor,
-                                   postscale_factor)
-    return p.run()
+    return _prepared(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
+                     prescale_factor, postscale_factor).run()
 
 
 def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -220,10 +225,8 @@ def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "a
                     postscale_factor: float = 1.0, name: str | None = None,
                     comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "allreduce", name) as p:
-        p.call, p.job = _allreduce(topo, x, op, algorithm, compression, False, prescale_factor,
-                                   postscale_factor)
-    return p.submit()
+    return _prepared(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
+                     prescale_factor, postscale_factor).submit()
 
 
 def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -231,10 +234,8 @@ def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "
                      postscale_factor: float = 1.0, name: str | None = None,
                      comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "allreduce", name) as p:
-        p.call, p.job = _allreduce(topo, x, op, algorithm, compression, True, prescale_factor,
-                                   postscale_factor)
-    return p.submit()
+    return _prepared(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
+                     prescale_factor, postscale_factor).submit()
 
 
 # --------------------------------------------------------------------- grouped allreduce
@@ -343,10 +344,8 @@ def grouped_allreduce(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm:
     message (the tensors packed by one C++ call). The tensors share one dtype and may differ
     in shape and type; returns a list of new arrays like them."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "grouped_allreduce", name) as p:
-        p.call, p.job = _grouped_allreduce(topo, tensors, op, algorithm, compression, False, prescale_factor,
-                                           postscale_factor)
-    return p.run()
+    return _prepared(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op,
+                     algorithm, compression, False, prescale_factor, postscale_factor).run()
 
 
 def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
@@ -355,10 +354,8 @@ def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm
                        comm: Any = None, process_set: Any = None) -> list:
     """grouped_allreduce in place; returns the tensors."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "grouped_allreduce", name) as p:
-        p.call, p.job = _grouped_allreduce(topo, tensors, op, algorithm, compression, True, prescale_factor,
-                                           postscale_factor)
-    return p.run()
+    return _prepared(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op,
+                     algorithm, compression, True, prescale_factor, postscale_factor).run()
 
 
 def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -367,10 +364,8 @@ def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
                             name: str | None = None, comm: Any = None,
                             process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "grouped_allreduce", name) as p:
-        p.call, p.job = _grouped_allreduce(topo, tensors, op, algorithm, compression, False, prescale_factor,
-                                           postscale_factor)
-    return p.submit()
+    return _prepared(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op,
+                     algorithm, compression, False, prescale_factor, postscale_factor).submit()
 
 
 def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
@@ -379,9 +374,7 @@ def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
                              name: str | None = None, comm: Any = None,
                              process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "grouped_allreduce", name) as p:
-        p.call, p.job = _grouped_allreduce(topo, tensors, op, algorithm, compression, True, prescale_factor,
-                                           postscale_factor)
-    return p.submit()
+    return _prepared(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op,
+                     algorithm, compression, True, prescale_factor, postscale_factor).submit()
 
 

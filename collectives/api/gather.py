@@ -159,6 +159,15 @@ def grouped_allgather_async(tensors: list, algorithm: str = "auto", *, name: str
 
 # ----------------------------------------------------------------------------- broadcast
 
+def _prepared_broadcast(topo: topology.Topology, name: str | None, x: Any, root_rank: Any,
+                        algorithm: Any, inplace: bool, process_set: Any) -> Prepared:
+    """broadcast's call, prepared in the public function's stead (calls.Prepared)."""
+    with Prepared(topo, "broadcast", name) as p:
+        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, inplace,
+                                   process_sets.job_ranks(process_set))
+    return p
+
+
 def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
                inplace: bool, ranks: list[int] | None) -> tuple[Call, Job]:
     check_algorithm(algorithm)
@@ -183,36 +192,28 @@ def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str 
               comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's x on every rank, as a new array."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "broadcast", name) as p:
-        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, False, process_sets.job_ranks(process_set))
-    return p.run()
+    return _prepared_broadcast(topo, name, x, root_rank, algorithm, False, process_set).run()
 
 
 def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
                comm: Any = None, process_set: Any = None) -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "broadcast", name) as p:
-        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, True, process_sets.job_ranks(process_set))
-    return p.run()
+    return _prepared_broadcast(topo, name, x, root_rank, algorithm, True, process_set).run()
 
 
 def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                     name: str | None = None, comm: Any = None,
                     process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "broadcast", name) as p:
-        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, False, process_sets.job_ranks(process_set))
-    return p.submit()
+    return _prepared_broadcast(topo, name, x, root_rank, algorithm, False, process_set).submit()
 
 
 def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
                      name: str | None = None, comm: Any = None,
                      process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "broadcast", name) as p:
-        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, True, process_sets.job_ranks(process_set))
-    return p.submit()
+    return _prepared_broadcast(topo, name, x, root_rank, algorithm, True, process_set).submit()
 
 
 def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
@@ -242,7 +243,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
     """root_rank's picklable obj on every rank."""
     topo = process_sets.resolve(comm, process_set)
     with Prepared(topo, "broadcast_object", name) as p:
-        p.call, p.job = _broadcast_object(topo, obj, root_rank, process_sets.job_ranks(process_set))
+        p.call, p.job = _broadcast_object(topo, obj, root_rank,
+                                          process_sets.job_ranks(process_set))
     return p.run()
 
 

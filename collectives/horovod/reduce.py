@@ -61,12 +61,20 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
                    process_set)
 
 
+def _started(start, data, average, name, op, prescale_factor, postscale_factor,
+             process_set) -> Handle:
+    """An async reduction started under name: start (one of the api's *_async calls) of
+    data, with op and scaling in Horovod's arithmetic (as_horovod)."""
+    op, postscale_factor = as_horovod(op_of(average, op), postscale_factor, process_set)
+    return start_named(name, process_set, lambda: start(
+        data, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        name=name, process_set=set_of(process_set)))
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op, postscale_factor = as_horovod(op_of(average, op), postscale_factor, process_set)
-    return start_named(name, process_set, lambda: _C.allreduce_async(
-        tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        name=name, process_set=set_of(process_set)))
+    return _started(_C.allreduce_async, tensor, average, name, op, prescale_factor,
+                    postscale_factor, process_set)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -78,10 +86,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op, postscale_factor = as_horovod(op_of(average, op), postscale_factor, process_set)
-    return start_named(name, process_set, lambda: _C.allreduce_async_(
-        tensor, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        name=name, process_set=set_of(process_set)))
+    return _started(_C.allreduce_async_, tensor, average, name, op, prescale_factor,
+                    postscale_factor, process_set)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -117,10 +123,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op, postscale_factor = as_horovod(op_of(average, op), postscale_factor, process_set)
-    return start_named(name, process_set, lambda: _C.grouped_allreduce_async(
-        list(tensors), op=op, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, name=name, process_set=set_of(process_set)))
+    return _started(_C.grouped_allreduce_async, list(tensors), average, name, op,
+                    prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -131,10 +135,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    op, postscale_factor = as_horovod(op_of(average, op), postscale_factor, process_set)
-    return start_named(name, process_set, lambda: _C.grouped_allreduce_async_(
-        list(tensors), op=op, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, name=name, process_set=set_of(process_set)))
+    return _started(_C.grouped_allreduce_async_, list(tensors), average, name, op,
+                    prescale_factor, postscale_factor, process_set)
 
 
 class _SparseHandle(Handle):
