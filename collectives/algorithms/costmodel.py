@@ -93,6 +93,13 @@ def install(tuning: dict) -> None:
     _installed = tuning
 
 
+def general_path_s() -> float:
+    """The measured extra seconds of a call on the general path over its fast entry
+    (autotune.general_path), 0 where none was measured."""
+    value = tuning().get("general_path_s", 0.0)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
+
+
 def params() -> Params:
     """The tuning file's parameters, else the defaults."""
     values = tuning().get("params")

@@ -78,11 +78,13 @@ from collectives.runtime.topology import (
 from collectives.runtime.watchdog import StallError
 
 
-def timed_call(collective: str, x: np.ndarray, algo: str) -> Callable[[], Any]:
+def timed_call(collective: str, x: np.ndarray, algo: str,
+               name: str | None = None) -> Callable[[], Any]:
     """One public call of collective on x with algo (Sum for the reductions): what `auto`'s
-    measurements time (autotune.Timed), since it is what `auto` will run."""
+    measurements time (autotune.Timed), since it is what `auto` will run. A named
+    allreduce runs the general path even where the call has a fast entry."""
     return {
-        "allreduce": lambda: allreduce(x, ReduceOp.Sum, algo),
+        "allreduce": lambda: allreduce(x, ReduceOp.Sum, algo, name=name),
         "allgather": lambda: allgather(x, algo),
         "reducescatter": lambda: reducescatter(x, ReduceOp.Sum, algo),
         "broadcast": lambda: broadcast(x, 0, algo),

@@ -142,10 +142,15 @@ def _time(calls: dict[str, Callable[[], Any]], nbytes: int, comm: MPI.Comm) -> d
     return dict(zip(calls, np.max(everyone, axis=0).tolist()))
 
 
-#: timed(collective, x, algorithm) -> a function making that public call on x (Sum for the
-#: reductions): what a measurement times, since it is what `auto` will run. The public API
-#: supplies it (collectives/api/__init__.py: timed_call); this layer is below it.
-Timed = Callable[[str, np.ndarray, str], Callable[[], Any]]
+#: timed(collective, x, algorithm[, name]) -> a function making that public call on x (Sum
+#: for the reductions; a name makes an allreduce take the general path): what a measurement
+#: times, since it is what `auto` will run. The public API supplies it
+#: (collectives/api/__init__.py: timed_call); this layer is below it.
+Timed = Callable[..., Callable[[], Any]]
+
+#: The size the general path's extra cost is timed at (general_path()): above what rides
+#: in the agreement, so the fast entry runs shm's pipeline.
+PATH_BYTES = 256 << 10
 
 
 def measure(topo: Any, timed: Timed) -> dict:
@@ -170,6 +175,21 @@ def measure(topo: Any, timed: Timed) -> dict:
     return out
 
 
+def general_path(topo: Any, timed: Timed) -> float:
+    """Seconds a call on the general path costs beyond the same call through its C++ fast
+    entry (shm's allreduce of PATH_BYTES, the slowest rank's): what a class settled on an
+    algorithm without a fast entry pays on every call that one with it does not, and what
+    online.py's trials, which time data phases only, add to such candidates. 0 where the
+    job has no shared-memory fast entry (several nodes, one rank)."""
+    if not topo.channel.shared or topo.size == 1:
+        return 0.0
+    x = np.ones(PATH_BYTES // 4, np.float32)
+    times = _time({"fast": timed("allreduce", x, "shm"),
+                   "general": timed("allreduce", x, "shm", "autotune.general_path")},
+                  PATH_BYTES, topo.comm)
+    return max(0.0, times["general"] - times["fast"])
+
+
 def setup(topo: Any, timed: Timed) -> dict:
     """The tuning `auto` uses in this job (collective over the job): the tuning file, else
     the cache, else a fresh measurement saved to the cache; {} when autotuning is off."""
@@ -188,7 +208,8 @@ def setup(topo: Any, timed: Timed) -> dict:
     started = time.perf_counter()
     tuning = {"key": k, "nodes": k["nodes"], "world_size": topo.size,
               "params": dataclasses.asdict(costmodel.params()), "measured": measure(topo, timed),
-              "date": time.strftime("%Y-%m-%d"), "seconds": 0.0}
+              "general_path_s": general_path(topo, timed), "date": time.strftime("%Y-%m-%d"),
+              "seconds": 0.0}
     tuning["seconds"] = topo.comm.allreduce(round(time.perf_counter() - started, 3), op=MPI.MAX)
     if topo.rank == 0:
         try:

@@ -20,6 +20,11 @@ ring at 1.38x shm's median. Two neighbouring turns share the machine's state, so
 of the pairs' ratios discounts a slow spell that covers both, and a single slow turn
 outvotes nothing.
 
+A trial times each candidate's data phase, but compares whole calls as they will run once
+the class settles: on one node a class settled on shm runs through the C++ fast entry and
+any other on the general path, so the others' times carry the general path's extra cost,
+measured at init (autotune.general_path, _path()).
+
 Every rank settles the same way: each times its own calls, and when a class's trial (or
 runoff) ends every rank takes the slowest rank's time per turn (one MPI allreduce of a few
 floats, inside that call). The trial's state advances only in the call's data phase (on
@@ -67,6 +72,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from collectives.algorithms import costmodel
 from collectives.auto import select
 from collectives.auto.autotune import Memory
 from collectives.kernels import _C
@@ -216,6 +222,7 @@ def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
     slowest = np.empty((len(trial.candidates), trial.turns))
     topo.comm.Allreduce(np.array(trial.times), slowest, op=MPI.MAX)
     spent = trial.spent + float(slowest.sum()) * nbytes * BURST
+    slowest += _path(topo, trial.candidates, nbytes)[:, None]
     if trial.runoff:  # [leader, runner-up]: the runner-up wins most pairs, or not
         k = int(np.median(slowest[1] / slowest[0]) < 1)
         call = float(np.median(slowest[k])) * nbytes
@@ -237,18 +244,35 @@ def _screen(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
     it; the rest go on with their first turn counted. One left: the class settles on it."""
     first = np.empty(len(trial.candidates))
     topo.comm.Allreduce(np.array([t[0] for t in trial.times]), first, op=MPI.MAX)
-    keep = [k for k in range(len(first)) if first[k] <= DROP * first.min()]
+    priced = first + _path(topo, trial.candidates, nbytes)
+    keep = [k for k in range(len(first)) if priced[k] <= DROP * priced.min()]
     if len(keep) == len(first):
         return
     if len(keep) == 1:
         spent = trial.spent + float(first.sum()) * nbytes * BURST
-        _decide(topo, c, trial.candidates[keep[0]], float(first[keep[0]]) * nbytes, spent, nbytes)
+        _decide(topo, c, trial.candidates[keep[0]], float(priced[keep[0]]) * nbytes, spent,
+                nbytes)
         return
     dropped = sum(float(first[k]) for k in range(len(first)) if k not in keep)
     spent = trial.spent + dropped * nbytes * BURST  # the rest's first turns count at the end
     rest = topo.trials[c] = Trial([trial.candidates[k] for k in keep], spent=spent)
     rest.times = [[float(first[k])] for k in keep]
     rest.calls = BURST * len(keep)
+
+
+def _path(topo: Topology, candidates: list[str], nbytes: int) -> np.ndarray:
+    """Seconds per byte to add to each candidate's timed data phase so that the trial
+    compares whole calls as they will run once the class settles: a class settled on shm
+    over a shared window runs its calls through the C++ fast entry, any other on the
+    general path, which costs the measured general_path_s more per call (the call's
+    description, the engine's thread and the algorithm's Python around its data phase).
+    Zeros where no candidate has a fast entry. (Calls that never take the fast entry, staged device data and
+    bfloat16, are priced as if they did.)"""
+    extra = costmodel.general_path_s() / max(nbytes, 1)
+    fast = [name == "shm" and topo.channel.shared for name in candidates]
+    if not extra or not any(fast):
+        return np.zeros(len(candidates))
+    return np.array([0.0 if f else extra for f in fast])
 
 
 def _decide(topo: Topology, c: int, algo: str, call: float, spent: float, nbytes: int) -> None:

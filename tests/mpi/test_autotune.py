@@ -30,7 +30,7 @@ def _job(**options) -> types.SimpleNamespace:
     """The job's topology with other options."""
     job = topology.get()
     return types.SimpleNamespace(comm=job.comm, rank=job.rank, size=job.size, nodes=job.nodes,
-                                 config=config.Config(**options))
+                                 channel=job.channel, config=config.Config(**options))
 
 
 @pytest.fixture
@@ -229,6 +229,35 @@ def test_a_runoff_settles_on_the_finalist_faster_in_most_pairs(comm, trials, mon
         assert trials.trials[c].runoff and trials.trials[c].candidates == ["mpi", "ring"]
         _calls(comm, x, online.RUNOFF_TURNS * online.BURST * 2)
         assert trials.settled[c] == want and not trials.trials, later
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_trial_prices_the_general_path_against_a_fast_entry(comm, trials, monkeypatch):
+    """On one node shm's class runs through its C++ fast entry once settled, mpi's through
+    the general path: with the general path measured at 0.5 s a call, mpi's 1.0 s data
+    phases price at 1.5 against shm's 1.2, and the class settles on shm (after a runoff,
+    within RUNOFF); measured at 0, mpi wins the same trial."""
+    if not trials.channel.shared:
+        pytest.skip("shm's fast entry needs the ranks on one node")
+    monkeypatch.setattr(select, "estimates", _estimates({"shm": 1.0, "mpi": 1.0}))
+    _fake_time(monkeypatch, {"shm": 1.2, "mpi": 1.0}.get)
+    for i, (path_s, want) in enumerate(((0.5, "shm"), (0.0, "mpi"))):
+        monkeypatch.setattr(costmodel, "general_path_s", lambda s=path_s: s)
+        x = np.full(_tried(trials) * 4 ** i, comm.Get_rank() + 1.0)
+        c = select.size_class(x.nbytes)
+        _calls(comm, x, (online.ROUNDS + online.RUNOFF_TURNS) * online.BURST * 2)
+        assert trials.settled[c] == want and not trials.trials, path_s
+
+
+def test_the_general_path_is_measured_against_the_fast_entry(comm):
+    """autotune.general_path: a named allreduce (the general path) against the same call
+    through its fast entry, the slowest rank's; 0 where there is no shared fast entry."""
+    topo = topology.get()
+    seconds = autotune.general_path(topo, timed_call)
+    assert seconds >= 0.0
+    if not topo.channel.shared or topo.size == 1:
+        assert seconds == 0.0
+    assert comm.allgather(seconds) == [seconds] * comm.Get_size()
 
 
 @pytest.mark.mpi(min_size=2)
