@@ -220,24 +220,6 @@ def allreduce_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
                      prescale_factor, postscale_factor).run()
 
 
-def allreduce_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                    compression: Any = None, *, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, name: str | None = None,
-                    comm: Any = None, process_set: Any = None) -> Handle:
-    topo = process_sets.resolve(comm, process_set)
-    return _prepared(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, False,
-                     prescale_factor, postscale_factor).submit()
-
-
-def allreduce_async_(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
-                     compression: Any = None, *, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0, name: str | None = None,
-                     comm: Any = None, process_set: Any = None) -> Handle:
-    topo = process_sets.resolve(comm, process_set)
-    return _prepared(topo, name, "allreduce", _allreduce, x, op, algorithm, compression, True,
-                     prescale_factor, postscale_factor).submit()
-
-
 # --------------------------------------------------------------------- grouped allreduce
 
 def _packable(flat: np.ndarray) -> np.ndarray:
@@ -358,23 +340,29 @@ def grouped_allreduce_(tensors: list, op: ReduceOp = ReduceOp.Average, algorithm
                      algorithm, compression, True, prescale_factor, postscale_factor).run()
 
 
-def grouped_allreduce_async(tensors: list, op: ReduceOp = ReduceOp.Average,
-                            algorithm: str = "auto", compression: Any = None, *,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            name: str | None = None, comm: Any = None,
-                            process_set: Any = None) -> Handle:
-    topo = process_sets.resolve(comm, process_set)
-    return _prepared(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op,
-                     algorithm, compression, False, prescale_factor, postscale_factor).submit()
+# ------------------------------------------------------------------------ async variants
+
+def _queued(sync: Callable[..., Any], make: Callable[..., tuple[Call, Job]],
+            inplace: bool) -> Callable[..., Handle]:
+    """sync's async variant: the same arguments (the data positional), its call queued on
+    the engine behind everything submitted before; a Handle at once, whose
+    synchronize(handle) is sync's result."""
+    collective = sync.__name__.rstrip("_")
+
+    def queued(data: Any, /, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto",
+               compression: Any = None, *, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, name: str | None = None, comm: Any = None,
+               process_set: Any = None) -> Handle:
+        topo = process_sets.resolve(comm, process_set)
+        return _prepared(topo, name, collective, make, data, op, algorithm, compression,
+                         inplace, prescale_factor, postscale_factor).submit()
+
+    queued.__name__ = queued.__qualname__ = f"{collective}_async{'_' if inplace else ''}"
+    queued.__doc__ = f"{sync.__name__}, queued: a Handle at once (synchronize gives the result)."
+    return queued
 
 
-def grouped_allreduce_async_(tensors: list, op: ReduceOp = ReduceOp.Average,
-                             algorithm: str = "auto", compression: Any = None, *,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             name: str | None = None, comm: Any = None,
-                             process_set: Any = None) -> Handle:
-    topo = process_sets.resolve(comm, process_set)
-    return _prepared(topo, name, "grouped_allreduce", _grouped_allreduce, tensors, op,
-                     algorithm, compression, True, prescale_factor, postscale_factor).submit()
-
-
+allreduce_async = _queued(allreduce, _allreduce, False)
+allreduce_async_ = _queued(allreduce_, _allreduce, True)
+grouped_allreduce_async = _queued(grouped_allreduce, _grouped_allreduce, False)
+grouped_allreduce_async_ = _queued(grouped_allreduce_, _grouped_allreduce, True)

@@ -66,6 +66,15 @@ class _FromEveryRank:
         return Job(move, self.table, self.table, self.table.size, _INT64, int(ReduceOp.Sum), 1)
 
 
+def _prepared(topo: topology.Topology, name: str | None, collective: str,
+              make: Callable[..., tuple[Call, Job]], *args: Any) -> Prepared:
+    """The call make(topo, *args) describes, prepared in the public function's stead
+    (calls.Prepared: no layer below calls back into this module to make it)."""
+    with Prepared(topo, collective, name) as p:
+        p.call, p.job = make(topo, *args)
+    return p
+
+
 def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, Job]:
     check_algorithm(algorithm)
     buf = wrap(x, "x")
@@ -91,17 +100,7 @@ def allgather(x: Any, algorithm: str = "auto", *, name: str | None = None,
               comm: Any = None, process_set: Any = None) -> Any:
     """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "allgather", name) as p:
-        p.call, p.job = _allgather(topo, x, algorithm)
-    return p.run()
-
-
-def allgather_async(x: Any, algorithm: str = "auto", *, name: str | None = None,
-                    comm: Any = None, process_set: Any = None) -> Handle:
-    topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "allgather", name) as p:
-        p.call, p.job = _allgather(topo, x, algorithm)
-    return p.submit()
+    return _prepared(topo, name, "allgather", _allgather, x, algorithm).run()
 
 
 def _grouped_allgather(topo: topology.Topology, tensors: Any,
@@ -144,29 +143,28 @@ def grouped_allgather(tensors: list, algorithm: str = "auto", *, name: str | Non
     """allgather of every tensor of the list in one call: one agreement (carrying every
     tensor's dim 0 from every rank) and one fused message. One dtype per group."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "grouped_allgather", name) as p:
-        p.call, p.job = _grouped_allgather(topo, tensors, algorithm)
-    return p.run()
+    return _prepared(topo, name, "grouped_allgather", _grouped_allgather, tensors, algorithm).run()
 
 
-def grouped_allgather_async(tensors: list, algorithm: str = "auto", *, name: str | None = None,
-                            comm: Any = None, process_set: Any = None) -> Handle:
-    topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "grouped_allgather", name) as p:
-        p.call, p.job = _grouped_allgather(topo, tensors, algorithm)
-    return p.submit()
+def _queued_gather(collective: str, make: Callable[..., tuple[Call, Job]]) -> Callable[..., Handle]:
+    """allgather's (or grouped_allgather's) async variant: the same arguments (the data
+    positional), the call queued on the engine; a Handle at once, whose
+    synchronize(handle) is the result."""
+
+    def queued(data: Any, /, algorithm: str = "auto", *, name: str | None = None,
+               comm: Any = None, process_set: Any = None) -> Handle:
+        topo = process_sets.resolve(comm, process_set)
+        return _prepared(topo, name, collective, make, data, algorithm).submit()
+
+    queued.__name__ = queued.__qualname__ = f"{collective}_async"
+    return queued
+
+
+allgather_async = _queued_gather("allgather", _allgather)
+grouped_allgather_async = _queued_gather("grouped_allgather", _grouped_allgather)
 
 
 # ----------------------------------------------------------------------------- broadcast
-
-def _prepared_broadcast(topo: topology.Topology, name: str | None, x: Any, root_rank: Any,
-                        algorithm: Any, inplace: bool, process_set: Any) -> Prepared:
-    """broadcast's call, prepared in the public function's stead (calls.Prepared)."""
-    with Prepared(topo, "broadcast", name) as p:
-        p.call, p.job = _broadcast(topo, x, root_rank, algorithm, inplace,
-                                   process_sets.job_ranks(process_set))
-    return p
-
 
 def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
                inplace: bool, ranks: list[int] | None) -> tuple[Call, Job]:
@@ -192,28 +190,34 @@ def broadcast(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str 
               comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's x on every rank, as a new array."""
     topo = process_sets.resolve(comm, process_set)
-    return _prepared_broadcast(topo, name, x, root_rank, algorithm, False, process_set).run()
+    return _prepared(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, False,
+                     process_sets.job_ranks(process_set)).run()
 
 
 def broadcast_(x: Any, root_rank: int = 0, algorithm: str = "auto", *, name: str | None = None,
                comm: Any = None, process_set: Any = None) -> Any:
     """Overwrite x with root_rank's x on every rank; returns x."""
     topo = process_sets.resolve(comm, process_set)
-    return _prepared_broadcast(topo, name, x, root_rank, algorithm, True, process_set).run()
+    return _prepared(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, True,
+                     process_sets.job_ranks(process_set)).run()
 
 
-def broadcast_async(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
-                    name: str | None = None, comm: Any = None,
-                    process_set: Any = None) -> Handle:
-    topo = process_sets.resolve(comm, process_set)
-    return _prepared_broadcast(topo, name, x, root_rank, algorithm, False, process_set).submit()
+def _queued_broadcast(inplace: bool) -> Callable[..., Handle]:
+    """broadcast's (or broadcast_'s) async variant: the same arguments (x positional), the
+    call queued on the engine; a Handle at once, whose synchronize(handle) is the result."""
+
+    def queued(x: Any, /, root_rank: int = 0, algorithm: str = "auto", *,
+               name: str | None = None, comm: Any = None, process_set: Any = None) -> Handle:
+        topo = process_sets.resolve(comm, process_set)
+        return _prepared(topo, name, "broadcast", _broadcast, x, root_rank, algorithm, inplace,
+                         process_sets.job_ranks(process_set)).submit()
+
+    queued.__name__ = queued.__qualname__ = "broadcast_async_" if inplace else "broadcast_async"
+    return queued
 
 
-def broadcast_async_(x: Any, root_rank: int = 0, algorithm: str = "auto", *,
-                     name: str | None = None, comm: Any = None,
-                     process_set: Any = None) -> Handle:
-    topo = process_sets.resolve(comm, process_set)
-    return _prepared_broadcast(topo, name, x, root_rank, algorithm, True, process_set).submit()
+broadcast_async = _queued_broadcast(False)
+broadcast_async_ = _queued_broadcast(True)
 
 
 def _broadcast_object(topo: topology.Topology, obj: Any, root_rank: Any,
@@ -242,10 +246,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, *, name: str | None = None,
                      comm: Any = None, process_set: Any = None) -> Any:
     """root_rank's picklable obj on every rank."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "broadcast_object", name) as p:
-        p.call, p.job = _broadcast_object(topo, obj, root_rank,
-                                          process_sets.job_ranks(process_set))
-    return p.run()
+    return _prepared(topo, name, "broadcast_object", _broadcast_object, obj, root_rank,
+                     process_sets.job_ranks(process_set)).run()
 
 
 def _allgather_object(topo: topology.Topology, obj: Any) -> tuple[Call, Job]:
@@ -273,9 +275,7 @@ def allgather_object(obj: Any, *, name: str | None = None, comm: Any = None,
                      process_set: Any = None) -> list:
     """Every rank's picklable obj, as a list in rank order."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "allgather_object", name) as p:
-        p.call, p.job = _allgather_object(topo, obj)
-    return p.run()
+    return _prepared(topo, name, "allgather_object", _allgather_object, obj).run()
 
 
 # ------------------------------------------------------------------------------ alltoall
@@ -334,18 +334,14 @@ def alltoall(x: Any, splits: Any = None, algorithm: str = "auto", *, name: str |
     split. Returns the rows received, in rank order, and, when splits is given, the number
     received from each rank (int32, as Horovod does)."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "alltoall", name) as p:
-        p.call, p.job = _alltoall(topo, x, splits, algorithm)
-    return p.run()
+    return _prepared(topo, name, "alltoall", _alltoall, x, splits, algorithm).run()
 
 
 def alltoall_async(x: Any, splits: Any = None, algorithm: str = "auto", *,
                    name: str | None = None, comm: Any = None,
                    process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "alltoall", name) as p:
-        p.call, p.job = _alltoall(topo, x, splits, algorithm)
-    return p.submit()
+    return _prepared(topo, name, "alltoall", _alltoall, x, splits, algorithm).submit()
 
 
 # ------------------------------------------------------------------------------- barrier
@@ -361,8 +357,6 @@ def barrier(*, name: str | None = None,
     partners, from every other; so it is checked (a rank in another collective raises
     MismatchError everywhere) and stall-watched like any call, in ceil(log2 n) steps."""
     topo = process_sets.resolve(comm, process_set)
-    with Prepared(topo, "barrier", name) as p:
-        p.call, p.job = _barrier(topo)
-    p.run()
+    _prepared(topo, name, "barrier", _barrier).run()
 
 

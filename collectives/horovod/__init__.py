@@ -19,6 +19,7 @@ from __future__ import annotations
 from collectives.api.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401
 from collectives.api.timeline import start_timeline, stop_timeline  # noqa: F401
 from collectives.compression import Compression  # noqa: F401
+from collectives.horovod import gather, reduce
 from collectives.horovod.common import (  # noqa: F401
     Adasum,
     Average,
@@ -33,22 +34,7 @@ from collectives.horovod.common import (  # noqa: F401
     poll,
     synchronize,
 )
-from collectives.horovod.gather import (  # noqa: F401
-    allgather,
-    allgather_async,
-    allgather_object,
-    allreduce,
-    alltoall,
-    alltoall_async,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    broadcast_object,
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_allreduce,
-)
+from collectives.horovod.gather import *  # noqa: F403 (the names in gather.__all__)
 from collectives.horovod.job import (  # noqa: F401
     ccl_built,
     cuda_built,
@@ -70,38 +56,18 @@ from collectives.horovod.optimizer import (  # noqa: F401
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from collectives.horovod.reduce import (  # noqa: F401
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    reducescatter,
-    reducescatter_async,
-    sparse_allreduce_async,
-)
+from collectives.horovod.reduce import *  # noqa: F403 (the names in reduce.__all__)
 from collectives.integrations.sync_batch_norm import SyncBatchNorm  # noqa: F401
 from collectives.runtime.topology import cross_rank, cross_size, local_rank, local_size, rank, size  # noqa: F401
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
     "HostsUpdatedInterrupt", "Max", "Min", "Product", "ProcessSet", "Sum", "SyncBatchNorm",
-    "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
-    "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async",
-    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built",
-    "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
-    "global_process_set", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous",
-    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
-    "sparse_allreduce_async",
+    "add_process_set", "barrier", "broadcast_optimizer_state", "broadcast_parameters",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+    "gloo_enabled", "global_process_set", "init", "is_homogeneous", "is_initialized", "join",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "poll", "rank", "remove_process_set", "rocm_built", "shutdown", "size",
     "start_timeline", "stop_timeline", "synchronize",
+    *gather.__all__, *reduce.__all__,
 ]
-
-

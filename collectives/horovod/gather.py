@@ -14,6 +14,13 @@ from collectives.horovod.reduce import allreduce, grouped_allreduce
 from collectives.runtime.engine import Handle
 from collectives.runtime.topology import rank
 
+__all__ = [
+    "allgather", "allgather_async", "allgather_object", "alltoall", "alltoall_async",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "grouped_allgather", "grouped_allgather_async",
+]
+
+
 # ------------------------------------------------------------------------------ allgather
 
 

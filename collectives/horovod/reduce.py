@@ -26,6 +26,14 @@ from collectives.horovod.common import (
 )
 from collectives.runtime.engine import Handle
 
+__all__ = [
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "grouped_reducescatter_async", "reducescatter",
+    "reducescatter_async", "sparse_allreduce_async",
+]
+
+
 # ------------------------------------------------------------------------------ allreduce
 
 

@@ -208,25 +208,21 @@ def shutdown() -> None:
         _topology = None
 
 
-def rank() -> int:
-    return get().rank
+def _job_field(field: str) -> Callable[[], int]:
+    """Horovod's accessor of the job's `field` (rank(), size(), ...), initializing with
+    defaults on first use."""
+
+    def read() -> int:
+        return getattr(get(), field)
+
+    read.__name__ = read.__qualname__ = field
+    read.__doc__ = f"The job's {field.replace('_', ' ')} (initializing it on first use)."
+    return read
 
 
-def size() -> int:
-    return get().size
-
-
-def local_rank() -> int:
-    return get().local_rank
-
-
-def local_size() -> int:
-    return get().local_size
-
-
-def cross_rank() -> int:
-    return get().cross_rank
-
-
-def cross_size() -> int:
-    return get().cross_size
+rank = _job_field("rank")
+size = _job_field("size")
+local_rank = _job_field("local_rank")
+local_size = _job_field("local_size")
+cross_rank = _job_field("cross_rank")
+cross_size = _job_field("cross_size")
