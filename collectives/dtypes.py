@@ -44,14 +44,9 @@ STORAGE = {d.name: d.storage for d in _TABLE}
 FLOATING = tuple(d.name for d in _TABLE if d.floating)
 
 #: NumPy dtype -> name (bfloat16 has no NumPy dtype: its uint16 storage is not a bfloat16)
-_NUMPY_NAMES = {np.dtype(d.name): d.name for d in _TABLE if d.name != "bfloat16"}
+NUMPY_NAMES = {np.dtype(d.name): d.name for d in _TABLE if d.name != "bfloat16"}
 #: torch dtype -> name, filled on the first lookup after torch is imported
 _TORCH_NAMES: dict[Any, str] = {}
-
-
-def numpy_dtype_name(dtype: np.dtype) -> str | None:
-    """Our name for a NumPy dtype, None if unsupported."""
-    return _NUMPY_NAMES.get(dtype)
 
 
 def torch_dtype_name(dtype: Any) -> str | None:

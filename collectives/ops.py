@@ -28,6 +28,5 @@ def check_op(op: object) -> ReduceOp:
     raise ValueError(f"op: expected one of {[o.name for o in ReduceOp]}, got {op!r}")
 
 
-def kernel_op(op: ReduceOp) -> ReduceOp:
-    """The op the data movement performs (Average moves as Sum)."""
-    return ReduceOp.Sum if op is ReduceOp.Average else op
+#: The op the data movement performs for each op (Average moves as Sum).
+KERNEL_OP = {op: ReduceOp.Sum if op is ReduceOp.Average else op for op in ReduceOp}

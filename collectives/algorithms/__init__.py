@@ -34,7 +34,7 @@ from collectives import kernels
 from collectives.algorithms import flat, hierarchical, pairwise
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.dtypes import CODES
-from collectives.ops import ReduceOp, kernel_op
+from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime.engine import ENGINE
 from collectives.runtime.topology import Topology
 
@@ -89,7 +89,7 @@ def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: Re
            dtype: str) -> None:
     """recv = op over every rank's send (send may be recv), Average included: the data
     moves as a Sum and is divided once at the end."""
-    allreduce(algo, topo, send, recv, kernel_op(op), dtype)
+    allreduce(algo, topo, send, recv, KERNEL_OP[op], dtype)
     average(recv, dtype, op, topo.size)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from collectives.dtypes import STORAGE
 from collectives.kernels import cuda as cuda_kernels
-from collectives.ops import ReduceOp, kernel_op
+from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime.ipc import Workspaces
 from collectives.runtime.topology import Topology
 
@@ -101,7 +101,7 @@ def allreduce(topo: Topology, ws: Workspaces, send: Any, recv: Any, op: ReduceOp
                                       count * itemsize, cupy.cuda.runtime.memcpyDeviceToDevice,
                                       ws.stream.ptr)
         ws.sync()
-        cuda_kernels.reduce(recv, parts, dtype, kernel_op(op))
+        cuda_kernels.reduce(recv, parts, dtype, KERNEL_OP[op])
         if op is ReduceOp.Average and divisor > 1:
             cuda_kernels.divide(recv, dtype, divisor)
         done = cupy.cuda.Event(disable_timing=True)

@@ -15,14 +15,13 @@ from collectives.api.base import (
     check_list,
     check_reduction,
     one_dtype,
-    result_of,
     scale,
     scale_factors,
 )
 from collectives.api.calls import Call, Prepared
 from collectives.auto import online, select
 from collectives.compression import Compression, check_compression
-from collectives.dtypes import FLOATING, STORAGE, numpy_dtype_name, torch_dtype_name
+from collectives.dtypes import FLOATING, NUMPY_NAMES, STORAGE, torch_dtype_name
 from collectives.ops import ReduceOp, check_op
 from collectives.runtime import topology
 from collectives.runtime.buffers import (
@@ -82,9 +81,12 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
 def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compression: Any,
                inplace: bool, prescale_factor: Any = 1.0,
                postscale_factor: Any = 1.0) -> tuple[Call, Job]:
-    op = check_op(op)
-    check_algorithm(algorithm, ALLREDUCE_ALGORITHMS)
-    compressor = check_compression(compression)
+    # the checks, where the argument is not already what they would return
+    if type(op) is not ReduceOp:
+        op = check_op(op)
+    if algorithm not in ALLREDUCE_ALGORITHMS:
+        check_algorithm(algorithm, ALLREDUCE_ALGORITHMS)
+    compressor = Compression.none if compression is None else check_compression(compression)
     if algorithm == on_device.NAME or is_device_data(x):
         scaled = prescale_factor != 1 or postscale_factor != 1
         if on_device.takes(topo, x, algorithm, compressor is Compression.none and not scaled):
@@ -105,7 +107,7 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
     if fast and not checked:
         topo.fast[key] = call  # the next such call takes the fast entry
     if call.rides:  # the data rides in the agreement
-        return call, Job(lambda: result_of(buf, out), buf.flat, out.flat, buf.flat.size,
+        return call, Job(lambda: buf.result_from(out), buf.flat, out.flat, buf.flat.size,
                          call.dtype_code, call.op_code, call.divisor)
 
     def reduce(algo: str) -> None:
@@ -113,12 +115,13 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
 
     def move() -> Any:
         if checked:  # `auto` picks the algorithm now (online.py)
-            online.run(topo, buf.nbytes, reduce)
-            if fast and online.settled_on(topo, buf.nbytes, call.algorithm, call.fast):
+            online.run(topo, call.size_class, buf.nbytes, reduce)
+            if fast and online.settled_on(topo, call.size_class, buf.nbytes, call.algorithm,
+                                               call.fast):
                 topo.fast[key] = call  # the choice is final: the next such call is fast
         else:
             reduce(call.algorithm)
-        return result_of(buf, out)
+        return buf.result_from(out)
 
     return call, Job(move)
 
@@ -143,7 +146,7 @@ def _scaled(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: str,
     def finish() -> Any:
         if post != 1:
             scale(out.flat, out.flat, out.dtype, post)
-        return result_of(buf, out)
+        return buf.result_from(out)
 
     if call.rides:
         return call, Job(finish, send, out.flat, buf.flat.size, call.dtype_code, call.op_code,
@@ -174,7 +177,7 @@ def _compressed(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: s
         if post != 1:
             reduced *= reduced.dtype.type(post)
         store_float(out.flat, out.dtype, reduced)
-        return result_of(buf, out)
+        return buf.result_from(out)
 
     return call, Job(move)
 
@@ -243,7 +246,7 @@ def _host_group(tensors: list, inplace: bool) -> _Group | None:
     tensor): contiguous host NumPy arrays, or contiguous CPU torch tensors. None otherwise."""
     first = tensors[0]
     if all(type(t) is np.ndarray and t.flags.c_contiguous for t in tensors):
-        dtype, like = numpy_dtype_name(first.dtype), np.empty_like
+        dtype, like = NUMPY_NAMES.get(first.dtype), np.empty_like
     elif torch is not None and all(type(t) is _Tensor and t.device.type == "cpu"
                                    and t.is_contiguous() for t in tensors):
         dtype, like = torch_dtype_name(first.dtype), torch.empty_like
@@ -272,7 +275,7 @@ def _wrapped_group(tensors: list, inplace: bool) -> _Group:
     def finish(reduced: np.ndarray) -> list:
         if outs:
             kernels.unpack(_packable(reduced), [_packable(o.flat) for o in outs])
-        return [result_of(b, o) for b, o in zip(bufs, outs)]
+        return [b.result_from(o) for b, o in zip(bufs, outs)]
 
     return _Group(dtype, tuple(b.shape for b in bufs), packed.view(STORAGE[dtype]), finish)
 

@@ -70,14 +70,6 @@ def check_root(root_rank: object, topo: topology.Topology, ranks: list[int] | No
     return int(root_rank)
 
 
-def result_of(buf: Buffer, out: Buffer) -> Any:
-    """The caller's result: x itself for in-place calls (out is buf), else out."""
-    if out is buf:
-        buf.write_back()
-        return buf.orig
-    return out.result()
-
-
 def check_list(tensors: Any) -> None:
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"tensors: expected a list or tuple of arrays, got "

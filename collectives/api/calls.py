@@ -17,7 +17,7 @@ from collectives.algorithms import shm
 from collectives.auto import select
 from collectives.dtypes import CODES, STORAGE
 from collectives.kernels import _C
-from collectives.ops import ReduceOp, kernel_op
+from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime import agreement
 from collectives.runtime.engine import ENGINE, Job
 from collectives.runtime.topology import Topology
@@ -38,6 +38,7 @@ class Call(NamedTuple):
     dtype_code: int = 0    # a reduction: the kernels' codes of its payload
     op_code: int = 0
     divisor: int = 1       # world size for Average, else 1
+    size_class: int = 0    # a reduction: its size class (select.size_class), auto's unit
 
 
 def describe(topo: Topology, collective: str, fields: tuple, algorithm: str) -> Call:
@@ -84,7 +85,7 @@ def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbyte
     fast_entry, the C++ fast entry where the whole call can run in C++: a riding one, or
     shm's pipeline after a shared-memory exchange."""
     native = _native(topo, collective, fields, algo)
-    code, kop = CODES[dtype], int(kernel_op(op))
+    code, kop = CODES[dtype], int(KERNEL_OP[op])
     divisor = topo.size if op is ReduceOp.Average else 1
     rides = riding(topo, algo, nbytes)
     fast = None
@@ -96,7 +97,8 @@ def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbyte
         if rides or pipeline is not None:
             fast = _C.FastAllreduce(ENGINE.native, topo.channel, native, count, code, kop,
                                     divisor, pipeline)
-    return Call(collective, fields, algo, native, rides, fast, code, kop, divisor)
+    return Call(collective, fields, algo, native, rides, fast, code, kop, divisor,
+                select.size_class(nbytes))
 
 
 def riding(topo: Topology, algo: str, nbytes: int) -> bool:

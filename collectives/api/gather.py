@@ -16,7 +16,6 @@ from collectives.api.base import (
     check_root,
     need_dim0,
     one_dtype,
-    result_of,
     row_elems,
 )
 from collectives.api.calls import Call, Prepared
@@ -181,7 +180,7 @@ def _broadcast(topo: topology.Topology, x: Any, root_rank: Any, algorithm: Any,
         if not inplace:
             out.flat[...] = buf.flat
         algorithms.broadcast(call.algorithm, topo, out.flat, root)
-        return result_of(buf, out)
+        return buf.result_from(out)
 
     return call, Job(move)
 

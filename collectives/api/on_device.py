@@ -26,7 +26,6 @@ from typing import Any
 from collectives import algorithms
 from collectives.algorithms.onebit import error_sizes
 from collectives.api import calls
-from collectives.api.base import result_of
 from collectives.api.calls import Call
 from collectives.auto import select
 from collectives.compression import Compressor
@@ -207,14 +206,14 @@ def _staged(topo: Topology, x: Any, op: ReduceOp, inplace: bool) -> Any:
     out = buf if inplace else buf.empty(buf.shape)
     algo = select.concrete(topo, "allreduce", "auto", buf.nbytes)
     algorithms.reduce(algo, topo, buf.flat, out.flat, op, buf.dtype)
-    return result_of(buf, out)
+    return buf.result_from(out)
 
 
 def _dtype(x: Any) -> str:
     """x's dtype name (TypeError naming x where we have none)."""
-    from collectives.dtypes import numpy_dtype_name, torch_dtype_name
+    from collectives.dtypes import NUMPY_NAMES, torch_dtype_name
 
-    name = torch_dtype_name(x.dtype) if hasattr(x, "detach") else numpy_dtype_name(x.dtype)
+    name = torch_dtype_name(x.dtype) if hasattr(x, "detach") else NUMPY_NAMES.get(x.dtype)
     if name is None:
         raise TypeError(f"x: unsupported dtype {x.dtype}")
     return name

@@ -19,7 +19,7 @@ from collectives.api.base import (
 from collectives.api.calls import Call, Prepared
 from collectives.auto import select
 from collectives.dtypes import STORAGE
-from collectives.ops import ReduceOp, kernel_op
+from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime import topology
 from collectives.runtime.buffers import wrap
 from collectives.runtime.engine import Handle, Job
@@ -48,7 +48,7 @@ def _reducescatter(topo: topology.Topology, x: Any, op: Any, algorithm: Any,
         elems = row_elems(buf.shape)
         out = buf.empty((rows[topo.rank],) + buf.shape[1:])
         algorithms.reducescatter(call.algorithm, topo, send, out.flat,
-                                 [r * elems for r in rows], kernel_op(op), buf.dtype)
+                                 [r * elems for r in rows], KERNEL_OP[op], buf.dtype)
         algorithms.average(out.flat, buf.dtype, op, topo.size)
         if post != 1:
             scale(out.flat, out.flat, buf.dtype, post)
@@ -107,7 +107,7 @@ def _grouped_reducescatter(topo: topology.Topology, tensors: Any, op: Any, algor
 
     def move() -> list:
         recv = np.empty(counts[r], STORAGE[dtype])
-        algorithms.reducescatter(call.algorithm, topo, send, recv, counts, kernel_op(op),
+        algorithms.reducescatter(call.algorithm, topo, send, recv, counts, KERNEL_OP[op],
                                  dtype)
         algorithms.average(recv, dtype, op, n)
         if post != 1:

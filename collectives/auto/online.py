@@ -159,18 +159,13 @@ def checks(topo: Topology, nbytes: int) -> bool:
             and nbytes > topo.channel.capacity)
 
 
-def settled(topo: Topology, nbytes: int) -> bool:
-    """Whether nbytes' class has settled: its algorithm will not change."""
-    return select.size_class(nbytes) in topo.settled
-
-
-def settled_on(topo: Topology, nbytes: int, algorithm: str, entry: Any) -> bool:
-    """Whether nbytes' class has settled on algorithm: a call described with it may take its
-    fast entry from now on, which is put under the class's watch. (The call that ends a
-    trial ran a candidate, which need not be the one the class settled on.)"""
-    if not settled(topo, nbytes) or select.choose("allreduce", nbytes, topo) != algorithm:
+def settled_on(topo: Topology, c: int, nbytes: int, algorithm: str, entry: Any) -> bool:
+    """Whether size class c (of nbytes) has settled on algorithm: a call described with it
+    may take its fast entry from now on, which is put under the class's watch. (The call
+    that ends a trial ran a candidate, which need not be the one the class settled on.)"""
+    if c not in topo.settled or select.choose("allreduce", nbytes, topo) != algorithm:
         return False
-    watch = topo.watches.get(select.size_class(nbytes))
+    watch = topo.watches.get(c)
     entry.watch(None if watch is None else watch.native)
     return True
 
@@ -182,12 +177,11 @@ def rejoined(topo: Topology) -> None:
         watch.native.renew(watch.window)
 
 
-def run(topo: Topology, nbytes: int, reduce: Callable[[str], None]) -> None:
-    """The data phase of an `auto` allreduce of nbytes that checks() covers:
+def run(topo: Topology, c: int, nbytes: int, reduce: Callable[[str], None]) -> None:
+    """The data phase of an `auto` allreduce of nbytes (of size class c) that checks() covers:
     reduce(algorithm) with a trial's candidate, else with `auto`'s choice. The choice is
     made here, in submission order, not when the call was described: a caller's thread may
     describe a call while the engine's settles its class."""
-    c = select.size_class(nbytes)
     joined = ENGINE.native.joined
     watch = None if joined else topo.watches.get(c)
     if watch is not None and not watch.native.take():  # due

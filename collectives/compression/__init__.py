@@ -26,7 +26,7 @@ import numpy as np
 
 from collectives import algorithms, kernels
 from collectives.auto import select
-from collectives.dtypes import FLOATING, numpy_dtype_name, torch_dtype, torch_dtype_name
+from collectives.dtypes import FLOATING, NUMPY_NAMES, torch_dtype, torch_dtype_name
 from collectives.ops import ReduceOp
 from collectives.runtime.buffers import to_device, to_host
 from collectives.runtime.topology import Topology
@@ -45,7 +45,7 @@ def _float_dtype(x: Any) -> str | None:
     """x's dtype name if x is a NumPy or CuPy array or torch tensor of a floating dtype,
     else None: only those are compressed."""
     if isinstance(x, np.ndarray) or _is_cupy(x):
-        name = numpy_dtype_name(np.dtype(x.dtype))
+        name = NUMPY_NAMES.get(np.dtype(x.dtype))
     elif torch is not None and isinstance(x, torch.Tensor):
         name = torch_dtype_name(x.dtype)
     else:

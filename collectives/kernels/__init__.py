@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from collectives.dtypes import CODES, NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
+from collectives.dtypes import CODES, NAMES, NUMPY_NAMES, STORAGE, torch_dtype_name
 from collectives.kernels.args import INT8_BLOCK_SIZE, block_length, check_count, like, nblocks
 from collectives.ops import ReduceOp
 
@@ -113,7 +113,7 @@ def _cuda():
 def _host(x: Array, name: str) -> tuple[np.ndarray, str]:
     """x as a NumPy view of its storage (bfloat16 as uint16 bits) and its dtype name."""
     if isinstance(x, np.ndarray):
-        return x, _supported(numpy_dtype_name(x.dtype), x.dtype.name, name)
+        return x, _supported(NUMPY_NAMES.get(x.dtype), x.dtype.name, name)
     if _is_torch(x):
         if x.device.type != "cpu":
             raise TypeError(f"{name}: tensors on {x.device} are not supported")

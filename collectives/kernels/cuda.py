@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import cupy
 import numpy as np
 
-from collectives.dtypes import FLOATING, NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
+from collectives.dtypes import FLOATING, NAMES, NUMPY_NAMES, STORAGE, torch_dtype_name
 from collectives.kernels.args import CUDA_SOURCES as SOURCES
 from collectives.kernels.args import INT8_BLOCK_SIZE, block_length, check_count, like
 from collectives.ops import ReduceOp
@@ -55,7 +55,7 @@ def _device(x: Array, name: str) -> tuple[cupy.ndarray, str]:
         arr = cupy.from_dlpack(t)
         arr = arr.view(cupy.uint16) if dtype == "bfloat16" else arr
     elif isinstance(x, cupy.ndarray):
-        arr, dtype = x, numpy_dtype_name(x.dtype)
+        arr, dtype = x, NUMPY_NAMES.get(x.dtype)
         if dtype is None:
             raise _unsupported(name, x.dtype.name)
     else:

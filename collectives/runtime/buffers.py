@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from collectives import config
-from collectives.dtypes import NAMES, STORAGE, numpy_dtype_name, torch_dtype_name
+from collectives.dtypes import NAMES, NUMPY_NAMES, STORAGE, torch_dtype_name
 from collectives.kernels import _C
 
 try:
@@ -89,6 +89,15 @@ class Buffer:
                 host = host.view(torch.bfloat16)
             return host.to(self.orig.device)
         return cupy.asarray(data)
+
+    def result_from(self, out: Buffer) -> Any:
+        """The caller's result of a call on this buffer whose output is out: the caller's
+        own object for an in-place call (out is self: staged data written back into it),
+        else out's."""
+        if out is self:
+            self.write_back()
+            return self.orig
+        return out.result()
 
     def write_back(self) -> None:
         """Copy a staged buffer's data into the caller's original object (in-place calls)."""
@@ -163,7 +172,7 @@ def _unsupported(name: str, what: str) -> TypeError:
 def wrap(x: Any, name: str = "x") -> Buffer:
     """View x as a Buffer, or TypeError naming `name` if x is not a supported array."""
     if isinstance(x, np.ndarray):
-        dtype = numpy_dtype_name(x.dtype)
+        dtype = NUMPY_NAMES.get(x.dtype)
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         contiguous = x.flags.c_contiguous
@@ -187,7 +196,7 @@ def wrap(x: Any, name: str = "x") -> Buffer:
         flat = t.numpy().view(STORAGE[dtype])
         return Buffer(x, "torch", flat, dtype, tuple(x.shape), staged)
     if cupy is not None and isinstance(x, cupy.ndarray):
-        dtype = numpy_dtype_name(np.dtype(x.dtype))
+        dtype = NUMPY_NAMES.get(np.dtype(x.dtype))
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         buf = _pinned_like(x, "cupy", dtype, x.shape)

@@ -427,7 +427,6 @@ def test_online_trial_with_one_close_candidate_settles_at_once(comm, trials, mon
     x = np.ones(_tried(trials))
     C.allreduce(x, op=C.Sum)
     assert trials.settled == {select.size_class(x.nbytes): None} and not trials.trials
-    assert online.settled(trials, x.nbytes)
 
 
 @pytest.mark.mpi(min_size=2)

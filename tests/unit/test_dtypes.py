@@ -51,10 +51,10 @@ def test_floating_is_what_numpy_and_torch_call_floating():
 def test_numpy_names():
     for name in dtypes.NAMES:
         expected = None if name == "bfloat16" else name
-        assert dtypes.numpy_dtype_name(np.dtype(name) if expected else np.dtype(np.uint16)) \
+        assert dtypes.NUMPY_NAMES.get(np.dtype(name) if expected else np.dtype(np.uint16)) \
             == expected
     for other in (np.bool_, np.complex64, np.dtype(">f4"), np.uint16, np.uint32):
-        assert dtypes.numpy_dtype_name(np.dtype(other)) is None
+        assert dtypes.NUMPY_NAMES.get(np.dtype(other)) is None
 
 
 def test_torch_names():
