@@ -4,7 +4,9 @@ in the style of nccl-tests.
     mpirun -np 2 python benchmarks/bandwidth.py -b 4K -e 64M -f 4 --algo ring,mpi -c 1
 
 Every size is timed for all algorithms in interleaved rounds (so machine noise hits them
-alike); a row's time is the median over rounds of the per-call time, the slowest rank's.
+alike), each round starting with the next algorithm and odd rounds backwards (so the cold
+start after another size, and the neighbours, fall on every algorithm alike); a row's time
+is the median over rounds of the per-call time, the slowest rank's.
 Columns follow nccl-tests: algbw = size / time, busbw = algbw x the op's bus factor
 (allreduce 2(n-1)/n, allgather and reducescatter (n-1)/n, broadcast 1); size is the full
 buffer (allgather: the gathered result). `vs_mpi` = mpi's time / this time (>1 = faster);
@@ -228,18 +230,23 @@ def warm_past_trials(calls: dict) -> None:
 
 def round_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, list[float]]:
     """Each zero-argument call's seconds per call in each of args.rounds interleaved rounds
-    (the slowest rank's), after args.w warmup calls each (more while `auto` still tries its
-    choice online); args.n calls per round, fewer above 1 MiB so that a sweep's time stays
-    bounded."""
+    (the slowest rank's; round k starts with the k-th call, odd rounds backwards), after
+    args.w warmup calls each (more while `auto` still tries its choice online); args.n calls
+    per round, fewer above 1 MiB so that a sweep's time stays bounded."""
     iters = max(1, min(args.n, int(args.n * (1 << 20) / max(nbytes, 1 << 20))))
     for call in calls.values():
         for _ in range(args.w):
             call()
     warm_past_trials(calls)
     times = {name: [] for name in calls}
-    for _ in range(args.rounds):
-        for name, call in calls.items():
-            times[name].append(time_round(call, iters, comm))
+    names = list(calls)
+    for k in range(args.rounds):
+        # round k starts with the k-th call, so the cold start after another size falls on
+        # every call alike, and odd rounds run backwards, so no call always follows the
+        # same one (two that run the same code warm each other's caches)
+        order = names[k % len(names):] + names[:k % len(names)]
+        for name in order[::-1] if k % 2 else order:
+            times[name].append(time_round(calls[name], iters, comm))
     return times
 
 
