@@ -1,7 +1,8 @@
 """PyTorch data-parallel training on top of the collectives public API.
 
 Owns: DistributedOptimizer and the broadcasts of parameters and optimizer state
-(distributed.py), OnebitAdam, Adasum's optimizer, the convergence tasks of the benchmarks.
+(distributed.py), ZeroOptimizer (zero.py: optimizer state and gradients sharded), OnebitAdam,
+Adasum's optimizer, the convergence tasks of the benchmarks.
 May import: leaves, kernels, runtime, algorithms, auto, compression, api.
 
 Installed as `collectives.optim` (setup.py maps this folder there): import it so,
@@ -65,6 +66,7 @@ else:
     from .broadcast import broadcast_optimizer_state, broadcast_parameters
     from .distributed import DistributedOptimizer
     from .onebit_adam import OnebitAdam
+    from .zero import ZeroOptimizer
 
-    __all__ = ["DistributedOptimizer", "OnebitAdam", "broadcast_object", "broadcast_optimizer_state",
-               "broadcast_parameters"]
+    __all__ = ["DistributedOptimizer", "OnebitAdam", "ZeroOptimizer", "broadcast_object",
+               "broadcast_optimizer_state", "broadcast_parameters"]

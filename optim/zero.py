@@ -1,0 +1,408 @@
+"""ZeRO on collectives: ZeroOptimizer shards the wrapped optimizer's state over the ranks
+(stage 1), and the gradients too (stage 2).
+
+Layout. The trainable parameters, in backward order, are packed into buckets of one dtype
+and device of at most fusion_threshold_bytes, and each parameter's .data becomes a view of
+its bucket's flat buffer. Rank r owns the r-th even piece of every bucket (Horovod's row
+split, the one C.reducescatter makes), so a bucket's gradients reduce-scatter straight into
+their owners' pieces and its parameters allgather back from them. The wrapped optimizer
+steps on this rank's pieces only: one tensor for each overlap of a parameter with this
+rank's piece of its bucket, a view of the flat buffer, in the parameter's own param group.
+Its state (momentum, Adam's moments) therefore covers 1/N of the parameters.
+
+A step. During backward a hook counts each parameter's gradient. A bucket whose gradients
+are all in is packed and its reducescatter (Average) launched while backward goes on, in
+the fixed bucket order on every rank; stage 2 then frees the parameters' .grad. step()
+waits for the reductions, gives each piece its gradient, steps the wrapped optimizer and
+allgathers every bucket from its owners' pieces into its flat buffer, which the parameters
+view.
+
+Cost per step: one reducescatter and one allgather of the parameters' bytes, what one
+allreduce moves. Memory per rank: the parameters, 1/N of the optimizer state, and the
+gradients: all of them in stage 1, 1/N (plus the buckets in flight) in stage 2.
+
+Checkpoints. state_dict() is this rank's shard: the wrapped optimizer's state of its pieces
+and where each piece lies (parameter, offset). load_state_dict() takes such a shard (same
+layout), the list of every rank's shards saved at any world size (resharded here), or a
+plain state dict of the wrapped optimizer; consolidated_state_dict() gives rank 0 that
+plain dict, which a single-process torch optimizer over the same parameters loads.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from collectives import api as C
+from collectives import kernels as _kernels
+from collectives.runtime.p2p import even_bounds
+
+from .distributed import _GRAD_DTYPES, _remove_hooks
+from .wrapped import WrappedOptimizer, _check_int
+
+#: The format tag of a shard returned by state_dict().
+SHARD_FORMAT = "collectives.zero/1"
+
+
+class _Bucket:
+    """Parameters of one dtype and device sharing one flat buffer; this rank's piece of it
+    is [lo, hi), and `pieces` are its overlaps with the parameters."""
+
+    __slots__ = ("params", "starts", "flat", "lo", "hi", "pieces", "ready", "grad", "handle")
+
+    def __init__(self, params: list[torch.Tensor], rank: int, size: int):
+        self.params = params
+        self.starts, total = [], 0
+        for p in params:
+            self.starts.append(total)
+            total += p.numel()
+        self.flat = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
+        with torch.no_grad():
+            for p, start in zip(params, self.starts):
+                self.flat[start:start + p.numel()].copy_(p.reshape(-1))
+                p.data = self.flat[start:start + p.numel()].view_as(p)
+        bounds = even_bounds(total, size)
+        self.lo, self.hi = bounds[rank], bounds[rank + 1]
+        # (parameter, offset of the piece in the parameter, piece, its offset in [lo, hi)):
+        # the pieces are views of flat
+        self.pieces: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
+        for p, start in zip(params, self.starts):
+            a, b = max(start, self.lo), min(start + p.numel(), self.hi)
+            if a < b:
+                self.pieces.append((p, a - start, self.flat[a:b], a - self.lo))
+        self.ready = 0
+        self.grad: torch.Tensor | None = None
+        self.handle: C.Handle | None = None
+
+    def launch(self, process_set: Any, free_grads: bool) -> None:
+        """Pack the gradients (zeros for a parameter without one) and start their
+        reducescatter; free the parameters' .grad with free_grads (stage 2)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.grad = _kernels.pack(grads, torch.empty_like(self.flat))
+        self.handle = C.reducescatter_async(self.grad, op=C.Average, process_set=process_set)
+        if free_grads:
+            for p in self.params:
+                p.grad = None
+
+    def finish(self) -> None:
+        """Wait for the reducescatter; each piece's .grad is its part of this rank's piece of
+        the averaged gradients."""
+        mine = C.synchronize(self.handle)
+        for _, _, piece, start in self.pieces:
+            piece.grad = mine[start:start + piece.numel()]
+        self.grad, self.handle, self.ready = None, None, 0
+
+
+def _hook(owner: weakref.ref, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        opt = owner()
+        if opt is not None:
+            opt._grad_ready(param, bucket)
+    return hook
+
+
+class ZeroOptimizer(WrappedOptimizer):
+    """Wraps a torch optimizer so that each rank keeps 1/N of its state (stage=1) and of the
+    gradients (stage=2); every rank still holds all parameters, updated every step. Like
+    DistributedOptimizer it is a torch.optim.Optimizer whose param_groups and state are the
+    wrapped one's (`.optimizer`, which holds this rank's pieces), so LR schedulers and
+    zero_grad(set_to_none) work on it; gradients are averaged over the ranks (of
+    process_set, which every rank of the job must belong to, or be outside of and not use
+    this optimizer).
+
+    Wrap a fresh optimizer (no state yet) after the parameters are alike on every rank
+    (broadcast_parameters), before the first backward. Parameters with requires_grad=False
+    at construction are never stepped. backward_passes_per_step=k: gradients add up over k
+    backward passes and are reduced during the k-th. With a GradScaler, reduce first, as
+    with Horovod: `opt.synchronize(); scaler.unscale_(opt); with opt.skip_synchronize():
+    scaler.step(opt)`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, stage: int = 2,
+                 process_set: C.ProcessSet | None = None, backward_passes_per_step: int = 1,
+                 fusion_threshold_bytes: int = 64 << 20):
+        super().__init__(optimizer)
+        if stage not in (1, 2) or isinstance(stage, bool):
+            raise ValueError(f"stage: expected 1 or 2, got {stage!r}")
+        if process_set is not None and not isinstance(process_set, C.ProcessSet):
+            raise TypeError(f"process_set: expected a collectives.ProcessSet, got "
+                            f"{type(process_set).__name__}")
+        if len(optimizer.state):
+            raise ValueError("optimizer: expected a fresh optimizer (its state is sharded as "
+                             "it is created); load saved state with load_state_dict() after "
+                             "wrapping")
+        self.stage = stage
+        self._set = process_set
+        self._passes = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
+        threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
+        rank = C.rank() if process_set is None else process_set.rank()
+        self._size = C.size() if process_set is None else process_set.size()
+        # every group's parameters as given (frozen ones too): the consolidated numbering
+        self._groups = [list(g["params"]) for g in optimizer.param_groups]
+        trainable = [p for g in self._groups for p in g if p.requires_grad]
+        for p in trainable:
+            if p.dtype not in _GRAD_DTYPES:
+                raise TypeError(f"parameter of shape {tuple(p.shape)}: dtype {p.dtype} is not "
+                                f"supported; expected one of {[str(d) for d in _GRAD_DTYPES]}")
+        if len({id(p) for p in trainable}) != len(trainable):
+            raise ValueError("optimizer: a parameter is in more than one param group")
+        self._buckets = [_Bucket(ps, rank, self._size)
+                         for ps in _bucketed(list(reversed(trainable)), threshold)]
+        group_of = {id(p): k for k, g in enumerate(self._groups) for p in g}
+        pieces: list[list[torch.Tensor]] = [[] for _ in self._groups]
+        self._placement: list[list[tuple[int, int, int]]] = [[] for _ in self._groups]
+        for bucket in self._buckets:
+            for p, offset, piece, _ in bucket.pieces:
+                k = group_of[id(p)]
+                pieces[k].append(piece)
+                self._placement[k].append((_index(self._groups[k], p), offset, piece.numel()))
+        for group, mine in zip(optimizer.param_groups, pieces):
+            group["params"] = mine
+        self._next = 0
+        self._counts: dict[int, int] = {}
+        self._synchronized = False
+        self._skip = False
+        self._lock = threading.Lock()
+        self._hooks: list = []
+        weakref.finalize(self, _remove_hooks, self._hooks)
+        owner = weakref.ref(self)
+        for bucket in self._buckets:
+            for p in bucket.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(_hook(owner, bucket)))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._wrapping:
+            return
+        raise NotImplementedError("ZeroOptimizer: add_param_group after wrapping is not "
+                                  "supported; give the wrapped optimizer every group first")
+
+    # ---- a step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (the parameters' and the pieces') and any partly
+        accumulated backward passes."""
+        if self._next:
+            raise RuntimeError("zero_grad() called while gradients are being reduced (after "
+                               "backward, before step() or synchronize()); call step() or "
+                               "synchronize() first")
+        self._counts.clear()
+        for bucket in self._buckets:
+            bucket.ready = 0
+            for p in bucket.params:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce the gradients (unless inside skip_synchronize()), step this rank's pieces
+        and allgather the updated parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._skip:
+            self._synchronize()
+        elif not self._synchronized:
+            raise RuntimeError("step() inside skip_synchronize() with gradients not yet "
+                               "reduced: call synchronize() before the with block")
+        self.optimizer.step()
+        handles = [C.allgather_async(b.flat[b.lo:b.hi], process_set=self._set)
+                   for b in self._buckets]
+        with torch.no_grad():
+            for bucket, handle in zip(self._buckets, handles):
+                bucket.flat.copy_(C.synchronize(handle))
+        self._synchronized = False
+        return loss
+
+    def synchronize(self) -> None:
+        """Finish reducing this step's gradients into the pieces' .grad; a no-op if done."""
+        self._synchronize()
+
+    def skip_synchronize(self) -> Any:
+        """Within this block step() does not reduce (synchronize() did, e.g. before a
+        GradScaler's unscale_)."""
+        return _Skipping(self)
+
+    def _synchronize(self) -> None:
+        with self._lock:
+            if self._synchronized:
+                return
+            while self._next < len(self._buckets):
+                self._launch_next()
+            for bucket in self._buckets:
+                bucket.finish()
+            self._next = 0
+            self._counts.clear()
+            self._synchronized = True
+
+    def _grad_ready(self, param: torch.Tensor, bucket: _Bucket) -> None:
+        """Hook: count a backward pass for param; launch the complete buckets in order."""
+        with self._lock:
+            count = self._counts.get(id(param), 0) + 1
+            if count > self._passes:
+                raise RuntimeError(
+                    f"a gradient of shape {tuple(param.shape)} was computed {count} times "
+                    f"since the last reduction with backward_passes_per_step={self._passes}; "
+                    f"call step() (or synchronize()) after every {self._passes} backward passes")
+            self._counts[id(param)] = count
+            if count == self._passes:
+                bucket.ready += 1
+                while (self._next < len(self._buckets)
+                       and self._buckets[self._next].ready == len(self._buckets[self._next].params)):
+                    self._launch_next()
+
+    def _launch_next(self) -> None:
+        self._buckets[self._next].launch(self._set, free_grads=self.stage == 2)
+        self._next += 1
+
+    # ---- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: the wrapped optimizer's state dict (of its pieces) and each
+        piece's place, (parameter index in its group, offset, length), per group."""
+        return {"format": SHARD_FORMAT, "world_size": self._size,
+                "numels": [[p.numel() for p in g] for g in self._groups],
+                "placement": [list(g) for g in self._placement],
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Load a shard of this layout, the list of every rank's shards (any world size:
+        resharded), or a plain state dict of the wrapped optimizer (consolidated)."""
+        full, groups = _full_states(state_dict, self._groups)
+        state: dict[int, dict[str, Any]] = {}
+        index = 0
+        for k, placement in enumerate(self._placement):
+            for i, offset, length in placement:
+                entry = full.get((k, i))
+                if entry is not None:
+                    state[index] = {key: _slice(value, offset, length)
+                                    for key, value in entry.items()}
+                index += 1
+        numbered, start = [], 0
+        for group, placement in zip(groups, self._placement):
+            numbered.append({**group, "params": list(range(start, start + len(placement)))})
+            start += len(placement)
+        self.optimizer.load_state_dict({"state": state, "param_groups": numbered})
+
+    def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
+        """Collective: on rank `to` (of the process set), the wrapped optimizer's state dict
+        as a single process over every parameter would have it; None elsewhere."""
+        shards = C.allgather_object(self.state_dict(), process_set=self._set)
+        rank = C.rank() if self._set is None else self._set.rank()
+        if rank != to:
+            return None
+        full, groups = _full_states(shards, self._groups)
+        state, numbered, index = {}, [], 0
+        for k, (group, params) in enumerate(zip(groups, self._groups)):
+            numbered.append({**group, "params": list(range(index, index + len(params)))})
+            for i, p in enumerate(params):
+                entry = full.get((k, i))
+                if entry is not None:
+                    state[index + i] = {key: value.view(p.shape) if _sliced(value, p.numel())
+                                        else value for key, value in entry.items()}
+            index += len(params)
+        return {"state": state, "param_groups": numbered}
+
+
+class _Skipping:
+    def __init__(self, opt: ZeroOptimizer):
+        self.opt = opt
+
+    def __enter__(self) -> None:
+        self.opt._skip = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.opt._skip = False
+
+
+# ------------------------------------------------------------------------ helpers
+
+def _bucketed(params: list[torch.Tensor], threshold: int) -> list[list[torch.Tensor]]:
+    """params in buckets of one dtype and device of at most threshold bytes each (a larger
+    parameter alone), in the given order of first parameter."""
+    buckets: list[list[torch.Tensor]] = []
+    sizes: list[int] = []
+    open_bucket: dict[tuple, int] = {}
+    for p in params:
+        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        i = open_bucket.get(key)
+        if i is None or sizes[i] + nbytes > threshold:
+            i = open_bucket[key] = len(buckets)
+            buckets.append([])
+            sizes.append(0)
+        buckets[i].append(p)
+        sizes[i] += nbytes
+    return buckets
+
+
+def _index(params: list[torch.Tensor], p: torch.Tensor) -> int:
+    return next(i for i, q in enumerate(params) if q is p)
+
+
+def _sliced(value: Any, numel: int) -> bool:
+    """Whether a state value is per element of its parameter (momentum, moments), not a
+    scalar (Adam's step)."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.numel() == numel
+
+
+def _slice(value: Any, offset: int, length: int) -> Any:
+    """A piece's own copy of a state value (a scalar tensor too: Adam steps it in place)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value[offset:offset + length].clone() if value.dim() >= 1 else value.clone()
+
+
+def _full_states(saved: Any, groups: list[list[torch.Tensor]]
+                 ) -> tuple[dict[tuple[int, int], dict[str, Any]], list[dict[str, Any]]]:
+    """((group, index in group) -> each state value over the whole parameter, flat), and
+    the saved groups' hyperparameters, from shards or a plain state dict."""
+    shards = [saved] if isinstance(saved, dict) and saved.get("format") == SHARD_FORMAT \
+        else saved if isinstance(saved, (list, tuple)) else None
+    if shards is None:
+        if not isinstance(saved, dict) or "state" not in saved or "param_groups" not in saved:
+            raise TypeError("state_dict: expected a ZeroOptimizer shard, a list of them, or "
+                            "an optimizer state dict")
+        return _from_plain(saved, groups)
+    numels = [[p.numel() for p in g] for g in groups]
+    full: dict[tuple[int, int], dict[str, Any]] = {}
+    for n, shard in enumerate(shards):
+        if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT:
+            raise TypeError(f"state_dict[{n}]: expected a ZeroOptimizer shard")
+        if shard["numels"] != numels:
+            raise ValueError(f"state_dict[{n}]: saved for other parameters (sizes "
+                             f"{shard['numels']}, here {numels})")
+        saved_state = shard["optimizer"]["state"]
+        index = 0
+        for k, placement in enumerate(shard["placement"]):
+            for i, offset, length in placement:
+                for key, value in saved_state.get(index, {}).items():
+                    entry = full.setdefault((k, i), {})
+                    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                        if key not in entry:
+                            entry[key] = torch.zeros(numels[k][i], dtype=value.dtype)
+                        entry[key][offset:offset + length] = value
+                    else:
+                        entry[key] = value
+                index += 1
+    return full, [{k: v for k, v in g.items() if k != "params"}
+                  for g in shards[0]["optimizer"]["param_groups"]]
+
+
+def _from_plain(saved: dict[str, Any], groups: list[list[torch.Tensor]]
+                ) -> tuple[dict[tuple[int, int], dict[str, Any]], list[dict[str, Any]]]:
+    if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in groups]:
+        raise ValueError("state_dict: its param groups do not match the optimizer's")
+    full, position = {}, {}
+    for k, g in enumerate(saved["param_groups"]):
+        for i, index in enumerate(g["params"]):
+            position[index] = (k, i)
+    for index, entry in saved["state"].items():
+        k, i = position[index]
+        full[(k, i)] = {key: value.reshape(-1) if _sliced(value, groups[k][i].numel())
+                        else value for key, value in entry.items()}
+    return full, [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]

@@ -1,0 +1,196 @@
+"""ZeroOptimizer (optim/zero.py): stage 1 and 2 train as one process taking the global batch
+does, for SGD with momentum, Adam and AdamW, with one bucket or many (shards that cut
+parameters anywhere, uneven at every world size), param groups with their own
+hyperparameters, frozen parameters and backward_passes_per_step; each rank keeps only its
+shard of the optimizer state (and, in stage 2, of the gradients); checkpoints round-trip
+as shards, resharded to another world size (a process set of another size), and
+consolidated into a plain optimizer's state dict."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from collectives.optim import ZeroOptimizer
+from conftest import assert_same_on_all_ranks
+from test_optimizer import Net, batch, flat_params, max_diff, shard_loss
+
+import collectives as C
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+}
+TOL = 1e-9  # float64; the reductions add in another order than one process does
+
+
+def _params(model: Net, groups: bool):
+    if not groups:
+        return [p for p in model.parameters() if p.requires_grad]
+    return [{"params": list(model.body.parameters())},
+            {"params": [p for p in model.extra.parameters() if p.requires_grad], "lr": 0.002,
+             "momentum": 0.5, "betas": (0.8, 0.9)}]
+
+
+def _make(opt_name: str, groups: bool):
+    """A function of a model giving the plain optimizer over its trainable parameters."""
+    make = OPTIMIZERS[opt_name]
+    if not groups:
+        return lambda model: make(_params(model, False))
+    keep = {"params", "lr", *({"momentum"} if opt_name == "sgd" else {"betas"})}
+    return lambda model: make([{n: v for n, v in g.items() if n in keep}
+                               for g in _params(model, True)])
+
+
+def _twins(opt_name: str, groups: bool = False, frozen: bool = False, **kwargs):
+    """(model, its ZeroOptimizer, a copy, the copy's plain optimizer): alike on every rank."""
+    torch.manual_seed(0)
+    model = Net().double()
+    if frozen:
+        model.extra.bias.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    make = _make(opt_name, groups)
+    return model, ZeroOptimizer(make(model), **kwargs), ref, make(ref)
+
+
+def _step(comm, model, opt, step: int, passes: int = 1) -> None:
+    for micro in range(passes):
+        x, y = batch(comm.Get_size(), step, micro)
+        shard_loss(model, x, y, comm.Get_rank()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _ref_step(n: int, ref, ref_opt, step: int, passes: int = 1) -> None:
+    for micro in range(passes):
+        x, y = batch(n, step, micro)
+        (sum(shard_loss(ref, x, y, s) for s in range(n)) / n).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("threshold", [64 << 20, 200])  # one bucket; many, cut anywhere
+def test_trains_as_one_process(comm, stage, opt_name, threshold):
+    model, opt, ref, ref_opt = _twins(opt_name, stage=stage, fusion_threshold_bytes=threshold)
+    for step in range(4):
+        _step(comm, model, opt, step)
+        _ref_step(comm.Get_size(), ref, ref_opt, step)
+        assert max_diff(model, ref) <= TOL, f"step {step}"
+    assert_same_on_all_ranks(comm, flat_params(model).numpy(), "parameters")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_groups_frozen_parameters_and_accumulation(comm, stage):
+    for opt_name in ("sgd", "adam"):
+        model, opt, ref, ref_opt = _twins(opt_name, groups=True, frozen=True, stage=stage,
+                                          backward_passes_per_step=2,
+                                          fusion_threshold_bytes=300)
+        for step in range(3):
+            _step(comm, model, opt, step, passes=2)
+            _ref_step(comm.Get_size(), ref, ref_opt, step, passes=2)
+            assert max_diff(model, ref) <= TOL, f"{opt_name} step {step}"
+        assert opt.param_groups[1]["lr"] == 0.002
+        assert model.extra.bias.grad is None
+
+
+def test_each_rank_keeps_its_shard(comm):
+    """The pieces cover every trainable element once over the ranks; stage 2 keeps no
+    parameter gradient after backward, stage 1 keeps them all."""
+    n = comm.Get_size()
+    for stage in (1, 2):
+        model, opt, _, _ = _twins("adam", stage=stage, fusion_threshold_bytes=500)
+        total = sum(p.numel() for p in model.parameters())
+        mine = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        assert comm.allreduce(mine) == total and mine <= -(-total // n) + len(opt._buckets)
+        x, y = batch(n, 0, 0)
+        shard_loss(model, x, y, comm.Get_rank()).backward()
+        kept = [p.grad is not None for p in model.parameters()]
+        assert all(kept) if stage == 1 else not any(kept)
+        opt.step()
+        state = sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim())
+        assert state == 2 * mine  # Adam's two moments, over this rank's pieces only
+
+
+def test_an_optimizer_with_state_is_refused(comm):
+    model = Net().double()
+    opt = torch.optim.Adam(model.parameters())
+    x, y = batch(1, 0, 0)
+    shard_loss(model, x, y, 0).backward()
+    opt.step()
+    with pytest.raises(ValueError, match="optimizer: expected a fresh optimizer"):
+        ZeroOptimizer(opt)
+    with pytest.raises(ValueError, match="stage: expected 1 or 2"):
+        ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), stage=3)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoint_shards_and_consolidated(comm, stage):
+    """Saved after 3 steps, loaded into fresh optimizers three ways (this rank's shard,
+    every rank's shards, the consolidated dict; also into a plain optimizer), every copy
+    goes on as the original does."""
+    n = comm.Get_size()
+    model, opt, ref, ref_opt = _twins("adam", groups=True, stage=stage,
+                                      fusion_threshold_bytes=300)
+    for step in range(3):
+        _step(comm, model, opt, step)
+        _ref_step(n, ref, ref_opt, step)
+    mine = opt.state_dict()
+    shards = C.allgather_object(mine)
+    full = C.broadcast_object(opt.consolidated_state_dict(), root_rank=0)
+    copies = []
+    for saved in (mine, shards, full):
+        twin, twin_opt, _, _ = _twins("adam", groups=True, stage=stage,
+                                      fusion_threshold_bytes=300)
+        twin.load_state_dict(model.state_dict())
+        twin_opt.load_state_dict(saved)
+        copies.append((twin, twin_opt))
+    plain = Net().double()
+    plain.load_state_dict(model.state_dict())
+    plain_opt = _make("adam", True)(plain)
+    plain_opt.load_state_dict(full)
+    for step in range(3, 6):
+        _step(comm, model, opt, step)
+        for twin, twin_opt in copies:
+            _step(comm, twin, twin_opt, step)
+            assert max_diff(twin, model) == 0, f"step {step}"
+        _ref_step(n, plain, plain_opt, step)
+        assert max_diff(plain, model) <= TOL, f"step {step}"
+
+
+@pytest.mark.mpi(min_size=3)
+def test_resharding_to_another_world_size(comm):
+    """Shards saved by every rank load into an optimizer over a process set of 2 ranks, and
+    its shards back into one over every rank: each consolidates to the same state."""
+    model, opt, _, _ = _twins("adam", stage=2, fusion_threshold_bytes=300)
+    for step in range(2):
+        _step(comm, model, opt, step)
+    shards = C.allgather_object(opt.state_dict())
+    full = opt.consolidated_state_dict()
+    pair = C.add_process_set([0, 1])
+    try:
+        if pair.included():
+            small, small_opt, _, _ = _twins("adam", stage=2, process_set=pair,
+                                            fusion_threshold_bytes=300)
+            small_opt.load_state_dict(shards)
+            small_shards = small_opt.state_dict()
+            again = small_opt.consolidated_state_dict()
+        else:
+            small_shards, again = None, None
+        small_shards = [s for s in C.allgather_object(small_shards) if s is not None]
+        assert [s["world_size"] for s in small_shards] == [2, 2]
+        big, big_opt, _, _ = _twins("adam", stage=2, fusion_threshold_bytes=300)
+        big_opt.load_state_dict(small_shards)
+        back = big_opt.consolidated_state_dict()
+        if comm.Get_rank() == 0:
+            for other in (again, back):
+                assert other["param_groups"] == full["param_groups"]
+                assert full["state"].keys() == other["state"].keys()
+                for index, entry in full["state"].items():
+                    for key, value in entry.items():
+                        assert torch.equal(value, other["state"][index][key]), (index, key)
+    finally:
+        C.remove_process_set(pair)
