@@ -3,10 +3,14 @@
     mpirun -np 4 --oversubscribe python examples/train.py       # or one process: python examples/train.py
     python examples/train.py --optimizer adam --compression fp16 --algorithm ring \
         --checkpoint /tmp/digits.pt                              # rerun to resume from it
+    mpirun -np 4 --oversubscribe python examples/train.py --zero 2 --checkpoint /tmp/z.pt
+    mpirun -np 3 --oversubscribe python examples/train.py --zero 2 --checkpoint /tmp/z.pt
+                                                                 # resumes, resharded to 3
 
 Every rank holds the same model. Each global batch is cut into one slice per rank (all ranks
 shuffle identically from --seed); DistributedOptimizer averages the gradients while backward
-runs. Rank 0 shows progress on stderr and prints loss, test accuracy and samples/s per epoch.
+runs, or, with --zero 1|2, ZeroOptimizer shards the optimizer state (and the gradients)
+over the ranks. Rank 0 shows progress on stderr and prints loss, test accuracy and samples/s per epoch.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 from collectives.optim import (
     DistributedOptimizer,
     OnebitAdam,
+    ZeroOptimizer,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
@@ -37,8 +42,11 @@ COMPRESSIONS = {"none": C.Compression.none, "fp16": C.Compression.fp16, "int8": 
 
 
 def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:
-    """A builder wrapping a torch optimizer in DistributedOptimizer."""
-    def build(model: nn.Module, args: argparse.Namespace) -> DistributedOptimizer:
+    """A builder wrapping a torch optimizer in DistributedOptimizer, or ZeroOptimizer."""
+    def build(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+        if args.zero:
+            return ZeroOptimizer(make(list(model.parameters()), args.lr), stage=args.zero,
+                                 compression=COMPRESSIONS[args.compression])
         return DistributedOptimizer(make(list(model.parameters()), args.lr),
                                     named_parameters=model.named_parameters(),
                                     compression=COMPRESSIONS[args.compression],
@@ -72,10 +80,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--freeze-step", type=int, default=50, metavar="N",
                    help="onebit-adam: steps of full-precision Adam before the momentum is "
                         "sent in 1 bit (the variance is frozen)")
-    p.add_argument("--checkpoint", metavar="PATH", help="save every epoch; resume if it exists")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+                   help="ZeRO stage: 1 shards the optimizer state over the ranks, 2 the "
+                        "gradients too (0: DistributedOptimizer)")
+    p.add_argument("--checkpoint", metavar="PATH", help="save every epoch; resume if it exists "
+                   "(with --zero, at any world size)")
     args = p.parse_args()
     if args.epochs < 1 or args.batch_size < 1 or args.freeze_step < 1:
         p.error("--epochs, --batch-size and --freeze-step must be >= 1")
+    if args.zero and args.optimizer == "onebit-adam":
+        p.error("--zero: onebit-adam communicates by itself; use sgd or adam")
+    if args.zero and args.compression == "int8":
+        p.error("--zero: compression none or fp16")
     if args.lr is None:
         args.lr = OPTIMIZERS[args.optimizer][1]
     return args
@@ -168,7 +184,8 @@ def save_checkpoint(path: str, model: nn.Module, opt, epoch: int) -> None:
 def start(path: str | None, model: nn.Module, opt, seed: int) -> int:
     """Give every rank the same model (rank 0's; from the checkpoint if there is one) and
     its own optimizer and RNG state; returns the epoch to start from. A checkpoint from
-    another world size restores the model and rank 0's optimizer state only."""
+    another world size restores the model and rank 0's optimizer state only; a ZeRO one
+    restores every rank's shard of the state, resharded (ZeroOptimizer.load_state_dict)."""
     found = None
     if C.rank() == 0 and path and os.path.exists(path):
         ckpt = torch.load(path)
@@ -177,13 +194,19 @@ def start(path: str | None, model: nn.Module, opt, seed: int) -> int:
     epoch, size = C.broadcast_object(found, root_rank=0) or (0, 0)
     broadcast_parameters(model.state_dict(), root_rank=0)
     own = size == C.size()
-    if epoch and (own or C.rank() == 0):
+    if epoch and isinstance(opt, ZeroOptimizer):
+        saved = [torch.load(rank_file(path, r)) for r in range(size)]
+        if any(s["epoch"] != epoch for s in saved):
+            raise RuntimeError(f"{path}.rank*: not all from epoch {epoch}: the checkpoint is torn")
+        opt.load_state_dict([s["optimizer"] for s in saved])
+        mine = saved[C.rank()] if own else None
+    elif epoch and (own or C.rank() == 0):
         mine = torch.load(rank_file(path, C.rank()))
         if mine["epoch"] != epoch:
             raise RuntimeError(f"{rank_file(path, C.rank())} is from epoch {mine['epoch']}, "
                                f"{path} from epoch {epoch}: the checkpoint is torn")
         opt.load_state_dict(mine["optimizer"])
-    if not own:
+    if not own and not isinstance(opt, ZeroOptimizer):
         broadcast_optimizer_state(opt, root_rank=0)
     if epoch and own:
         torch.set_rng_state(mine["rng"])
@@ -217,7 +240,8 @@ def main() -> None:
     first = start(args.checkpoint, model, opt, args.seed)
     if rank == 0:
         print(f"{size} rank(s), {args.optimizer} lr={args.lr}, global batch {args.batch_size}, "
-              f"compression {args.compression}, algorithm {args.algorithm}; "
+              f"compression {args.compression}, algorithm {args.algorithm}"
+              f"{f', ZeRO stage {args.zero}' if args.zero else ''}; "
               f"{len(x_train)} train / {len(x_test)} test digits; from epoch {first + 1}",
               flush=True)
     trained, seconds, accuracy = 0, 0.0, evaluate(model, x_test, y_test)

@@ -78,11 +78,14 @@ class _Bucket:
         self.grad: torch.Tensor | None = None
         self.handle: C.Handle | None = None
 
-    def launch(self, process_set: Any, free_grads: bool) -> None:
+    def launch(self, process_set: Any, free_grads: bool, fp16: bool) -> None:
         """Pack the gradients (zeros for a parameter without one) and start their
-        reducescatter; free the parameters' .grad with free_grads (stage 2)."""
+        reducescatter, in float16 with fp16 where they are wider; free the parameters'
+        .grad with free_grads (stage 2)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.grad = _kernels.pack(grads, torch.empty_like(self.flat))
+        if fp16 and self.flat.element_size() > 2:
+            self.grad = self.grad.to(torch.float16)
         self.handle = C.reducescatter_async(self.grad, op=C.Average, process_set=process_set)
         if free_grads:
             for p in self.params:
@@ -91,7 +94,7 @@ class _Bucket:
     def finish(self) -> None:
         """Wait for the reducescatter; each piece's .grad is its part of this rank's piece of
         the averaged gradients."""
-        mine = C.synchronize(self.handle)
+        mine = C.synchronize(self.handle).to(self.flat.dtype)  # (a no-op uncompressed)
         for _, _, piece, start in self.pieces:
             piece.grad = mine[start:start + piece.numel()]
         self.grad, self.handle, self.ready = None, None, 0
@@ -112,7 +115,8 @@ class ZeroOptimizer(WrappedOptimizer):
     wrapped one's (`.optimizer`, which holds this rank's pieces), so LR schedulers and
     zero_grad(set_to_none) work on it; gradients are averaged over the ranks (of
     process_set, which every rank of the job must belong to, or be outside of and not use
-    this optimizer).
+    this optimizer). compression=Compression.fp16 reduce-scatters float32 and float64
+    gradients in float16 (half the bytes; summed in float16, as DistributedOptimizer's).
 
     Wrap a fresh optimizer (no state yet) after the parameters are alike on every rank
     (broadcast_parameters), before the first backward. Parameters with requires_grad=False
@@ -123,7 +127,8 @@ class ZeroOptimizer(WrappedOptimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, stage: int = 2,
-                 process_set: C.ProcessSet | None = None, backward_passes_per_step: int = 1,
+                 process_set: C.ProcessSet | None = None,
+                 compression: Any = C.Compression.none, backward_passes_per_step: int = 1,
                  fusion_threshold_bytes: int = 64 << 20):
         super().__init__(optimizer)
         if stage not in (1, 2) or isinstance(stage, bool):
@@ -135,7 +140,11 @@ class ZeroOptimizer(WrappedOptimizer):
             raise ValueError("optimizer: expected a fresh optimizer (its state is sharded as "
                              "it is created); load saved state with load_state_dict() after "
                              "wrapping")
+        if compression is not C.Compression.none and compression is not C.Compression.fp16:
+            raise ValueError(f"compression: expected Compression.none or Compression.fp16 "
+                             f"(the gradients reduce-scattered in float16), got {compression!r}")
         self.stage = stage
+        self._fp16 = compression is C.Compression.fp16
         self._set = process_set
         self._passes = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
         threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
@@ -258,7 +267,7 @@ class ZeroOptimizer(WrappedOptimizer):
                     self._launch_next()
 
     def _launch_next(self) -> None:
-        self._buckets[self._next].launch(self._set, free_grads=self.stage == 2)
+        self._buckets[self._next].launch(self._set, self.stage == 2, self._fp16)
         self._next += 1
 
     # ---- checkpoints

@@ -194,3 +194,47 @@ def test_resharding_to_another_world_size(comm):
                         assert torch.equal(value, other["state"][index][key]), (index, key)
     finally:
         C.remove_process_set(pair)
+
+
+def test_fp16_compression(comm):
+    """Gradients reduce-scattered in float16: close to the uncompressed run, not equal to
+    it, and alike on every rank."""
+    n = comm.Get_size()
+    model, opt, ref, ref_opt = _twins("sgd", compression=C.Compression.fp16,
+                                      fusion_threshold_bytes=300)
+    for step in range(3):
+        _step(comm, model, opt, step)
+        _ref_step(n, ref, ref_opt, step)
+    assert 0 < max_diff(model, ref) <= 1e-3
+    assert_same_on_all_ranks(comm, flat_params(model).numpy(), "parameters")
+    with pytest.raises(ValueError, match="compression: expected Compression.none or"):
+        ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1),
+                      compression=C.Compression.int8)
+
+
+def test_grad_scaler_after_synchronize(comm):
+    """GradScaler unscales the pieces' reduced gradients (synchronize first, then step
+    inside skip_synchronize), as a plain optimizer's with one process."""
+    n = comm.Get_size()
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0), \
+        torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(3):
+        x, y = batch(n, step, 0, torch.float32)
+        scaler.scale(shard_loss(model, x, y, comm.Get_rank())).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref_scaler.scale(sum(shard_loss(ref, x, y, s) for s in range(n)) / n).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        assert max_diff(model, ref) <= 1e-5, f"step {step}"
+    assert scaler.get_scale() == ref_scaler.get_scale()
