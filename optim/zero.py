@@ -13,13 +13,16 @@ Its state (momentum, Adam's moments) therefore covers 1/N of the parameters.
 A step. During backward a hook counts each parameter's gradient. A bucket whose gradients
 are all in is packed and its reducescatter (Average) launched while backward goes on, in
 the fixed bucket order on every rank; stage 2 then frees the parameters' .grad. step()
-waits for the reductions, gives each piece its gradient, steps the wrapped optimizer and
+waits for the reductions (at most IN_FLIGHT buckets are in flight: launching one more
+first finishes the oldest), gives each piece its gradient, steps the wrapped optimizer and
 allgathers every bucket from its owners' pieces into its flat buffer, which the parameters
 view.
 
 Cost per step: one reducescatter and one allgather of the parameters' bytes, what one
 allreduce moves. Memory per rank: the parameters, 1/N of the optimizer state, and the
-gradients: all of them in stage 1, 1/N (plus the buckets in flight) in stage 2.
+gradients: all of them in stage 1; in stage 2, 1/N of them plus, during backward, the
+gradients of the bucket being filled and the IN_FLIGHT buckets' packed copies (a bucket
+is at most fusion_threshold_bytes: smaller buckets, a lower peak).
 
 Checkpoints. state_dict() is this rank's shard: the wrapped optimizer's state of its pieces
 and where each piece lies (parameter, offset). load_state_dict() takes such a shard (same
@@ -44,6 +47,9 @@ from collectives.runtime.p2p import even_bounds
 from .distributed import _GRAD_DTYPES, _remove_hooks
 from .wrapped import WrappedOptimizer, _check_int
 
+#: Buckets reduced at once during backward: a bucket launched beyond these first waits
+#: for the oldest one (its packed gradients are then freed).
+IN_FLIGHT = 2
 #: The format tag of a shard returned by state_dict().
 SHARD_FORMAT = "collectives.zero/1"
 
@@ -171,7 +177,8 @@ class ZeroOptimizer(WrappedOptimizer):
                 self._placement[k].append((_index(self._groups[k], p), offset, piece.numel()))
         for group, mine in zip(optimizer.param_groups, pieces):
             group["params"] = mine
-        self._next = 0
+        self._next = 0  # buckets launched this step
+        self._done = 0  # of those, finished (their pieces hold their gradients)
         self._counts: dict[int, int] = {}
         self._synchronized = False
         self._skip = False
@@ -244,9 +251,9 @@ class ZeroOptimizer(WrappedOptimizer):
                 return
             while self._next < len(self._buckets):
                 self._launch_next()
-            for bucket in self._buckets:
+            for bucket in self._buckets[self._done:]:
                 bucket.finish()
-            self._next = 0
+            self._next = self._done = 0
             self._counts.clear()
             self._synchronized = True
 
@@ -267,8 +274,13 @@ class ZeroOptimizer(WrappedOptimizer):
                     self._launch_next()
 
     def _launch_next(self) -> None:
+        """Launch the next bucket; finish the oldest one in flight beyond IN_FLIGHT, so
+        that stage 2 holds at most that many buckets' packed gradients at once."""
         self._buckets[self._next].launch(self._set, self.stage == 2, self._fp16)
         self._next += 1
+        if self._next - self._done > IN_FLIGHT:
+            self._buckets[self._done].finish()
+            self._done += 1
 
     # ---- checkpoints
     def state_dict(self) -> dict[str, Any]:

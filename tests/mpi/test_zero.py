@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 from collectives.optim import ZeroOptimizer
+from collectives.optim.zero import IN_FLIGHT
 from conftest import assert_same_on_all_ranks
 from test_optimizer import Net, batch, flat_params, max_diff, shard_loss
 
@@ -99,7 +100,8 @@ def test_groups_frozen_parameters_and_accumulation(comm, stage):
 
 def test_each_rank_keeps_its_shard(comm):
     """The pieces cover every trainable element once over the ranks; stage 2 keeps no
-    parameter gradient after backward, stage 1 keeps them all."""
+    parameter gradient after backward, stage 1 keeps them all; at most IN_FLIGHT buckets'
+    packed gradients are alive."""
     n = comm.Get_size()
     for stage in (1, 2):
         model, opt, _, _ = _twins("adam", stage=stage, fusion_threshold_bytes=500)
@@ -110,6 +112,8 @@ def test_each_rank_keeps_its_shard(comm):
         shard_loss(model, x, y, comm.Get_rank()).backward()
         kept = [p.grad is not None for p in model.parameters()]
         assert all(kept) if stage == 1 else not any(kept)
+        packed = sum(b.grad is not None for b in opt._buckets)  # launched, not finished
+        assert len(opt._buckets) > IN_FLIGHT and packed <= IN_FLIGHT
         opt.step()
         state = sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim())
         assert state == 2 * mine  # Adam's two moments, over this rank's pieces only

@@ -1,0 +1,93 @@
+"""What ZeroOptimizer keeps per rank and what a step costs, beside DistributedOptimizer.
+
+    for m in ddp zero1 zero2; do
+      mpirun -np 4 --oversubscribe python benchmarks/zero.py --mode $m --width 2048 --depth 4
+    done
+
+An MLP of `depth` square float32 layers of `width` trained with Adam on random data, in
+one of three modes (DistributedOptimizer, ZeRO stage 1, stage 2; one job each, so that
+the peak memory is the mode's own), each rank its own slice of a global batch. Reported
+per rank (the largest over the ranks): the bytes of optimizer state (every state tensor's
+storage), the bytes of gradients held when the optimizer steps (the parameters' .grad
+and, for ZeRO, its pieces' reduced gradients; distinct storages counted once), the
+process's peak resident memory (everything: parameters, data, buckets in flight, torch
+itself), and the median seconds of a step (forward, backward, the reductions, the
+optimizer and, for ZeRO, the allgather). Rank 0 prints a Markdown row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import numpy as np
+import torch
+from collectives.optim import DistributedOptimizer, ZeroOptimizer
+from torch import nn
+
+import collectives as C
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dim():
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def run(mode: str, args) -> tuple[int, int, float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(args.depth)
+                            for m in (nn.Linear(args.width, args.width), nn.Tanh())])
+    adam = torch.optim.Adam(model.parameters(), lr=1e-4)
+    bucket = args.bucket_mib << 20
+    opt = DistributedOptimizer(adam, fusion_threshold_bytes=bucket) if mode == "ddp" else \
+        ZeroOptimizer(adam, stage=int(mode[-1]), fusion_threshold_bytes=bucket)
+    rows = args.batch // C.size()
+    x, y = torch.randn(rows, args.width), torch.randn(rows, args.width)
+    times, grads = [], 0
+    for _ in range(args.steps):
+        C.barrier()
+        start = time.perf_counter()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.synchronize()
+        held = [p.grad for p in model.parameters()]
+        held += [p.grad for g in opt.param_groups for p in g["params"]]
+        grads = max(grads, _storage_bytes(held))
+        with opt.skip_synchronize():
+            opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    state = _storage_bytes(v for s in opt.state.values() for v in s.values())
+    return state, grads, float(np.median(times[1:]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64, help="global batch")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--bucket-mib", type=int, default=16, help="fusion_threshold_bytes, MiB")
+    p.add_argument("--mode", choices=("ddp", "zero1", "zero2"), default="zero2")
+    args = p.parse_args()
+    C.init()
+    torch.set_num_threads(1)
+    params = args.depth * (args.width * args.width + args.width)
+    state, grads, seconds = run(args.mode, args)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    state, grads, peak, seconds = C.allreduce(
+        torch.tensor([state, grads, peak, seconds], dtype=torch.float64), op=C.Max).tolist()
+    if C.rank() == 0:
+        names = {"ddp": "DistributedOptimizer", "zero1": "ZeroOptimizer stage 1",
+                 "zero2": "ZeroOptimizer stage 2"}
+        print(f"| {C.size()} | {params * 4 / 2**20:.0f} | {names[args.mode]} | "
+              f"{state / 2**20:.1f} | {grads / 2**20:.1f} | {peak / 2**20:.0f} | "
+              f"{seconds * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
