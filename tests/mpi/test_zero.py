@@ -242,3 +242,43 @@ def test_grad_scaler_after_synchronize(comm):
         ref_opt.zero_grad()
         assert max_diff(model, ref) <= 1e-5, f"step {step}"
     assert scaler.get_scale() == ref_scaler.get_scale()
+
+
+class _TwoDtypes(torch.nn.Module):
+    """Parameters of two dtypes (float32 and float64: one bucket each), odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(5, 3))
+        self.b = torch.nn.Parameter(torch.randn(7, dtype=torch.float64))
+        self.c = torch.nn.Parameter(torch.randn(1))
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x[:, :5].float() @ self.a).tanh().sum() * self.c).double().sum() \
+            + (x[:, :7] * self.b).sin().sum()
+
+
+def test_several_dtypes_and_an_lr_scheduler(comm):
+    n, r = comm.Get_size(), comm.Get_rank()
+    torch.manual_seed(0)
+    model = _TwoDtypes()
+    ref = copy.deepcopy(model)
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    assert {b.flat.dtype for b in opt._buckets} == {torch.float32, torch.float64}
+    for step in range(5):
+        x = torch.randn(4 * n, 8, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(step))
+        model.loss(x[4 * r:4 * r + 4]).backward()
+        opt.step()
+        opt.zero_grad()
+        sum(ref.loss(x[4 * s:4 * s + 4]) for s in range(n)).div(n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        sched.step()
+        ref_sched.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (p - q).abs().max().item() <= (1e-5 if p.dtype == torch.float32 else TOL)
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.01 * 0.25
