@@ -90,8 +90,6 @@ def parse_args() -> argparse.Namespace:
         p.error("--epochs, --batch-size and --freeze-step must be >= 1")
     if args.zero and args.optimizer == "onebit-adam":
         p.error("--zero: onebit-adam communicates by itself; use sgd or adam")
-    if args.zero and args.compression == "int8":
-        p.error("--zero: compression none or fp16")
     if args.lr is None:
         args.lr = OPTIMIZERS[args.optimizer][1]
     return args

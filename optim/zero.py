@@ -47,6 +47,8 @@ from collectives.runtime.p2p import even_bounds
 from .distributed import _GRAD_DTYPES, _remove_hooks
 from .wrapped import WrappedOptimizer, _check_int
 
+#: The compressions a reducescatter takes.
+_COMPRESSORS = (C.Compression.none, C.Compression.fp16, C.Compression.int8)
 #: Buckets reduced at once during backward: a bucket launched beyond these first waits
 #: for the oldest one (its packed gradients are then freed).
 IN_FLIGHT = 2
@@ -84,15 +86,14 @@ class _Bucket:
         self.grad: torch.Tensor | None = None
         self.handle: C.Handle | None = None
 
-    def launch(self, process_set: Any, free_grads: bool, fp16: bool) -> None:
+    def launch(self, process_set: Any, compression: Any, free_grads: bool) -> None:
         """Pack the gradients (zeros for a parameter without one) and start their
-        reducescatter, in float16 with fp16 where they are wider; free the parameters'
-        .grad with free_grads (stage 2)."""
+        reducescatter under compression; free the parameters' .grad with free_grads
+        (stage 2)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.grad = _kernels.pack(grads, torch.empty_like(self.flat))
-        if fp16 and self.flat.element_size() > 2:
-            self.grad = self.grad.to(torch.float16)
-        self.handle = C.reducescatter_async(self.grad, op=C.Average, process_set=process_set)
+        self.handle = C.reducescatter_async(self.grad, op=C.Average, compression=compression,
+                                            process_set=process_set)
         if free_grads:
             for p in self.params:
                 p.grad = None
@@ -100,7 +101,7 @@ class _Bucket:
     def finish(self) -> None:
         """Wait for the reducescatter; each piece's .grad is its part of this rank's piece of
         the averaged gradients."""
-        mine = C.synchronize(self.handle).to(self.flat.dtype)  # (a no-op uncompressed)
+        mine = C.synchronize(self.handle)
         for _, _, piece, start in self.pieces:
             piece.grad = mine[start:start + piece.numel()]
         self.grad, self.handle, self.ready = None, None, 0
@@ -121,8 +122,9 @@ class ZeroOptimizer(WrappedOptimizer):
     wrapped one's (`.optimizer`, which holds this rank's pieces), so LR schedulers and
     zero_grad(set_to_none) work on it; gradients are averaged over the ranks (of
     process_set, which every rank of the job must belong to, or be outside of and not use
-    this optimizer). compression=Compression.fp16 reduce-scatters float32 and float64
-    gradients in float16 (half the bytes; summed in float16, as DistributedOptimizer's).
+    this optimizer). compression=Compression.fp16 reduce-scatters the gradients in float16
+    (half of float32's bytes, summed in float16); Compression.int8 sends each rank's piece
+    as int8 with a scale per block (a quarter), summed in float32 by its owner.
 
     Wrap a fresh optimizer (no state yet) after the parameters are alike on every rank
     (broadcast_parameters), before the first backward. Parameters with requires_grad=False
@@ -146,11 +148,11 @@ class ZeroOptimizer(WrappedOptimizer):
             raise ValueError("optimizer: expected a fresh optimizer (its state is sharded as "
                              "it is created); load saved state with load_state_dict() after "
                              "wrapping")
-        if compression is not C.Compression.none and compression is not C.Compression.fp16:
-            raise ValueError(f"compression: expected Compression.none or Compression.fp16 "
-                             f"(the gradients reduce-scattered in float16), got {compression!r}")
+        if not any(compression is c for c in _COMPRESSORS):
+            raise ValueError(f"compression: expected Compression.none, fp16 or int8, got "
+                             f"{compression!r}")
         self.stage = stage
-        self._fp16 = compression is C.Compression.fp16
+        self._compression = compression
         self._set = process_set
         self._passes = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
         threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
@@ -276,7 +278,7 @@ class ZeroOptimizer(WrappedOptimizer):
     def _launch_next(self) -> None:
         """Launch the next bucket; finish the oldest one in flight beyond IN_FLIGHT, so
         that stage 2 holds at most that many buckets' packed gradients at once."""
-        self._buckets[self._next].launch(self._set, self.stage == 2, self._fp16)
+        self._buckets[self._next].launch(self._set, self._compression, self.stage == 2)
         self._next += 1
         if self._next - self._done > IN_FLIGHT:
             self._buckets[self._done].finish()

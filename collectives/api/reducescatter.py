@@ -18,10 +18,11 @@ from collectives.api.base import (
 )
 from collectives.api.calls import Call, Prepared
 from collectives.auto import select
-from collectives.dtypes import STORAGE
+from collectives.compression import Compression, check_compression
+from collectives.dtypes import FLOATING, STORAGE
 from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime import topology
-from collectives.runtime.buffers import wrap
+from collectives.runtime.buffers import host_float, store_float, wrap
 from collectives.runtime.engine import Handle, Job
 from collectives.runtime.p2p import even_split
 
@@ -29,13 +30,16 @@ from collectives.runtime.p2p import even_split
 
 
 def _reducescatter(topo: topology.Topology, x: Any, op: Any, algorithm: Any,
-                   prescale_factor: Any = 1.0, postscale_factor: Any = 1.0
-                   ) -> tuple[Call, Job]:
+                   compression: Any = None, prescale_factor: Any = 1.0,
+                   postscale_factor: Any = 1.0) -> tuple[Call, Job]:
     op, scaling, pre, post = check_reduction(op, algorithm, prescale_factor, postscale_factor)
+    compressor = check_compression(compression)
     buf = wrap(x, "x")
     need_dim0(buf, "x")
     fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
               ("algorithm", algorithm)) + scaling
+    if compressor is not Compression.none and buf.dtype in FLOATING:
+        return _compressed(topo, buf, op, algorithm, compressor, fields, pre, post)
     call = calls.describe(topo, "reducescatter", fields,
                           select.concrete(topo, "reducescatter", algorithm, buf.nbytes))
     send = buf.flat
@@ -57,23 +61,51 @@ def _reducescatter(topo: topology.Topology, x: Any, op: Any, algorithm: Any,
     return call, Job(move)
 
 
+def _compressed(topo: topology.Topology, buf: Any, op: ReduceOp, algorithm: Any,
+                compressor: Any, fields: tuple, pre: float, post: float) -> tuple[Call, Job]:
+    """A floating reducescatter under a compressor (compression/), counted under its
+    name: the compressed values travel, this rank's rows are decompressed."""
+    compressor.check_op(op)
+    call = calls.describe(topo, "reducescatter", fields + (("compression", compressor.name),),
+                          compressor.name)
+
+    def move() -> Any:
+        rows = even_split(buf.shape[0], topo.size)
+        elems = row_elems(buf.shape)
+        values = host_float(buf.flat, buf.dtype)
+        if pre != 1:
+            values = values * values.dtype.type(pre)
+        mine = compressor.reducescatter(topo, values, [r * elems for r in rows], op, algorithm)
+        if post != 1:
+            mine *= mine.dtype.type(post)
+        out = buf.empty((rows[topo.rank],) + buf.shape[1:])
+        store_float(out.flat, out.dtype, mine)
+        return out.result()
+
+    return call, Job(move)
+
+
 def reducescatter(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                  name: str | None = None, comm: Any = None, process_set: Any = None) -> Any:
-    """This rank's rows of the reduction of x over all ranks (Horovod's row split)."""
+                  compression: Any = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0, name: str | None = None, comm: Any = None,
+                  process_set: Any = None) -> Any:
+    """This rank's rows of the reduction of x over all ranks (Horovod's row split).
+    compression (Compression.fp16 or int8; floating x only) compresses what travels."""
     topo = process_sets.resolve(comm, process_set)
     with Prepared(topo, "reducescatter", name) as p:
-        p.call, p.job = _reducescatter(topo, x, op, algorithm, prescale_factor, postscale_factor)
+        p.call, p.job = _reducescatter(topo, x, op, algorithm, compression, prescale_factor,
+                                       postscale_factor)
     return p.run()
 
 
 def reducescatter_async(x: Any, op: ReduceOp = ReduceOp.Average, algorithm: str = "auto", *,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                        name: str | None = None, comm: Any = None,
-                        process_set: Any = None) -> Handle:
+                        compression: Any = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, name: str | None = None,
+                        comm: Any = None, process_set: Any = None) -> Handle:
     topo = process_sets.resolve(comm, process_set)
     with Prepared(topo, "reducescatter", name) as p:
-        p.call, p.job = _reducescatter(topo, x, op, algorithm, prescale_factor, postscale_factor)
+        p.call, p.job = _reducescatter(topo, x, op, algorithm, compression, prescale_factor,
+                                       postscale_factor)
     return p.submit()
 
 

@@ -1,15 +1,17 @@
-"""Compression for allreduce, behind one interface.
+"""Compression for allreduce and reducescatter, behind one interface.
 
 A compressor has Horovod's per-tensor pair, compress(x) -> (x', ctx) before the collective
-and decompress(x', ctx) after it, and `allreduce(topo, x, op, algorithm, state)`: how an
-allreduce of a floating host array moves under it. The call path (collectives/api/:
-allreduce.py, join.py, compressed.py) uses only `allreduce`; compressors whose values add
-up as they travel (none, fp16) run a plain allreduce on what compress() made, the others
-override it:
+and decompress(x', ctx) after it; `allreduce(topo, x, op, algorithm, state)`, how an
+allreduce of a floating host array moves under it; and `reducescatter(topo, x, counts, op,
+algorithm)`, this rank's block of one. The call path (collectives/api/: allreduce.py,
+join.py, compressed.py, reducescatter.py) uses only those two; compressors whose values add
+up as they travel (none, fp16) run a plain collective on what compress() made, the others
+override them:
   none   the array as it is
   fp16   float16 on the wire (half of float32's bytes), summed in float16 as it travels
   int8   int8 plus one float32 scale per block; quantized values cannot be added, so
-         every rank's pair is allgathered and summed locally in rank order
+         every rank's pair is allgathered (reducescatter: each rank's block sent to its
+         rank) and summed locally in rank order
   1-bit  signs plus scales with error feedback: its own two-phase exchange, with the
          error buffers (state) held by the caller (onebit.py)
 Non-floating arrays are never compressed (as in Horovod).
@@ -27,7 +29,7 @@ import numpy as np
 from collectives import algorithms, kernels
 from collectives.auto import select
 from collectives.dtypes import FLOATING, NUMPY_NAMES, torch_dtype, torch_dtype_name
-from collectives.ops import ReduceOp
+from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime.buffers import to_device, to_host
 from collectives.runtime.topology import Topology
 
@@ -75,6 +77,13 @@ class Compressor:
         engine, after the call's agreement."""
         raise NotImplementedError
 
+    def reducescatter(self, topo: Topology, x: np.ndarray, counts: list[int], op: ReduceOp,
+                      algorithm: str) -> np.ndarray:
+        """Block topo.rank of the reduction over topo's ranks of every rank's flat host
+        array x, whose block j is counts[j] elements (x's dtype, or float32). Runs inside
+        the engine, after the call's agreement."""
+        raise NotImplementedError(f"Compression.{self.name} has no reducescatter")
+
     def check_op(self, op: ReduceOp) -> None:
         if op not in self.ops:
             raise ValueError(f"op: Compression.{self.name} supports "
@@ -106,6 +115,16 @@ class TensorCompressor(Compressor):
         algo = select.concrete(topo, "allreduce", algorithm, host.nbytes)
         algorithms.reduce(algo, topo, host, out, op, host.dtype.name)
         return self.decompress(to_device(out, sent), ctx)
+
+    def reducescatter(self, topo: Topology, x: np.ndarray, counts: list[int], op: ReduceOp,
+                      algorithm: str) -> np.ndarray:
+        """compress, a plain reducescatter of what travels, decompress this rank's block."""
+        sent, ctx = self.compress(x)
+        out = np.empty(counts[topo.rank], sent.dtype)
+        algo = select.concrete(topo, "reducescatter", algorithm, sent.nbytes)
+        algorithms.reducescatter(algo, topo, sent, out, counts, KERNEL_OP[op], sent.dtype.name)
+        algorithms.average(out, sent.dtype.name, op, topo.size)
+        return self.decompress(out, ctx)
 
 
 class FP16Compressor(TensorCompressor):
@@ -168,6 +187,26 @@ class Int8Compressor(TensorCompressor):
             algorithms.allgather(algo, topo, host, everyone.reshape(-1), [host.size] * n)
             gathered.append(to_device(everyone, mine))
         return self.combine(*gathered, shape, op, topo.size)
+
+    def reducescatter(self, topo: Topology, x: np.ndarray, counts: list[int], op: ReduceOp,
+                      algorithm: str) -> np.ndarray:
+        """Each block of x compressed on its own and sent to its rank (alltoall); each rank
+        decompresses and sums the blocks it received in rank order. Bytes received per
+        rank: (n-1)(b/4 + scales) for a block of b elements, against (n-1) b float32."""
+        n, r = topo.size, topo.rank
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        pairs = [kernels.quantize_int8(x[starts[j]:starts[j + 1]].astype(np.float32,
+                                                                         copy=False))
+                 for j in range(n)]
+        received = []
+        for k, send_counts in ((0, counts), (1, [p[1].size for p in pairs])):
+            send = np.concatenate([p[k] for p in pairs])
+            recv = np.empty(n * send_counts[r], send.dtype)
+            algo = select.concrete(topo, "alltoall", algorithm if algorithm in
+                                   algorithms.ALLTOALL_ALGORITHMS else "auto", recv.nbytes)
+            algorithms.alltoall(algo, topo, send, recv, send_counts, [send_counts[r]] * n)
+            received.append(recv.reshape(n, send_counts[r]))
+        return self.combine(*received, (counts[r],), op, n)
 
     def combine(self, all_q: np.ndarray, all_scales: np.ndarray, shape: tuple, op: ReduceOp,
                 ranks: int) -> np.ndarray:

@@ -189,11 +189,11 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set) -> 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, name, prescale, postscale, process_set):
+    def forward(ctx, tensor, op, name, prescale, postscale, process_set, compression):
         ctx.args = (op, prescale, postscale, process_set)
-        return _C.reducescatter(tensor, op=op, prescale_factor=prescale,
-                                postscale_factor=postscale, name=name,
-                                process_set=set_of(process_set))
+        return _C.reducescatter(tensor, op=op, compression=compression,
+                                prescale_factor=prescale, postscale_factor=postscale,
+                                name=name, process_set=set_of(process_set))
 
     @staticmethod
     def backward(ctx, grad):
@@ -202,19 +202,19 @@ class _Reducescatter(torch.autograd.Function):
         op, prescale, postscale, process_set = ctx.args
         scale = prescale * postscale * (topology_of(process_set).size if op == Sum else 1)
         return (_C.allgather((grad * scale).contiguous(), process_set=set_of(process_set)),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """This rank's rows of the reduction over all ranks (differentiable)."""
+    """This rank's rows of the reduction over all ranks (differentiable); compression
+    (fp16, int8) compresses what travels."""
     refuse_adasum(op, "reducescatter")
-    if compression is not Compression.none:
-        raise ValueError("compression: reducescatter supports Compression.none only")
     if wants_grad(tensor):
         return _Reducescatter.apply(tensor, op, name, prescale_factor, postscale_factor,
-                                    process_set)
-    return _C.reducescatter(tensor, op=op, prescale_factor=prescale_factor,
+                                    process_set, compression)
+    return _C.reducescatter(tensor, op=op, compression=compression,
+                            prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor, name=name,
                             process_set=set_of(process_set))
 
