@@ -261,6 +261,10 @@ class ZeroOptimizer(WrappedOptimizer):
 
     def _grad_ready(self, param: torch.Tensor, bucket: _Bucket) -> None:
         """Hook: count a backward pass for param; launch the complete buckets in order."""
+        if param.grad is not None and param.grad.is_sparse:
+            raise RuntimeError(f"ZeroOptimizer: the gradient of a parameter of shape "
+                               f"{tuple(param.shape)} is sparse; shards are dense (use "
+                               f"DistributedOptimizer, or a dense embedding)")
         with self._lock:
             count = self._counts.get(id(param), 0) + 1
             if count > self._passes:

@@ -283,3 +283,46 @@ def test_several_dtypes_and_an_lr_scheduler(comm):
         for p, q in zip(model.parameters(), ref.parameters()):
             assert (p - q).abs().max().item() <= (1e-5 if p.dtype == torch.float32 else TOL)
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.01 * 0.25
+
+
+def test_fewer_elements_than_ranks_and_a_process_set(comm):
+    """A 3-element model: some ranks own nothing and still take part. Over a process set
+    of the even ranks, the set trains as one process with its batch."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+    ref = w.detach().clone().requires_grad_()
+    opt = ZeroOptimizer(torch.optim.SGD([w], lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    for step in range(3):
+        (w * (r + step)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        (sum((ref * (q + step)).pow(2).sum() for q in range(n)) / n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert (w - ref).abs().max().item() <= TOL
+    evens = C.add_process_set(range(0, n, 2))
+    try:
+        if evens.included():
+            m = evens.size()
+            model, opt, ref, ref_opt = _twins("adam", process_set=evens,
+                                              fusion_threshold_bytes=300)
+            for step in range(3):
+                x, y = batch(m, step, 0)
+                shard_loss(model, x, y, evens.rank()).backward()
+                opt.step()
+                opt.zero_grad()
+                _ref_step(m, ref, ref_opt, step)
+                assert max_diff(model, ref) <= TOL
+    finally:
+        C.remove_process_set(evens)
+
+
+def test_a_sparse_gradient_is_refused(comm):
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = ZeroOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="ZeroOptimizer: the gradient of a parameter of "
+                                           "shape \\(10, 3\\) is sparse"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    del opt
