@@ -1,8 +1,9 @@
 """PyTorch data-parallel training on top of the collectives public API.
 
-Owns: DistributedOptimizer and the broadcasts of parameters and optimizer state
-(distributed.py), ZeroOptimizer (zero.py: optimizer state and gradients sharded), OnebitAdam,
-Adasum's optimizer, the convergence tasks of the benchmarks.
+Owns: DistributedOptimizer (distributed.py) and ZeroOptimizer (zero.py: optimizer state and
+gradients sharded), on the buckets reduced during backward that they share (overlap.py);
+the broadcasts of parameters and optimizer state (broadcast.py), OnebitAdam, Adasum's
+optimizer, the argument checks (wrapped.py), the convergence tasks of the benchmarks.
 May import: leaves, kernels, runtime, algorithms, auto, compression, api.
 
 Installed as `collectives.optim` (setup.py maps this folder there): import it so,

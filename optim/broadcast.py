@@ -11,17 +11,9 @@ from typing import Any
 import torch
 
 from collectives import api as C
-from collectives.dtypes import FLOATING, NAMES, torch_dtype
 
 from .distributed import DistributedOptimizer
-
-#: The compressors a user may pass (Compression.none, .fp16, and any added later).
-_COMPRESSORS = {name: c for name, c in vars(C.Compression).items() if not name.startswith("_")}
-#: Parameter dtypes the collectives reduce: the floating ones.
-_GRAD_DTYPES = tuple(torch_dtype(name) for name in FLOATING)
-#: Tensor dtypes the collectives broadcast (bool travels as its uint8 view).
-_BROADCAST_DTYPES = tuple(torch_dtype(name) for name in NAMES)
-
+from .wrapped import _BROADCAST_DTYPES
 
 # --------------------------------------------------------------------------- broadcasts
 

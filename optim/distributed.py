@@ -19,31 +19,20 @@ launches what is left, waits, unpacks the averages into `.grad` and steps the op
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import threading
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from collectives import api as C
 from collectives import kernels as _kernels
-from collectives.dtypes import FLOATING, NAMES, torch_dtype
 from collectives.runtime.p2p import even_bounds
 
-from .wrapped import WrappedOptimizer, _check_int, _user_names
-
-#: The compressors a user may pass (Compression.none, .fp16, and any added later).
-_COMPRESSORS = {name: c for name, c in vars(C.Compression).items() if not name.startswith("_")}
-#: Parameter dtypes the collectives reduce: the floating ones.
-_GRAD_DTYPES = tuple(torch_dtype(name) for name in FLOATING)
-#: Tensor dtypes the collectives broadcast (bool travels as its uint8 view).
-_BROADCAST_DTYPES = tuple(torch_dtype(name) for name in NAMES)
-
+from .overlap import Overlapped, bucketed
+from .wrapped import _COMPRESSORS, _GRAD_DTYPES, _check_int, _user_names
 
 # ------------------------------------------------------------------------------ fusion
 
@@ -142,19 +131,7 @@ def _make_buckets(params: list[torch.Tensor], threshold: int,
         if id(p) in member:
             chosen.setdefault(member[id(p)], []).append(p)
     buckets = [b for k in chosen for b in _by_kind(chosen[k])]
-    open_group: dict[tuple, int] = {}  # (dtype, device) -> index of the bucket being filled
-    sizes = [0] * len(buckets)
-    for p in params:
-        if id(p) in member:
-            continue
-        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
-        i = open_group.get(key)
-        if i is None or sizes[i] + nbytes > threshold:
-            i = open_group[key] = len(buckets)
-            buckets.append([])
-            sizes.append(0)
-        buckets[i].append(p)
-        sizes[i] += nbytes
+    buckets += bucketed([p for p in params if id(p) not in member], threshold)
     return [_Bucket(b) for b in buckets]
 
 
@@ -224,21 +201,7 @@ def _check_reduction(op: object, factor: object, algorithm: object, compression:
 
 # ---------------------------------------------------------------------------- optimizer
 
-def _hook(owner: weakref.ref, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook reporting to the optimizer while it is alive."""
-    def hook(param: torch.Tensor) -> None:
-        opt = owner()
-        if opt is not None:
-            opt._grad_ready(param, bucket)
-    return hook
-
-
-def _remove_hooks(handles: list) -> None:
-    for h in handles:
-        h.remove()
-
-
-class DistributedOptimizer(WrappedOptimizer):
+class DistributedOptimizer(Overlapped):
     """Wraps a torch optimizer so each step uses gradients reduced over all ranks (averaged
     by default). It is a torch.optim.Optimizer sharing the wrapped one's param_groups,
     state and defaults (the same objects), so LR schedulers, GradScaler, state_dict /
@@ -278,14 +241,13 @@ class DistributedOptimizer(WrappedOptimizer):
                  process_set: C.ProcessSet | None = None, num_groups: int = 0,
                  groups: Iterable[Iterable[torch.Tensor]] | None = None,
                  sparse_as_dense: bool = False, divide_by_initial_world_size: bool = False):
-        super().__init__(optimizer)
+        super().__init__(optimizer, backward_passes_per_step)
         self._num_groups = _check_int("num_groups", num_groups, 0)
         self._groups = _check_groups(groups, optimizer)
         if self._groups and self._num_groups:
             raise ValueError("groups, num_groups: pass one or the other")
         if not isinstance(sparse_as_dense, bool):
             raise TypeError(f"sparse_as_dense: expected a bool, got {type(sparse_as_dense).__name__}")
-        self._passes = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
         self._threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
         self._how = dataclasses.replace(
             _check_reduction(op, gradient_predivide_factor, algorithm, compression, process_set,
@@ -295,15 +257,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self._member = process_set is None or process_set.included()
         self._user_names = None if named_parameters is None else _user_names(named_parameters)
         self._names: dict[int, str] = {}  # id(param) -> name, for error messages
-        self._buckets: list[_Bucket] = []
-        self._next = 0  # index of the first bucket not launched this step
-        self._counts: dict[int, int] = {}  # id(param) -> backward passes since the last reduction
-        self._synchronized = False
         self._synchronized_by_user = False  # synchronize() called since the last step()
-        self._skip = False
-        self._lock = threading.Lock()
-        self._hooks: list = []
-        weakref.finalize(self, _remove_hooks, self._hooks)
         for index in range(len(optimizer.param_groups)):
             self._add_group(index)
 
@@ -320,10 +274,7 @@ class DistributedOptimizer(WrappedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients and any partly accumulated backward passes."""
-        if self._next:
-            raise RuntimeError("zero_grad() called while gradients are being reduced (after "
-                               "backward, before step() or synchronize()); call step() or "
-                               "synchronize() first")
+        self._check_idle("zero_grad()")
         self._reset_counts()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -356,28 +307,6 @@ class DistributedOptimizer(WrappedOptimizer):
         self._synchronize()
         self._synchronized_by_user = True
 
-    def _synchronize(self) -> None:
-        with self._lock:
-            if self._synchronized:
-                return
-            while self._next < len(self._buckets):
-                self._launch_next()
-            for bucket in self._buckets:
-                bucket.finish(self._how)
-            self._next = 0
-            self._counts.clear()
-            self._synchronized = True
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Within this block step() does not reduce (the gradients were reduced by an
-        explicit synchronize(), e.g. to clip them first)."""
-        self._skip = True
-        try:
-            yield
-        finally:
-            self._skip = False
-
     # ---- internals
     def _add_group(self, index: int) -> None:
         """Name the group's parameters, bucket them and hook them."""
@@ -388,13 +317,8 @@ class DistributedOptimizer(WrappedOptimizer):
             if p.requires_grad:
                 self._names[id(p)] = self._name(p, f"param_groups[{index}][{i}]")
                 trainable.append(p)
-        buckets = _make_buckets(list(reversed(trainable)), self._threshold, self._groups,
-                                self._num_groups)
-        owner = weakref.ref(self)
-        for bucket in buckets:
-            for p in bucket.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(_hook(owner, bucket)))
-        self._buckets.extend(buckets)
+        self._watch(_make_buckets(list(reversed(trainable)), self._threshold, self._groups,
+                                  self._num_groups))
 
     def _name(self, p: torch.Tensor, position: str) -> str:
         if p.dtype not in _GRAD_DTYPES:
@@ -407,34 +331,11 @@ class DistributedOptimizer(WrappedOptimizer):
                              f"{tuple(p.shape)}) is missing; name every parameter it updates")
         return self._user_names[id(p)]
 
-    def _grad_ready(self, param: torch.Tensor, bucket: _Bucket) -> None:
-        """Hook: count a backward pass for param; launch the buckets that are complete."""
-        with self._lock:
-            count = self._counts.get(id(param), 0) + 1
-            if count > self._passes:
-                raise RuntimeError(
-                    f"gradient of {self._names[id(param)]!r} computed {count} times since the "
-                    f"last reduction with backward_passes_per_step={self._passes}; call step() "
-                    f"(or synchronize()) after every {self._passes} backward passes")
-            self._counts[id(param)] = count
-            self._synchronized = False
-            if count == self._passes:
-                bucket.ready += 1
-                self._launch_ready()
+    def _label(self, param: torch.Tensor) -> str:
+        return repr(self._names[id(param)])
 
-    def _launch_ready(self) -> None:
-        """Launch complete buckets in their fixed order, so every rank issues the same
-        sequence of collectives."""
-        while self._next < len(self._buckets) and self._buckets[self._next].complete():
-            self._launch_next()
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launch(self._how)
 
-    def _launch_next(self) -> None:
-        self._buckets[self._next].launch(self._how)
-        self._next += 1
-
-    def _reset_counts(self) -> None:
-        self._counts.clear()
-        for bucket in self._buckets:
-            bucket.ready = 0
-
-
+    def _finish(self, bucket: _Bucket) -> None:
+        bucket.finish(self._how)

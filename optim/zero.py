@@ -33,8 +33,6 @@ plain dict, which a single-process torch optimizer over the same parameters load
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,11 +42,9 @@ from collectives import api as C
 from collectives import kernels as _kernels
 from collectives.runtime.p2p import even_bounds
 
-from .distributed import _GRAD_DTYPES, _remove_hooks
-from .wrapped import WrappedOptimizer, _check_int
+from .overlap import Overlapped, bucketed
+from .wrapped import _COMPRESSORS, _GRAD_DTYPES, _check_int
 
-#: The compressions a reducescatter takes.
-_COMPRESSORS = (C.Compression.none, C.Compression.fp16, C.Compression.int8)
 #: Buckets reduced at once during backward: a bucket launched beyond these first waits
 #: for the oldest one (its packed gradients are then freed).
 IN_FLIGHT = 2
@@ -107,15 +103,7 @@ class _Bucket:
         self.grad, self.handle, self.ready = None, None, 0
 
 
-def _hook(owner: weakref.ref, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
-    def hook(param: torch.Tensor) -> None:
-        opt = owner()
-        if opt is not None:
-            opt._grad_ready(param, bucket)
-    return hook
-
-
-class ZeroOptimizer(WrappedOptimizer):
+class ZeroOptimizer(Overlapped):
     """Wraps a torch optimizer so that each rank keeps 1/N of its state (stage=1) and of the
     gradients (stage=2); every rank still holds all parameters, updated every step. Like
     DistributedOptimizer it is a torch.optim.Optimizer whose param_groups and state are the
@@ -138,7 +126,7 @@ class ZeroOptimizer(WrappedOptimizer):
                  process_set: C.ProcessSet | None = None,
                  compression: Any = C.Compression.none, backward_passes_per_step: int = 1,
                  fusion_threshold_bytes: int = 64 << 20):
-        super().__init__(optimizer)
+        super().__init__(optimizer, backward_passes_per_step)
         if stage not in (1, 2) or isinstance(stage, bool):
             raise ValueError(f"stage: expected 1 or 2, got {stage!r}")
         if process_set is not None and not isinstance(process_set, C.ProcessSet):
@@ -148,13 +136,12 @@ class ZeroOptimizer(WrappedOptimizer):
             raise ValueError("optimizer: expected a fresh optimizer (its state is sharded as "
                              "it is created); load saved state with load_state_dict() after "
                              "wrapping")
-        if not any(compression is c for c in _COMPRESSORS):
+        if not any(compression is c for c in _COMPRESSORS.values()):
             raise ValueError(f"compression: expected Compression.none, fp16 or int8, got "
                              f"{compression!r}")
         self.stage = stage
         self._compression = compression
         self._set = process_set
-        self._passes = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
         threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
         rank = C.rank() if process_set is None else process_set.rank()
         self._size = C.size() if process_set is None else process_set.size()
@@ -167,8 +154,8 @@ class ZeroOptimizer(WrappedOptimizer):
                                 f"supported; expected one of {[str(d) for d in _GRAD_DTYPES]}")
         if len({id(p) for p in trainable}) != len(trainable):
             raise ValueError("optimizer: a parameter is in more than one param group")
-        self._buckets = [_Bucket(ps, rank, self._size)
-                         for ps in _bucketed(list(reversed(trainable)), threshold)]
+        self._watch([_Bucket(ps, rank, self._size)
+                     for ps in bucketed(list(reversed(trainable)), threshold)])
         group_of = {id(p): k for k, g in enumerate(self._groups) for p in g}
         pieces: list[list[torch.Tensor]] = [[] for _ in self._groups]
         self._placement: list[list[tuple[int, int, int]]] = [[] for _ in self._groups]
@@ -179,18 +166,6 @@ class ZeroOptimizer(WrappedOptimizer):
                 self._placement[k].append((_index(self._groups[k], p), offset, piece.numel()))
         for group, mine in zip(optimizer.param_groups, pieces):
             group["params"] = mine
-        self._next = 0  # buckets launched this step
-        self._done = 0  # of those, finished (their pieces hold their gradients)
-        self._counts: dict[int, int] = {}
-        self._synchronized = False
-        self._skip = False
-        self._lock = threading.Lock()
-        self._hooks: list = []
-        weakref.finalize(self, _remove_hooks, self._hooks)
-        owner = weakref.ref(self)
-        for bucket in self._buckets:
-            for p in bucket.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(_hook(owner, bucket)))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._wrapping:
@@ -202,13 +177,9 @@ class ZeroOptimizer(WrappedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (the parameters' and the pieces') and any partly
         accumulated backward passes."""
-        if self._next:
-            raise RuntimeError("zero_grad() called while gradients are being reduced (after "
-                               "backward, before step() or synchronize()); call step() or "
-                               "synchronize() first")
-        self._counts.clear()
+        self._check_idle("zero_grad()")
+        self._reset_counts()
         for bucket in self._buckets:
-            bucket.ready = 0
             for p in bucket.params:
                 if p.grad is not None:
                     if set_to_none:
@@ -242,51 +213,24 @@ class ZeroOptimizer(WrappedOptimizer):
         """Finish reducing this step's gradients into the pieces' .grad; a no-op if done."""
         self._synchronize()
 
-    def skip_synchronize(self) -> Any:
-        """Within this block step() does not reduce (synchronize() did, e.g. before a
-        GradScaler's unscale_)."""
-        return _Skipping(self)
+    # ---- the buckets (Overlapped)
+    in_flight = IN_FLIGHT
 
-    def _synchronize(self) -> None:
-        with self._lock:
-            if self._synchronized:
-                return
-            while self._next < len(self._buckets):
-                self._launch_next()
-            for bucket in self._buckets[self._done:]:
-                bucket.finish()
-            self._next = self._done = 0
-            self._counts.clear()
-            self._synchronized = True
+    def _label(self, param: torch.Tensor) -> str:
+        return f"a parameter of shape {tuple(param.shape)}"
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launch(self._set, self._compression, self.stage == 2)
+
+    def _finish(self, bucket: _Bucket) -> None:
+        bucket.finish()
 
     def _grad_ready(self, param: torch.Tensor, bucket: _Bucket) -> None:
-        """Hook: count a backward pass for param; launch the complete buckets in order."""
         if param.grad is not None and param.grad.is_sparse:
-            raise RuntimeError(f"ZeroOptimizer: the gradient of a parameter of shape "
-                               f"{tuple(param.shape)} is sparse; shards are dense (use "
-                               f"DistributedOptimizer, or a dense embedding)")
-        with self._lock:
-            count = self._counts.get(id(param), 0) + 1
-            if count > self._passes:
-                raise RuntimeError(
-                    f"a gradient of shape {tuple(param.shape)} was computed {count} times "
-                    f"since the last reduction with backward_passes_per_step={self._passes}; "
-                    f"call step() (or synchronize()) after every {self._passes} backward passes")
-            self._counts[id(param)] = count
-            if count == self._passes:
-                bucket.ready += 1
-                while (self._next < len(self._buckets)
-                       and self._buckets[self._next].ready == len(self._buckets[self._next].params)):
-                    self._launch_next()
-
-    def _launch_next(self) -> None:
-        """Launch the next bucket; finish the oldest one in flight beyond IN_FLIGHT, so
-        that stage 2 holds at most that many buckets' packed gradients at once."""
-        self._buckets[self._next].launch(self._set, self._compression, self.stage == 2)
-        self._next += 1
-        if self._next - self._done > IN_FLIGHT:
-            self._buckets[self._done].finish()
-            self._done += 1
+            raise RuntimeError(f"ZeroOptimizer: the gradient of {self._label(param)} is "
+                               f"sparse; shards are dense (use DistributedOptimizer, or a "
+                               f"dense embedding)")
+        super()._grad_ready(param, bucket)
 
     # ---- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -336,36 +280,7 @@ class ZeroOptimizer(WrappedOptimizer):
         return {"state": state, "param_groups": numbered}
 
 
-class _Skipping:
-    def __init__(self, opt: ZeroOptimizer):
-        self.opt = opt
-
-    def __enter__(self) -> None:
-        self.opt._skip = True
-
-    def __exit__(self, *exc: Any) -> None:
-        self.opt._skip = False
-
-
 # ------------------------------------------------------------------------ helpers
-
-def _bucketed(params: list[torch.Tensor], threshold: int) -> list[list[torch.Tensor]]:
-    """params in buckets of one dtype and device of at most threshold bytes each (a larger
-    parameter alone), in the given order of first parameter."""
-    buckets: list[list[torch.Tensor]] = []
-    sizes: list[int] = []
-    open_bucket: dict[tuple, int] = {}
-    for p in params:
-        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
-        i = open_bucket.get(key)
-        if i is None or sizes[i] + nbytes > threshold:
-            i = open_bucket[key] = len(buckets)
-            buckets.append([])
-            sizes.append(0)
-        buckets[i].append(p)
-        sizes[i] += nbytes
-    return buckets
-
 
 def _index(params: list[torch.Tensor], p: torch.Tensor) -> int:
     return next(i for i, q in enumerate(params) if q is p)
