@@ -1,6 +1,7 @@
 """The exchange of the 1-bit compressed allreduce (its arithmetic is
 collectives/compression/onebit.py): each rank's packet for rank j all-to-all, then every
-server packet to every rank; the buffers' sizes (error_sizes) and the cost.
+server packet to every rank (a reducescatter: the first exchange only); the buffers' sizes
+(error_sizes, scatter_error_size) and the cost.
 Cost per rank (alpha latency, beta seconds per byte, S scales per chunk: 1, or
 ceil(L / block_size)):
   2(n-1) alpha + 2(n-1) (L/8 + 4 S) beta  =~  2(n-1)/n * padded/8 bytes
@@ -29,6 +30,12 @@ def error_sizes(count: int, size: int) -> tuple[int, int]:
         raise ValueError(f"size: expected an int >= 1, got {size!r}")
     padded = -(-int(count) // (8 * size)) * 8 * size
     return padded, padded // size
+
+
+def scatter_error_size(counts: list[int]) -> int:
+    """worker_error's element count for a 1-bit reducescatter whose block j has counts[j]
+    elements: each block rounded up to a multiple of 8 (whole bytes of signs)."""
+    return sum(-(-int(c) // 8) * 8 for c in counts)
 
 
 def cost(nbytes: int, layout: Layout, p: Params,

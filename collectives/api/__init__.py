@@ -28,7 +28,12 @@ from collectives.api.allreduce import (
     grouped_allreduce_async_,
 )
 from collectives.api.base import ALGORITHMS, poll, refuse, synchronize
-from collectives.api.compressed import compressed_allreduce, compressed_allreduce_async
+from collectives.api.compressed import (
+    compressed_allreduce,
+    compressed_allreduce_async,
+    compressed_reducescatter,
+    compressed_reducescatter_async,
+)
 from collectives.api.gather import (
     allgather,
     allgather_async,
@@ -100,7 +105,8 @@ __all__ = [
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
-    "compressed_allreduce", "compressed_allreduce_async", "cross_rank", "cross_size",
+    "compressed_allreduce", "compressed_allreduce_async", "compressed_reducescatter",
+    "compressed_reducescatter_async", "cross_rank", "cross_size",
     "global_process_set", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",

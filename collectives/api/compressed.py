@@ -1,17 +1,20 @@
-"""compressed_allreduce: the public 1-bit averaged allreduce with error feedback (the
-algorithm: collectives/compression/onebit.py), sync and async."""
+"""compressed_allreduce and compressed_reducescatter: the public 1-bit averaged allreduce
+and reducescatter with error feedback (the algorithm: collectives/compression/onebit.py),
+sync and async."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from collectives.algorithms.onebit import error_sizes
-from collectives.api import calls, on_device
+from collectives.algorithms.onebit import error_sizes, scatter_error_size
+from collectives.api import calls, on_device, process_sets
+from collectives.api.base import need_dim0, row_elems
 from collectives.compression.onebit import ONEBIT, OnebitState, check_block, check_error, check_x
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
 from collectives.runtime.buffers import host_float, is_device_data, store_float
-from collectives.runtime.engine import Job
+from collectives.runtime.engine import Handle, Job
+from collectives.runtime.p2p import even_split
 
 
 def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
@@ -64,6 +67,56 @@ def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: A
             topo, host_float(buf.flat, buf.dtype), ReduceOp.Average, "auto", state))
         worker.write_back()
         server.write_back()
+        return out.result()
+
+    return call, Job(move)
+
+
+def compressed_reducescatter(x: Any, worker_error: Any, block_size: int | None = None, *,
+                             comm: Any = None, process_set: Any = None) -> Any:
+    """This rank's rows (Horovod's row split, as reducescatter's) of the average of x over
+    all ranks, each value sent as one bit with error feedback: every rank compresses its
+    rows for rank j (one scale per block of block_size elements, or one for them all) and
+    sends them to rank j, which decompresses and sums them in rank order.
+
+    x: a floating host array or tensor (device data is staged) with at least one
+    dimension. worker_error: this rank's float32 1-D buffer of
+    algorithms.onebit.scatter_error_size(counts) elements, counts[j] = rank j's rows x
+    the row's elements; zeros at first, updated in place (keep it for the next call on the
+    same vector). The result has x's type and dtype."""
+    topo = process_sets.resolve(comm, process_set)
+    with calls.Prepared(topo, "compressed_reducescatter", None) as p:
+        p.call, p.job = _prepare_scatter(topo, x, worker_error, block_size)
+    return p.run()
+
+
+def compressed_reducescatter_async(x: Any, worker_error: Any, block_size: int | None = None,
+                                   *, comm: Any = None, process_set: Any = None) -> Handle:
+    """compressed_reducescatter queued on the engine: a Handle for synchronize(); the
+    error buffer must not be touched until it completes."""
+    topo = process_sets.resolve(comm, process_set)
+    with calls.Prepared(topo, "compressed_reducescatter", None) as p:
+        p.call, p.job = _prepare_scatter(topo, x, worker_error, block_size)
+    return p.submit()
+
+
+def _prepare_scatter(topo: topology.Topology, x: Any, worker_error: Any,
+                     block_size: Any) -> tuple[calls.Call, Job]:
+    buf = check_x(x)
+    need_dim0(buf, "x")
+    block = check_block(block_size)
+    rows = even_split(buf.shape[0], topo.size)
+    counts = [r * row_elems(buf.shape) for r in rows]
+    worker = check_error(worker_error, "worker_error", scatter_error_size(counts))
+    fields = (("dtype", buf.dtype), ("shape", buf.shape), ("block_size", block))
+    call = calls.describe(topo, "compressed_reducescatter", fields, ONEBIT.name)
+    state = OnebitState(worker.flat, None, block)
+
+    def move() -> Any:
+        out = buf.empty((rows[topo.rank],) + buf.shape[1:])
+        store_float(out.flat, out.dtype, ONEBIT.reducescatter(
+            topo, host_float(buf.flat, buf.dtype), counts, ReduceOp.Average, "auto", state))
+        worker.write_back()
         return out.result()
 
     return call, Job(move)

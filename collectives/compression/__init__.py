@@ -78,10 +78,10 @@ class Compressor:
         raise NotImplementedError
 
     def reducescatter(self, topo: Topology, x: np.ndarray, counts: list[int], op: ReduceOp,
-                      algorithm: str) -> np.ndarray:
+                      algorithm: str, state: Any = None) -> np.ndarray:
         """Block topo.rank of the reduction over topo's ranks of every rank's flat host
-        array x, whose block j is counts[j] elements (x's dtype, or float32). Runs inside
-        the engine, after the call's agreement."""
+        array x, whose block j is counts[j] elements (x's dtype, or float32); state as for
+        allreduce. Runs inside the engine, after the call's agreement."""
         raise NotImplementedError(f"Compression.{self.name} has no reducescatter")
 
     def check_op(self, op: ReduceOp) -> None:
@@ -117,7 +117,7 @@ class TensorCompressor(Compressor):
         return self.decompress(to_device(out, sent), ctx)
 
     def reducescatter(self, topo: Topology, x: np.ndarray, counts: list[int], op: ReduceOp,
-                      algorithm: str) -> np.ndarray:
+                      algorithm: str, state: Any = None) -> np.ndarray:
         """compress, a plain reducescatter of what travels, decompress this rank's block."""
         sent, ctx = self.compress(x)
         out = np.empty(counts[topo.rank], sent.dtype)
@@ -189,7 +189,7 @@ class Int8Compressor(TensorCompressor):
         return self.combine(*gathered, shape, op, topo.size)
 
     def reducescatter(self, topo: Topology, x: np.ndarray, counts: list[int], op: ReduceOp,
-                      algorithm: str) -> np.ndarray:
+                      algorithm: str, state: Any = None) -> np.ndarray:
         """Each block of x compressed on its own and sent to its rank (alltoall); each rank
         decompresses and sums the blocks it received in rank order. Bytes received per
         rank: (n-1)(b/4 + scales) for a block of b elements, against (n-1) b float32."""

@@ -175,6 +175,39 @@ def reduce(x: Any, state: OnebitState, n: int,
     return out
 
 
+def reduce_scatter(x: np.ndarray, error: np.ndarray, counts: list[int], rank: int,
+                   block: int | None,
+                   scatter: Callable[[list[np.ndarray]], np.ndarray]) -> np.ndarray:
+    """Block `rank` (counts[rank] elements, float32) of the average over len(counts) ranks
+    of every rank's flat host array x, whose block j has counts[j] elements: the worker
+    step and the all-to-all of the module docstring, each block compressed on its own
+    (error: scatter_error_size(counts) float32 elements, its part of every block updated in
+    place); then this rank decompresses the packets for its block and sums them in rank
+    order. scatter(packets) must return the packets received as rows, row j rank j's."""
+    n = len(counts)
+    padded = [-(-c // 8) * 8 for c in counts]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    errors = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
+    packets = []
+    for j in range(n):
+        if not padded[j]:
+            packets.append(np.empty(0, np.uint8))
+            continue
+        c = np.zeros(padded[j], np.float32)
+        c[:counts[j]] = x[starts[j]:starts[j + 1]]
+        bits, scales = kernels.onebit_compress(c, error[errors[j]:errors[j + 1]], block)
+        packets.append(np.concatenate([bits, np.asarray(scales, np.float32).reshape(-1)
+                                       .view(np.uint8)]))
+    received = scatter(packets)
+    total = np.zeros(counts[rank], np.float32)
+    for row in received:  # rank order
+        if padded[rank]:
+            bits, scales = _split(row, padded[rank])
+            total += kernels.onebit_decompress(bits, scales, padded[rank], block)[:counts[rank]]
+    total /= np.float32(n)
+    return total
+
+
 class OnebitCompressor(Compressor):
     """1-bit signs plus scales with error feedback (the algorithm in the module docstring),
     over our own messages. Average only; its state (OnebitState) is the caller's, since
@@ -201,6 +234,23 @@ class OnebitCompressor(Compressor):
             return gathered
 
         return reduce(x, state, n, scatter, gather)
+
+    def reducescatter(self, topo: topology.Topology, x: np.ndarray, counts: list[int],
+                      op: ReduceOp, algorithm: str, state: OnebitState | None = None
+                      ) -> np.ndarray:
+        """reduce_scatter over our own messages; state.worker_error has
+        scatter_error_size(counts) elements (server_error is not used)."""
+        if state is None:
+            raise ValueError("state: 1-bit compression needs the caller's error buffer; use "
+                             "compressed_reducescatter")
+        comm, r = topo.comm, topo.rank
+
+        def scatter(packets: list[np.ndarray]) -> np.ndarray:
+            received = np.empty((topo.size, packets[r].size), np.uint8)
+            onebit_exchange.exchange(comm, packets, received, onebit_exchange.TAG_SCATTER)
+            return received
+
+        return reduce_scatter(x, state.worker_error, counts, r, state.block_size, scatter)
 
 
 ONEBIT = OnebitCompressor()

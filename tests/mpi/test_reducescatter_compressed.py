@@ -72,3 +72,51 @@ def test_compression_is_agreed_and_checked(comm):
     ints = np.arange(4 * comm.Get_size(), dtype=np.int32).reshape(-1, 1)  # never compressed
     got = C.reducescatter(ints, op=C.Sum, compression=C.Compression.int8)
     assert_equal(got, C.reducescatter(ints, op=C.Sum), "int32")
+
+
+def _onebit_reference(n: int, r: int, xs: list[np.ndarray], errors: list[np.ndarray],
+                      block) -> np.ndarray:
+    """Rank r's rows of one compressed_reducescatter, every rank's worker step simulated
+    here with the kernels (errors updated in place)."""
+    rows = even_split(xs[0].shape[0], n)
+    elems = int(np.prod(xs[0].shape[1:]))
+    counts = [k * elems for k in rows]
+    padded = [-(-c // 8) * 8 for c in counts]
+    total = np.zeros(counts[r], np.float32)
+    for q in range(n):
+        flat = xs[q].reshape(-1).astype(np.float32)
+        at, err_at, mine = 0, 0, None
+        for j in range(n):
+            c = np.zeros(padded[j], np.float32)
+            c[:counts[j]] = flat[at:at + counts[j]]
+            bits, scales = kernels.onebit_compress(c, errors[q][err_at:err_at + padded[j]],
+                                                   block) if padded[j] else (None, None)
+            if j == r and padded[j]:
+                mine = kernels.onebit_decompress(bits, scales, padded[j], block)[:counts[j]]
+            at, err_at = at + counts[j], err_at + padded[j]
+        if mine is not None:
+            total += mine
+    return (total / np.float32(n)).reshape((rows[r],) + xs[0].shape[1:])
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 300])
+@pytest.mark.parametrize("block", [None, 16])
+def test_onebit_with_error_feedback(comm, rows, block):
+    """Two calls on the same error buffer: bitwise the simulated worker steps; the error
+    buffer holds what the first call lost."""
+    from collectives.algorithms.onebit import scatter_error_size
+
+    n, r = comm.Get_size(), comm.Get_rank()
+    rows = rows if rows != 2 else n - 1
+    counts = [k * 3 for k in even_split(rows, n)]
+    size = scatter_error_size(counts)
+    error = np.zeros(size, np.float32)
+    simulated = [np.zeros(size, np.float32) for _ in range(n)]
+    for call in range(2):
+        xs = [_data(q + 10 * call, rows, "float32") for q in range(n)]
+        got = C.compressed_reducescatter(xs[r], error, block_size=block)
+        assert_equal(got, _onebit_reference(n, r, xs, simulated, block), f"call {call}")
+        assert_equal(error, simulated[r], f"error after call {call}")
+    assert rows == 0 or n * rows * 3 < 8 or np.abs(error).max() > 0
+    with pytest.raises(ValueError, match="worker_error: expected a 1-D array of"):
+        C.compressed_reducescatter(np.ones((n, 3), np.float32), np.zeros(1, np.float32))
