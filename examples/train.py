@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 import collectives as C
 
-COMPRESSIONS = {"none": C.Compression.none, "fp16": C.Compression.fp16, "int8": C.Compression.int8}
+COMPRESSIONS = {"none": C.Compression.none, "fp16": C.Compression.fp16, "int8": C.Compression.int8,
+                "onebit": "onebit"}  # 1-bit gradients: with --zero only
 
 
 def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:
@@ -90,6 +91,9 @@ def parse_args() -> argparse.Namespace:
         p.error("--epochs, --batch-size and --freeze-step must be >= 1")
     if args.zero and args.optimizer == "onebit-adam":
         p.error("--zero: onebit-adam communicates by itself; use sgd or adam")
+    if args.compression == "onebit" and not args.zero:
+        p.error("--compression onebit: with --zero 1|2 (1-bit gradients with error feedback; "
+                "without ZeRO, use --optimizer onebit-adam)")
     if args.lr is None:
         args.lr = OPTIMIZERS[args.optimizer][1]
     return args

@@ -40,11 +40,14 @@ import torch
 
 from collectives import api as C
 from collectives import kernels as _kernels
-from collectives.runtime.p2p import even_bounds
+from collectives.algorithms.onebit import scatter_error_size
+from collectives.runtime.p2p import even_bounds, even_split
 
 from .overlap import Overlapped, bucketed
 from .wrapped import _COMPRESSORS, _GRAD_DTYPES, _check_int
 
+#: compression= for 1-bit gradients with error feedback (compressed_reducescatter).
+ONEBIT = "onebit"
 #: Buckets reduced at once during backward: a bucket launched beyond these first waits
 #: for the oldest one (its packed gradients are then freed).
 IN_FLIGHT = 2
@@ -56,9 +59,10 @@ class _Bucket:
     """Parameters of one dtype and device sharing one flat buffer; this rank's piece of it
     is [lo, hi), and `pieces` are its overlaps with the parameters."""
 
-    __slots__ = ("params", "starts", "flat", "lo", "hi", "pieces", "ready", "grad", "handle")
+    __slots__ = ("params", "starts", "flat", "lo", "hi", "pieces", "ready", "grad", "handle",
+                 "error")
 
-    def __init__(self, params: list[torch.Tensor], rank: int, size: int):
+    def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool):
         self.params = params
         self.starts, total = [], 0
         for p in params:
@@ -81,15 +85,24 @@ class _Bucket:
         self.ready = 0
         self.grad: torch.Tensor | None = None
         self.handle: C.Handle | None = None
+        # with 1-bit, the worker error: this rank's float32 buffer over every rank's piece
+        self.error = torch.zeros(scatter_error_size(even_split(total, size))) if onebit \
+            else None
 
-    def launch(self, process_set: Any, compression: Any, free_grads: bool) -> None:
+    def launch(self, process_set: Any, compression: Any, block_size: int | None,
+               free_grads: bool) -> None:
         """Pack the gradients (zeros for a parameter without one) and start their
-        reducescatter under compression; free the parameters' .grad with free_grads
-        (stage 2)."""
+        reducescatter under compression (ONEBIT: compressed_reducescatter with this
+        bucket's error buffer); free the parameters' .grad with free_grads (stage 2)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.grad = _kernels.pack(grads, torch.empty_like(self.flat))
-        self.handle = C.reducescatter_async(self.grad, op=C.Average, compression=compression,
-                                            process_set=process_set)
+        if compression == ONEBIT:
+            self.handle = C.compressed_reducescatter_async(self.grad, self.error, block_size,
+                                                           process_set=process_set)
+        else:
+            self.handle = C.reducescatter_async(self.grad, op=C.Average,
+                                                compression=compression,
+                                                process_set=process_set)
         if free_grads:
             for p in self.params:
                 p.grad = None
@@ -112,7 +125,11 @@ class ZeroOptimizer(Overlapped):
     process_set, which every rank of the job must belong to, or be outside of and not use
     this optimizer). compression=Compression.fp16 reduce-scatters the gradients in float16
     (half of float32's bytes, summed in float16); Compression.int8 sends each rank's piece
-    as int8 with a scale per block (a quarter), summed in float32 by its owner.
+    as int8 with a scale per block (a quarter), summed in float32 by its owner; ONEBIT
+    ("onebit") sends signs with one scale per onebit_block_size elements (None: one per
+    piece), with error feedback: each rank keeps a float32 error buffer as large as the
+    gradients (what it compresses is its whole gradient), saved in its shard and restarted
+    at zeros when resharded.
 
     Wrap a fresh optimizer (no state yet) after the parameters are alike on every rank
     (broadcast_parameters), before the first backward. Parameters with requires_grad=False
@@ -125,7 +142,7 @@ class ZeroOptimizer(Overlapped):
     def __init__(self, optimizer: torch.optim.Optimizer, stage: int = 2,
                  process_set: C.ProcessSet | None = None,
                  compression: Any = C.Compression.none, backward_passes_per_step: int = 1,
-                 fusion_threshold_bytes: int = 64 << 20):
+                 fusion_threshold_bytes: int = 64 << 20, onebit_block_size: int | None = 32):
         super().__init__(optimizer, backward_passes_per_step)
         if stage not in (1, 2) or isinstance(stage, bool):
             raise ValueError(f"stage: expected 1 or 2, got {stage!r}")
@@ -136,14 +153,17 @@ class ZeroOptimizer(Overlapped):
             raise ValueError("optimizer: expected a fresh optimizer (its state is sharded as "
                              "it is created); load saved state with load_state_dict() after "
                              "wrapping")
-        if not any(compression is c for c in _COMPRESSORS.values()):
-            raise ValueError(f"compression: expected Compression.none, fp16 or int8, got "
-                             f"{compression!r}")
+        if compression != ONEBIT and not any(compression is c for c in _COMPRESSORS.values()):
+            raise ValueError(f"compression: expected Compression.none, fp16, int8 or "
+                             f"{ONEBIT!r}, got {compression!r}")
+        if onebit_block_size is not None:
+            _check_int("onebit_block_size", onebit_block_size, 1)
         self.stage = stage
         self._compression = compression
+        self._block_size = onebit_block_size
         self._set = process_set
         threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
-        rank = C.rank() if process_set is None else process_set.rank()
+        self._rank = rank = C.rank() if process_set is None else process_set.rank()
         self._size = C.size() if process_set is None else process_set.size()
         # every group's parameters as given (frozen ones too): the consolidated numbering
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
@@ -154,7 +174,7 @@ class ZeroOptimizer(Overlapped):
                                 f"supported; expected one of {[str(d) for d in _GRAD_DTYPES]}")
         if len({id(p) for p in trainable}) != len(trainable):
             raise ValueError("optimizer: a parameter is in more than one param group")
-        self._watch([_Bucket(ps, rank, self._size)
+        self._watch([_Bucket(ps, rank, self._size, compression == ONEBIT)
                      for ps in bucketed(list(reversed(trainable)), threshold)])
         group_of = {id(p): k for k, g in enumerate(self._groups) for p in g}
         pieces: list[list[torch.Tensor]] = [[] for _ in self._groups]
@@ -220,7 +240,7 @@ class ZeroOptimizer(Overlapped):
         return f"a parameter of shape {tuple(param.shape)}"
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.launch(self._set, self._compression, self.stage == 2)
+        bucket.launch(self._set, self._compression, self._block_size, self.stage == 2)
 
     def _finish(self, bucket: _Bucket) -> None:
         bucket.finish()
@@ -239,7 +259,8 @@ class ZeroOptimizer(Overlapped):
         return {"format": SHARD_FORMAT, "world_size": self._size,
                 "numels": [[p.numel() for p in g] for g in self._groups],
                 "placement": [list(g) for g in self._placement],
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict(),
+                "errors": [b.error.clone() for b in self._buckets if b.error is not None]}
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Load a shard of this layout, the list of every rank's shards (any world size:
@@ -259,6 +280,23 @@ class ZeroOptimizer(Overlapped):
             numbered.append({**group, "params": list(range(start, start + len(placement)))})
             start += len(placement)
         self.optimizer.load_state_dict({"state": state, "param_groups": numbered})
+        self._load_errors(state_dict)
+
+    def _load_errors(self, saved: Any) -> None:
+        """1-bit's error buffers: this rank's saved ones where the layout is the same (its
+        own shard, or the list saved at this world size), else zeros."""
+        mine = saved if isinstance(saved, dict) else saved[self._rank] \
+            if isinstance(saved, (list, tuple)) and len(saved) == self._size else None
+        errors = mine.get("errors") if isinstance(mine, dict) and \
+            mine.get("world_size") == self._size else None
+        ours = [b.error for b in self._buckets if b.error is not None]
+        same = errors is not None and len(errors) == len(ours) and all(
+            e.shape == o.shape for e, o in zip(errors, ours))
+        for k, error in enumerate(ours):
+            if same:
+                error.copy_(errors[k])
+            else:
+                error.zero_()
 
     def consolidated_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """Collective: on rank `to` (of the process set), the wrapped optimizer's state dict

@@ -200,20 +200,21 @@ def test_resharding_to_another_world_size(comm):
         C.remove_process_set(pair)
 
 
-@pytest.mark.parametrize("compression", ["fp16", "int8"])
+@pytest.mark.parametrize("compression", ["fp16", "int8", "onebit"])
 def test_compression(comm, compression):
     """Gradients reduce-scattered compressed: close to the uncompressed run, not equal to
     it, and alike on every rank."""
     n = comm.Get_size()
-    model, opt, ref, ref_opt = _twins("sgd", compression=getattr(C.Compression, compression),
+    model, opt, ref, ref_opt = _twins("sgd", compression=getattr(C.Compression, compression,
+                                                                 compression),
                                       fusion_threshold_bytes=300)
     for step in range(3):
         _step(comm, model, opt, step)
         _ref_step(n, ref, ref_opt, step)
-    tol = {"fp16": 1e-3, "int8": 2e-2}[compression]
+    tol = {"fp16": 1e-3, "int8": 2e-2, "onebit": 0.1}[compression]
     assert 0 < max_diff(model, ref) <= tol
     assert_same_on_all_ranks(comm, flat_params(model).numpy(), "parameters")
-    with pytest.raises(ValueError, match="compression: expected Compression.none, fp16 or"):
+    with pytest.raises(ValueError, match="compression: expected Compression.none, fp16, int8"):
         ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), compression="int4")
 
 
@@ -326,3 +327,27 @@ def test_a_sparse_gradient_is_refused(comm):
                                            "shape \\(10, 3\\) is sparse"):
         emb(torch.tensor([1, 2])).sum().backward()
     del opt
+
+
+def test_onebit_error_buffers_are_checkpointed(comm):
+    """1-bit's error buffers are in the shard: a copy loaded from the shards goes on
+    bitwise; loaded from the consolidated dict (no buffers) it restarts them at zeros and
+    goes on differently."""
+    model, opt, _, _ = _twins("adam", stage=2, compression="onebit", fusion_threshold_bytes=300)
+    for step in range(2):
+        _step(comm, model, opt, step)
+    assert any(b.error.abs().max() > 0 for b in opt._buckets)
+    shards = C.allgather_object(opt.state_dict())
+    full = C.broadcast_object(opt.consolidated_state_dict(), root_rank=0)
+    copies = []
+    for saved in (shards, full):
+        twin, twin_opt, _, _ = _twins("adam", stage=2, compression="onebit",
+                                      fusion_threshold_bytes=300)
+        twin.load_state_dict(model.state_dict())
+        twin_opt.load_state_dict(saved)
+        copies.append(twin)
+        for step in range(2, 4):
+            _step(comm, twin, twin_opt, step)
+    for step in range(2, 4):
+        _step(comm, model, opt, step)
+    assert max_diff(copies[0], model) == 0 and max_diff(copies[1], model) > 0
