@@ -237,6 +237,13 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     _reduce_blocks(w, blocks, send, recv, op, dtype, allreduce=True)
 
 
+def has_fast_entry(algorithm: str, shared_channel: bool) -> bool:
+    """Whether an allreduce by algorithm can run whole in C++ after the agreement (the fast
+    entry, csrc/runtime/fast_allreduce.cpp): shm's pipeline, where the agreement runs in a
+    shared window. (The calls that ride in the agreement have one too, whatever runs them.)"""
+    return algorithm == "shm" and shared_channel
+
+
 def allreduce_pipeline(comm: MPI.Comm, elems: int, itemsize: int) -> tuple | None:
     """What a C++ caller needs to run allreduce()'s pipeline on elems elements of itemsize
     bytes itself (_C.FastAllreduce: csrc/runtime/fast_allreduce.cpp): (bounds, e, nchunks, window),

@@ -93,7 +93,7 @@ def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbyte
         itemsize = STORAGE[dtype].itemsize
         count = nbytes // itemsize
         pipeline = shm.allreduce_pipeline(topo.comm, count, itemsize) \
-            if algo == "shm" and topo.channel.shared and not rides else None
+            if shm.has_fast_entry(algo, topo.channel.shared) and not rides else None
         if rides or pipeline is not None:
             fast = _C.FastAllreduce(ENGINE.native, topo.channel, native, count, code, kop,
                                     divisor, pipeline)

@@ -72,7 +72,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from collectives.algorithms import costmodel
+from collectives.algorithms import costmodel, shm
 from collectives.auto import select
 from collectives.auto.autotune import Memory
 from collectives.kernels import _C
@@ -260,10 +260,10 @@ def _path(topo: Topology, candidates: list[str], nbytes: int) -> np.ndarray:
     over a shared window runs its calls through the C++ fast entry, any other on the
     general path, which costs the measured general_path_s more per call (the call's
     description, the engine's thread and the algorithm's Python around its data phase).
-    Zeros where no candidate has a fast entry. (Calls that never take the fast entry, staged device data and
-    bfloat16, are priced as if they did.)"""
+    Zeros where no candidate has a fast entry (algorithms/shm.has_fast_entry). Calls that
+    never take the fast entry, staged device data and bfloat16, are priced as if they did."""
     extra = costmodel.general_path_s() / max(nbytes, 1)
-    fast = [name == "shm" and topo.channel.shared for name in candidates]
+    fast = [shm.has_fast_entry(name, topo.channel.shared) for name in candidates]
     if not extra or not any(fast):
         return np.zeros(len(candidates))
     return np.array([0.0 if f else extra for f in fast])
