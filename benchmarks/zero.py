@@ -12,7 +12,8 @@ storage), the bytes of gradients held when the optimizer steps (the parameters' 
 and, for ZeRO, its pieces' reduced gradients; distinct storages counted once), the
 process's peak resident memory (everything: parameters, data, buckets in flight, torch
 itself), and the median seconds of a step (forward, backward, the reductions, the
-optimizer and, for ZeRO, the allgather). Rank 0 prints a Markdown row.
+optimizer and, for ZeRO, the allgather), with the gradients' --compression. Rank 0 prints
+a Markdown row.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def run(mode: str, args) -> tuple[int, int, float]:
                             for m in (nn.Linear(args.width, args.width), nn.Tanh())])
     adam = torch.optim.Adam(model.parameters(), lr=1e-4)
     bucket = args.bucket_mib << 20
-    opt = DistributedOptimizer(adam, fusion_threshold_bytes=bucket) if mode == "ddp" else \
-        ZeroOptimizer(adam, stage=int(mode[-1]), fusion_threshold_bytes=bucket)
+    compression = getattr(C.Compression, args.compression, args.compression)
+    opt = DistributedOptimizer(adam, fusion_threshold_bytes=bucket, compression=compression) \
+        if mode == "ddp" else ZeroOptimizer(adam, stage=int(mode[-1]), compression=compression,
+                                            fusion_threshold_bytes=bucket)
     rows = args.batch // C.size()
     x, y = torch.randn(rows, args.width), torch.randn(rows, args.width)
     times, grads = [], 0
@@ -73,6 +76,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--bucket-mib", type=int, default=16, help="fusion_threshold_bytes, MiB")
     p.add_argument("--mode", choices=("ddp", "zero1", "zero2"), default="zero2")
+    p.add_argument("--compression", choices=("none", "fp16", "int8", "onebit"), default="none",
+                   help="onebit: ZeRO only")
     args = p.parse_args()
     C.init()
     torch.set_num_threads(1)
@@ -85,6 +90,7 @@ def main() -> None:
         names = {"ddp": "DistributedOptimizer", "zero1": "ZeroOptimizer stage 1",
                  "zero2": "ZeroOptimizer stage 2"}
         print(f"| {C.size()} | {params * 4 / 2**20:.0f} | {names[args.mode]} | "
+              f"{args.compression} | "
               f"{state / 2**20:.1f} | {grads / 2**20:.1f} | {peak / 2**20:.0f} | "
               f"{seconds * 1e3:.1f} |")
 
