@@ -112,6 +112,27 @@ def distributed_step(comm, model, opt, step: int, passes: int = 1, clip: float |
     opt.zero_grad()
 
 
+def scaled_step(comm, model, opt, ref, ref_opt, scalers, step: int,
+                dtype=torch.float64) -> None:
+    """One GradScaler step in Horovod's pattern on opt (reduce with synchronize(), unscale,
+    step inside skip_synchronize()) and a plain one on ref_opt over every shard; scalers:
+    (opt's, ref_opt's)."""
+    scaler, ref_scaler = scalers
+    n = comm.Get_size()
+    x, y = batch(n, step, 0, dtype)
+    scaler.scale(shard_loss(model, x, y, comm.Get_rank())).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    ref_scaler.scale(sum(shard_loss(ref, x, y, s) for s in range(n)) / n).backward()
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+    ref_opt.zero_grad()
+
+
 def reference_step(n: int, ref, ref_opt, step: int, passes: int = 1, clip: float | None = None,
                    grad_scale: float = 1.0, dtype=torch.float64) -> None:
     """The same step in one process: the loss averaged over all n shards."""

@@ -11,7 +11,16 @@ import pytest
 import torch
 from collectives.optim import DistributedOptimizer, broadcast_parameters
 from conftest import assert_same_on_all_ranks
-from test_optimizer import OPTIMIZERS, Net, batch, check_training, flat_params, max_diff, shard_loss
+from test_optimizer import (
+    OPTIMIZERS,
+    Net,
+    batch,
+    check_training,
+    flat_params,
+    max_diff,
+    scaled_step,
+    shard_loss,
+)
 from torch import nn
 
 
@@ -69,19 +78,7 @@ def test_grad_scaler_with_synchronize_then_skip(comm):
     scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=64.0), \
         torch.amp.GradScaler("cpu", init_scale=64.0)
     for step in range(3):
-        x, y = batch(comm.Get_size(), step, 0)
-        scaler.scale(shard_loss(model, x, y, comm.Get_rank())).backward()
-        opt.synchronize()
-        scaler.unscale_(opt)
-        with opt.skip_synchronize():
-            scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        n = comm.Get_size()
-        ref_scaler.scale(sum(shard_loss(ref, x, y, s) for s in range(n)) / n).backward()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        ref_opt.zero_grad()
+        scaled_step(comm, model, opt, ref, ref_opt, (scaler, ref_scaler), step)
     assert max_diff(model, ref) <= 1e-10
     assert_same_on_all_ranks(comm, flat_params(model).numpy(), "parameters")
 

@@ -15,7 +15,7 @@ import torch
 from collectives.optim import ZeroOptimizer
 from collectives.optim.zero import IN_FLIGHT
 from conftest import assert_same_on_all_ranks
-from test_optimizer import Net, batch, flat_params, max_diff, shard_loss
+from test_optimizer import Net, batch, flat_params, max_diff, scaled_step, shard_loss
 
 import collectives as C
 
@@ -221,7 +221,6 @@ def test_compression(comm, compression):
 def test_grad_scaler_after_synchronize(comm):
     """GradScaler unscales the pieces' reduced gradients (synchronize first, then step
     inside skip_synchronize), as a plain optimizer's with one process."""
-    n = comm.Get_size()
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
@@ -230,18 +229,7 @@ def test_grad_scaler_after_synchronize(comm):
     scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0), \
         torch.amp.GradScaler("cpu", init_scale=1024.0)
     for step in range(3):
-        x, y = batch(n, step, 0, torch.float32)
-        scaler.scale(shard_loss(model, x, y, comm.Get_rank())).backward()
-        opt.synchronize()
-        scaler.unscale_(opt)
-        with opt.skip_synchronize():
-            scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        ref_scaler.scale(sum(shard_loss(ref, x, y, s) for s in range(n)) / n).backward()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        ref_opt.zero_grad()
+        scaled_step(comm, model, opt, ref, ref_opt, (scaler, ref_scaler), step, torch.float32)
         assert max_diff(model, ref) <= 1e-5, f"step {step}"
     assert scaler.get_scale() == ref_scaler.get_scale()
 
