@@ -66,9 +66,6 @@ class _Bucket:
         # handles are None for those reduced dense (sparse_as_dense)
         self.sparse: list[tuple] = []
 
-    def complete(self) -> bool:
-        return self.ready == len(self.params)
-
     def launch(self, how: _Reduction) -> None:
         """Pack the gradients and start their allreduce. A parameter that got no gradient
         this step contributes zeros (and receives the reduced gradient as its .grad)."""

@@ -59,18 +59,17 @@ class _Bucket:
     """Parameters of one dtype and device sharing one flat buffer; this rank's piece of it
     is [lo, hi), and `pieces` are its overlaps with the parameters."""
 
-    __slots__ = ("params", "starts", "flat", "lo", "hi", "pieces", "ready", "grad", "handle",
-                 "error")
+    __slots__ = ("params", "flat", "lo", "hi", "pieces", "ready", "grad", "handle", "error")
 
     def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool):
         self.params = params
-        self.starts, total = [], 0
+        starts, total = [], 0
         for p in params:
-            self.starts.append(total)
+            starts.append(total)
             total += p.numel()
         self.flat = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
-            for p, start in zip(params, self.starts):
+            for p, start in zip(params, starts):
                 self.flat[start:start + p.numel()].copy_(p.reshape(-1))
                 p.data = self.flat[start:start + p.numel()].view_as(p)
         bounds = even_bounds(total, size)
@@ -78,7 +77,7 @@ class _Bucket:
         # (parameter, offset of the piece in the parameter, piece, its offset in [lo, hi)):
         # the pieces are views of flat
         self.pieces: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
-        for p, start in zip(params, self.starts):
+        for p, start in zip(params, starts):
             a, b = max(start, self.lo), min(start + p.numel(), self.hi)
             if a < b:
                 self.pieces.append((p, a - start, self.flat[a:b], a - self.lo))
@@ -369,8 +368,7 @@ def _full_states(saved: Any, groups: list[list[torch.Tensor]]
                     else:
                         entry[key] = value
                 index += 1
-    return full, [{k: v for k, v in g.items() if k != "params"}
-                  for g in shards[0]["optimizer"]["param_groups"]]
+    return full, _hyperparameters(shards[0]["optimizer"]["param_groups"])
 
 
 def _from_plain(saved: dict[str, Any], groups: list[list[torch.Tensor]]
@@ -385,4 +383,9 @@ def _from_plain(saved: dict[str, Any], groups: list[list[torch.Tensor]]
         k, i = position[index]
         full[(k, i)] = {key: value.reshape(-1) if _sliced(value, groups[k][i].numel())
                         else value for key, value in entry.items()}
-    return full, [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+    return full, _hyperparameters(saved["param_groups"])
+
+
+def _hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each saved group's entries but its parameters' indices."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
