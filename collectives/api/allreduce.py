@@ -14,6 +14,7 @@ from collectives.api.base import (
     check_algorithm,
     check_list,
     check_reduction,
+    compressed_into,
     one_dtype,
     scale,
     scale_factors,
@@ -170,13 +171,8 @@ def _compressed(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: s
     out = buf if inplace else buf.empty(buf.shape)
 
     def move() -> Any:
-        values = host_float(buf.flat, buf.dtype)
-        if pre != 1:
-            values = values * values.dtype.type(pre)
-        reduced = compressor.allreduce(topo, values, op, algorithm)
-        if post != 1:
-            reduced *= reduced.dtype.type(post)
-        store_float(out.flat, out.dtype, reduced)
+        compressed_into(out, buf, pre, post,
+                        lambda values: compressor.allreduce(topo, values, op, algorithm))
         return buf.result_from(out)
 
     return call, Job(move)

@@ -5,6 +5,7 @@ handles of async calls."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -101,6 +102,20 @@ def scale(src: np.ndarray, dst: np.ndarray, dtype: str, factor: float) -> None:
         store_float(dst, dtype, host_float(src, dtype).astype(np.float32) * np.float32(factor))
     else:
         dst[...] = (src * factor).astype(dst.dtype)
+
+
+def compressed_into(out: Buffer, buf: Buffer, pre: float, post: float,
+                    run: Callable[[np.ndarray], np.ndarray]) -> None:
+    """out = run(buf's values scaled by pre) scaled by post: a compressor's collective
+    (run) takes and returns host float arrays (bfloat16 widened to float32), and out keeps
+    its dtype (rounded to nearest even)."""
+    values = host_float(buf.flat, buf.dtype)
+    if pre != 1:
+        values = values * values.dtype.type(pre)
+    result = run(values)
+    if post != 1:
+        result *= result.dtype.type(post)
+    store_float(out.flat, out.dtype, result)
 
 
 def one_dtype(bufs: list[Buffer]) -> str:

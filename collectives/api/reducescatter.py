@@ -11,6 +11,7 @@ from collectives.api import calls, process_sets
 from collectives.api.base import (
     check_list,
     check_reduction,
+    compressed_into,
     need_dim0,
     one_dtype,
     row_elems,
@@ -22,7 +23,7 @@ from collectives.compression import Compression, check_compression
 from collectives.dtypes import FLOATING, STORAGE
 from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime import topology
-from collectives.runtime.buffers import host_float, store_float, wrap
+from collectives.runtime.buffers import wrap
 from collectives.runtime.engine import Handle, Job
 from collectives.runtime.p2p import even_split
 
@@ -72,14 +73,9 @@ def _compressed(topo: topology.Topology, buf: Any, op: ReduceOp, algorithm: Any,
     def move() -> Any:
         rows = even_split(buf.shape[0], topo.size)
         elems = row_elems(buf.shape)
-        values = host_float(buf.flat, buf.dtype)
-        if pre != 1:
-            values = values * values.dtype.type(pre)
-        mine = compressor.reducescatter(topo, values, [r * elems for r in rows], op, algorithm)
-        if post != 1:
-            mine *= mine.dtype.type(post)
         out = buf.empty((rows[topo.rank],) + buf.shape[1:])
-        store_float(out.flat, out.dtype, mine)
+        compressed_into(out, buf, pre, post, lambda values: compressor.reducescatter(
+            topo, values, [r * elems for r in rows], op, algorithm))
         return out.result()
 
     return call, Job(move)
