@@ -8,7 +8,7 @@ This module is the facade: the public API (collectives.api) under the package's 
 where torch is installed, the "collectives" torch.distributed backend registered. The
 layers below it, lowest first (each package's docstring says what it owns and may import):
 config, dtypes, ops (leaves) -> kernels -> runtime -> algorithms -> auto -> compression
--> api -> optim -> integrations -> horovod. See docs/architecture.md."""
+-> api -> optim -> elastic -> integrations -> horovod. See docs/architecture.md."""
 
 import importlib.util
 import sys

@@ -41,6 +41,12 @@ class Config:
     #: The algorithm the torch.distributed backend (collectives/integrations/torch_backend.py)
     #: runs its reductions, gathers and broadcasts with: one of collectives.ALGORITHMS.
     algorithm: str = "auto"
+    #: Fault-tolerant mode (collectives/runtime/faults.py): a rank that dies raises
+    #: RanksFailedError on every survivor instead of ending the job, and
+    #: collectives.elastic can shrink the job and go on. None = on when the job runs
+    #: under `mpirun --with-ft ulfm` (Open MPI sets OMPI_MCA_mpi_ft_enable=1 in the
+    #: ranks' environment); decided when the options are read.
+    fault_tolerant: bool | None = None
 
 
 def _parse(field: dataclasses.Field, text: str):
@@ -69,6 +75,9 @@ def from_env(environ: dict[str, str] | None = None) -> Config:
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}; known: {sorted(fields)}")
     values = {f.name: _parse(f, environ[var]) for var, f in fields.items() if var in environ}
+    if values.get("fault_tolerant") is None:
+        values["fault_tolerant"] = environ.get("OMPI_MCA_mpi_ft_enable", "0").lower() in (
+            "1", "true")
     return Config(**values)
 
 

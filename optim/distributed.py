@@ -104,6 +104,10 @@ class _Bucket:
                                              C.synchronize(values) * scale, p.grad.shape,
                                              check_invariants=False).coalesce()  # valid:
             # every rank's indices of a coalesced gradient of this shape
+        self.drop()
+
+    def drop(self) -> None:
+        """Forget this step's gradients and reductions (done, or abandoned)."""
         self.grads, self.sparse, self.handle, self.ready = [], [], None, 0
 
 

@@ -121,13 +121,26 @@ class Overlapped(WrappedOptimizer):
         with self._lock:
             if self._synchronized:
                 return
-            while self._next < len(self._buckets):
-                self._launch_next()
-            for bucket in self._buckets[self._done:]:
-                self._finish(bucket)
+            try:
+                while self._next < len(self._buckets):
+                    self._launch_next()
+                for bucket in self._buckets[self._done:]:
+                    self._finish(bucket)
+            except BaseException:
+                self._abandon()
+                raise
             self._next = self._done = 0
             self._counts.clear()
             self._synchronized = True
+
+    def _abandon(self) -> None:
+        """Forget a step whose reductions failed (ranks died: collectives.elastic restores
+        the last commit and trains on), so the next backward starts a fresh step."""
+        self._next = self._done = 0
+        self._reset_counts()
+        for bucket in self._buckets:
+            bucket.drop()
+        self._synchronized = True
 
     def _grad_ready(self, param: torch.Tensor, bucket: Any) -> None:
         """Hook: count a backward pass for param; launch the complete buckets in order."""
@@ -143,9 +156,13 @@ class Overlapped(WrappedOptimizer):
             if count < self._passes:
                 return
             bucket.ready += 1
-            while self._next < len(self._buckets) and \
-                    self._buckets[self._next].ready == len(self._buckets[self._next].params):
-                self._launch_next()
+            try:
+                while self._next < len(self._buckets) and \
+                        self._buckets[self._next].ready == len(self._buckets[self._next].params):
+                    self._launch_next()
+            except BaseException:
+                self._abandon()
+                raise
 
     def _launch_next(self) -> None:
         self._launch(self._buckets[self._next])

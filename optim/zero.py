@@ -112,6 +112,10 @@ class _Bucket:
         mine = C.synchronize(self.handle)
         for _, _, piece, start in self.pieces:
             piece.grad = mine[start:start + piece.numel()]
+        self.drop()
+
+    def drop(self) -> None:
+        """Forget this step's packed gradients and reduction (done, or abandoned)."""
         self.grad, self.handle, self.ready = None, None, 0
 
 

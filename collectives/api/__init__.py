@@ -72,6 +72,7 @@ from collectives.ops import Average, Max, Min, Product, ReduceOp, Sum
 from collectives.runtime import topology
 from collectives.runtime.agreement import MismatchError
 from collectives.runtime.engine import Handle
+from collectives.runtime.faults import RanksFailedError
 from collectives.runtime.topology import (
     cross_rank,
     cross_size,
@@ -101,7 +102,8 @@ topology.on_init(lambda topo: autotune.install(topo, timed_call))
 
 __all__ = [
     "ALGORITHMS", "Average", "Compression", "Handle", "Max", "Min", "MismatchError",
-    "ProcessSet", "Product", "ReduceOp", "StallError", "Sum", "add_process_set",
+    "ProcessSet", "Product", "RanksFailedError", "ReduceOp", "StallError", "Sum",
+    "add_process_set",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",

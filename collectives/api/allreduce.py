@@ -24,7 +24,7 @@ from collectives.auto import online, select
 from collectives.compression import Compression, check_compression
 from collectives.dtypes import FLOATING, NUMPY_NAMES, STORAGE, torch_dtype_name
 from collectives.ops import ReduceOp, check_op
-from collectives.runtime import topology
+from collectives.runtime import faults, topology
 from collectives.runtime.buffers import (
     POOL_MIN_BYTES,
     Buffer,
@@ -61,7 +61,10 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
         # a large result's memory comes from the result pool (no fresh pages to fault in)
         out = x if inplace else None if x.nbytes < POOL_MIN_BYTES else host_empty(x.shape,
                                                                                   x.dtype)
-        return call.fast(x, out)
+        try:
+            return call.fast(x, out)
+        except Exception as exc:
+            faults.reraise(topo, exc)
     # a tensor goes in by address: its dtype and shape are the described call's, so only
     # where it lives and its layout are left to check
     if type(x) is not _Tensor or not x.is_cpu or x.requires_grad and inplace \
@@ -76,7 +79,10 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
         out = torch.empty_like(x, requires_grad=False)
     else:
         out = torch.from_numpy(host_empty(x.shape, STORAGE[torch_dtype_name(x.dtype)]))
-    return out if call.fast.at(x.data_ptr(), out.data_ptr()) else None
+    try:
+        return out if call.fast.at(x.data_ptr(), out.data_ptr()) else None
+    except Exception as exc:
+        faults.reraise(topo, exc)
 
 
 def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compression: Any,

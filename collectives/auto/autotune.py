@@ -192,7 +192,8 @@ def general_path(topo: Any, timed: Timed) -> float:
 
 def setup(topo: Any, timed: Timed) -> dict:
     """The tuning `auto` uses in this job (collective over the job): the tuning file, else
-    the cache, else a fresh measurement saved to the cache; {} when autotuning is off."""
+    the cache, else a fresh measurement saved to the cache; {} when autotuning is off, or
+    when the job was shrunk after a failure (no measurement delays its recovery)."""
     config = topo.config
     if config.tuning_file:
         tuning = _tuning_file(topo, config.tuning_file)
@@ -205,6 +206,8 @@ def setup(topo: Any, timed: Timed) -> dict:
     cached = _on_rank0(topo.comm, lambda: _read(path) if path.exists() else None)
     if cached is not None and cached.get("key") == k:
         return cached
+    if topo.generation:  # a job shrunk after a failure goes on at once, on the model
+        return {}
     started = time.perf_counter()
     tuning = {"key": k, "nodes": k["nodes"], "world_size": topo.size,
               "params": dataclasses.asdict(costmodel.params()), "measured": measure(topo, timed),

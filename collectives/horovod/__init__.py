@@ -6,9 +6,11 @@ Same names, signatures, defaults and semantics as horovod.torch 0.28: `average=`
 there too) and `op=`, the auto-differentiable allreduce / allgather / broadcast / alltoall /
 reducescatter, async handles with poll() and synchronize(), a name that is still in flight
 cannot be reused, process sets, join, the timeline, DistributedOptimizer and the
-broadcasts. Errors: a call that differs across ranks raises collectives.MismatchError,
-which is a RuntimeError as Horovod's are (and a ValueError); HorovodInternalError is
-raised when a collective cannot complete (a stall timeout).
+broadcasts, elastic training (`hvd.elastic`: run, State, ObjectState, TorchState,
+ElasticSampler, under `mpirun --with-ft ulfm`). Errors: a call that differs across ranks
+raises collectives.MismatchError, which is a RuntimeError as Horovod's are (and a
+ValueError); HorovodInternalError is raised when a collective cannot complete (a stall
+timeout, or ranks that died).
 
 The drop-in stands above everything but the facade: common.py (ops, argument rules,
 names in flight), job.py (init, flags), reduce.py, gather.py, optimizer.py.
@@ -16,6 +18,7 @@ May import: every layer below it (api, optim, integrations and what they stand o
 
 from __future__ import annotations
 
+from collectives import elastic  # noqa: F401 (hvd.elastic: Horovod's elastic names)
 from collectives.api.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401
 from collectives.api.timeline import start_timeline, stop_timeline  # noqa: F401
 from collectives.compression import Compression  # noqa: F401

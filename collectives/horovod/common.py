@@ -24,13 +24,14 @@ Average, Sum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min,
 #: Horovod's Adasum op (collectives/api/adasum.py).
 Adasum = "Adasum"
 
-#: Raised when a collective cannot complete (Horovod's name for it).
+#: Raised when a collective cannot complete (Horovod's name for it): a stall timeout, or
+#: ranks that died (its subclass RanksFailedError, in fault-tolerant mode).
 HorovodInternalError = _C.StallError
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's elastic-training interrupt; elastic training is not provided, so nothing
-    raises it, but scripts that catch it import it."""
+    """Horovod's interrupt for hosts that joined an elastic job. Ranks never join a running
+    job here (it only shrinks), so nothing raises it, but scripts that catch it import it."""
 
 
 # -------------------------------------------------------------------------- arguments

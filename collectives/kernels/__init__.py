@@ -41,10 +41,12 @@ def reduce(dst: Array, srcs: Sequence[Array], dtype: str, op: ReduceOp) -> None:
 
 
 def shm_window(addresses: list[int], rank: int, header_bytes: int, stride: int,
-               slot_bytes: int, depth: int, spin_seconds: float, stall_seconds: float) -> Any:
-    """A shared window's layout for the C++ stages below (csrc/runtime/shm.h)."""
+               slot_bytes: int, depth: int, spin_seconds: float, stall_seconds: float,
+               pids: list[int]) -> Any:
+    """A shared window's layout for the C++ stages below (csrc/runtime/shm.h); pids, one
+    per rank (or none), make a long wait check that the rank it waits for is alive."""
     return _C.ShmWindow(addresses, rank, header_bytes, stride, slot_bytes, depth, spin_seconds,
-                        stall_seconds)
+                        stall_seconds, pids)
 
 
 def shm_reduce(window: Any, send: np.ndarray, recv: np.ndarray, bounds: list[int],

@@ -26,12 +26,14 @@ import numpy as np
 
 from collectives.dtypes import CODES
 from collectives.kernels import _C
+from collectives.runtime import faults
 
 
 class Communicator(Protocol):
     """What the engine reads of a communicator (runtime/topology.py's Topology)."""
 
     channel: Any  # _C.AgreeChannel: its agreement exchange
+    failed: list[int] | None  # ranks lost (runtime/faults.py)
 
 
 class Described(Protocol):
@@ -159,8 +161,14 @@ class Engine:
 
 
 def _execute(native: Any, topo: Communicator, call: Described, job: Job, queued: float = -1.0) -> Any:
-    return native.execute(topo.channel, call.native, job.send, job.out, job.count,
-                          job.dtype_code, job.op_code, job.divisor, job.move, queued)
+    """The call, run; a failure of ranks raised as runtime/faults.py's RanksFailedError."""
+    if topo.failed is not None:
+        faults.check(topo)
+    try:
+        return native.execute(topo.channel, call.native, job.send, job.out, job.count,
+                              job.dtype_code, job.op_code, job.divisor, job.move, queued)
+    except Exception as exc:
+        faults.reraise(topo, exc)
 
 
 ENGINE = Engine()

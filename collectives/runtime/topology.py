@@ -31,8 +31,10 @@ class Topology:
     """One communicator as collectives uses it. `comm` is a private duplicate of the user's
     communicator so our messages never match theirs. Creating one is collective over comm."""
 
-    def __init__(self, comm: MPI.Comm, config: _config.Config, watchdog: Watchdog):
+    def __init__(self, comm: MPI.Comm, config: _config.Config, watchdog: Watchdog,
+                 generation: int = 0):
         self.config, self.watchdog = config, watchdog
+        self.generation = generation  # shrinks after failures that led to this job's comm
         ranks_per_node = config.ranks_per_node
         self.comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -75,6 +77,7 @@ class Topology:
         self.timeline: dict[str, Any] | None = None  # api/timeline.py: the recording, if any
         self.ipc: Any = None                        # algorithms/device.py: the node's CUDA
                                                     # IPC workspaces (runtime/ipc.py)
+        self.failed: list[int] | None = None        # runtime/faults.py: ranks lost, once seen
         self.in_flight: dict[str, Any] = {}         # horovod/common.py: async names in flight
         self.started = 0                            # horovod/common.py: async calls started,
         self.outstanding: list[tuple[int, Any]] = []  # and those not known finished
@@ -103,14 +106,20 @@ class Topology:
             ]
         return self._shard_comms[shard]
 
+    def comms(self) -> list[MPI.Comm]:
+        """The MPI communicators this object made."""
+        return [c for c in (self._shard_comms or []) + [self.cross_comm, self.node_comm,
+                                                        self.comm] if c != MPI.COMM_NULL]
+
     def free(self) -> None:
+        """Free what this object made (collective over comm). After a failure of ranks
+        (fault-tolerant mode) MPI lets the survivors free it without the dead."""
         if self.window is not None:
             self.window.free()
         if self.ipc is not None:
             self.ipc.close()
-        for c in (self._shard_comms or []) + [self.cross_comm, self.node_comm, self.comm]:
-            if c != MPI.COMM_NULL:
-                c.Free()
+        for c in self.comms():
+            c.Free()
 
 
 _topology: Topology | None = None
@@ -136,7 +145,8 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
         comm = MPI.COMM_WORLD if comm is None else comm
         watchdog = Watchdog(comm, config.stall_warning_s)
         _topology = Topology(comm, config, watchdog)
-        _abort_on_uncaught_exceptions()
+        if not config.fault_tolerant:  # there a rank that exits is a failure survived
+            _abort_on_uncaught_exceptions()
         try:
             for fn in _on_init:
                 fn(_topology)
@@ -147,6 +157,36 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
 
 
 _on_init: list[Callable[[Topology], None]] = []
+
+
+def shrink() -> Topology:
+    """Replace the job's Topology by one over the ranks still alive, numbered in their old
+    order, and return it: collective over the survivors, each of which calls it after
+    RanksFailedError (fault-tolerant mode; collectives.elastic does). Everything the old one
+    kept goes with it (nodes, windows, agreement channel, described calls, process sets,
+    `auto`'s trials); the new one runs init's hooks again, with its `generation` one up."""
+    global _topology
+    old = get()
+    if not old.config.fault_tolerant:
+        raise RuntimeError("shrink: the job is not fault-tolerant (run it under "
+                           "`mpirun --with-ft ulfm`, or set COLLECTIVES_FAULT_TOLERANT=1)")
+    for c in old.comms():  # a survivor still inside a call on them returns from it
+        try:
+            c.Revoke()
+        except MPI.Exception:
+            pass
+    survivors = old.comm.Shrink()
+    old.watchdog.stop()
+    try:
+        old.free()
+    except MPI.Exception:
+        pass  # what MPI cannot free after the failure is the dead ranks' loss, not ours
+    _topology = Topology(survivors, old.config, Watchdog(survivors, old.config.stall_warning_s),
+                         old.generation + 1)
+    survivors.Free()
+    for fn in _on_init:
+        fn(_topology)
+    return _topology
 
 
 def on_init(fn: Callable[[Topology], None]) -> None:
@@ -176,7 +216,8 @@ def of(comm: MPI.Comm | None) -> Topology:
 
 def _abort_on_uncaught_exceptions() -> None:
     """An uncaught exception on one rank ends the whole job (MPI_Abort) instead of leaving
-    the other ranks waiting forever in their next collective."""
+    the other ranks waiting forever in their next collective (outside fault-tolerant mode,
+    where the rank's exit is a failure the others raise RanksFailedError for)."""
     previous = sys.excepthook
 
     def hook(kind, value, tb) -> None:

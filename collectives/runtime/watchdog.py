@@ -74,11 +74,14 @@ class Watchdog:
         buf = bytearray(16)
         req = self.comm.Irecv(buf, MPI.ANY_SOURCE, TAG_ASK)
         status = MPI.Status()
-        while not self._stop.wait(0.05):
-            while req.Test(status):
-                asker, ask_id = status.Get_source(), bytes(buf[:8])
-                self.comm.send((ask_id, ENGINE.native.snapshot()), asker, TAG_ANSWER)
-                req = self.comm.Irecv(buf, MPI.ANY_SOURCE, TAG_ASK)
+        try:
+            while not self._stop.wait(0.05):
+                while req.Test(status):
+                    asker, ask_id = status.Get_source(), bytes(buf[:8])
+                    self.comm.send((ask_id, ENGINE.native.snapshot()), asker, TAG_ANSWER)
+                    req = self.comm.Irecv(buf, MPI.ANY_SOURCE, TAG_ASK)
+        except MPI.Exception:
+            return  # a rank failed (fault-tolerant mode): the job's rebuild makes a new one
         req.Cancel()
         req.Wait()
 

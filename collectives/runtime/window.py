@@ -1,5 +1,5 @@
 """A shared-memory window: one segment per rank of ranks that share a node, made with
-MPI.Win.Allocate_shared, holding three counters and `depth` staging buffers.
+MPI.Win.Allocate_shared, holding three counters, a failure flag and `depth` staging buffers.
 
 Chunk g (numbered across calls on the window, by its C++ side, which every call begins
 through) uses buffer g % depth. A counter is a number
@@ -14,11 +14,12 @@ ranks share memory (collectives/runtime/agreement.py: the shared-memory exchange
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 from mpi4py import MPI
 
-from collectives import kernels
+from collectives import config, kernels
 
 #: Seconds a waiting rank polls before it yields its core between polls (at once when the
 #: machine runs more ranks than it has cores: then the rank waited for may need this core).
@@ -50,13 +51,25 @@ def shares_memory(comm: MPI.Comm) -> bool:
     return shared
 
 
+#: Every window this process holds (mark_failed tells their ranks).
+_live: weakref.WeakSet[Window] = weakref.WeakSet()
+
+
+def mark_failed() -> None:
+    """Tell the ranks of every window this process holds that it met a failure: their waits
+    for it raise PeerFailure instead of waiting for a post that will not come (fault-tolerant
+    mode; runtime/faults.py)."""
+    for w in list(_live):
+        w.native.mark_failed()
+
+
 class Window:
     """One communicator's shared window: each rank's counters and staging buffers
     (collective over comm to make and to free). stall_seconds bounds a wait (inf: never).
     Its stages run in C++ on `native`, which also numbers the chunks (the same on every
     rank)."""
 
-    __slots__ = ("win", "slot_bytes", "native")
+    __slots__ = ("win", "slot_bytes", "native", "__weakref__")
 
     def __init__(self, comm: MPI.Comm, slot_bytes: int, depth: int, stall_seconds: float):
         self.slot_bytes = slot_bytes
@@ -80,11 +93,15 @@ class Window:
         for segment in raw:
             int(np.frombuffer(segment, np.uint8)[::_PAGE].sum())
         spin_seconds = SPIN_SECONDS if ranks_on_machine(size) <= cores() else 0.0
+        # fault-tolerant mode: a long wait checks that the rank it waits for is alive
+        pids = comm.allgather(os.getpid()) if config.get().fault_tolerant else []
         self.native = kernels.shm_window(
             [np.frombuffer(b, np.uint8).ctypes.data for b in raw], rank, _HEADER, _STRIDE,
-            slot_bytes, depth, spin_seconds, stall_seconds)
+            slot_bytes, depth, spin_seconds, stall_seconds, pids)
+        _live.add(self)
 
     def free(self) -> None:
+        _live.discard(self)
         self.native.close()  # a C++ entry still holding it must not touch the memory
         self.win.Unlock_all()
         self.win.Free()

@@ -8,6 +8,7 @@
 #include "bindings/check.h"
 #include "bindings/module.h"
 #include "runtime/shm.h"
+#include "runtime/shm_sync.h"
 
 namespace py = pybind11;
 using namespace collectives;
@@ -17,10 +18,13 @@ namespace {
 
 ShmWindow make_shm_window(const std::vector<uintptr_t>& segments, int rank,
                           int64_t header_bytes, int64_t stride, int64_t slot_bytes,
-                          int64_t depth, double spin_seconds, double stall_seconds) {
+                          int64_t depth, double spin_seconds, double stall_seconds,
+                          const std::vector<int64_t>& pids) {
   if (rank < 0 || rank >= static_cast<int>(segments.size()))
     throw py::value_error("rank: out of range");
-  if (depth <= 0 || slot_bytes <= 0 || header_bytes < 3 * stride * 8 || stride <= 0)
+  if (!pids.empty() && pids.size() != segments.size())
+    throw py::value_error("pids: one per segment, or none");
+  if (depth <= 0 || slot_bytes <= 0 || header_bytes < 4 * stride * 8 || stride <= 0)
     throw py::value_error("depth, slot_bytes, header_bytes, stride: bad window layout");
   ShmWindow w;
   for (uintptr_t a : segments) w.segments.push_back(reinterpret_cast<unsigned char*>(a));
@@ -31,6 +35,7 @@ ShmWindow make_shm_window(const std::vector<uintptr_t>& segments, int rank,
   w.depth = depth;
   w.spin_seconds = spin_seconds;
   w.stall_seconds = stall_seconds;
+  for (int64_t pid : pids) w.pids.push_back(static_cast<pid_t>(pid));
   return w;
 }
 
@@ -117,10 +122,15 @@ void py_shm_broadcast(ShmWindow& w, const py::buffer& buf, int64_t nbytes,
 }  // namespace
 
 void bind_shm(py::module_& m) {
+  py::register_exception<PeerFailure>(m, "PeerFailure", PyExc_RuntimeError);
   py::class_<ShmWindow>(m, "ShmWindow", "A shared window's layout, seen from one rank (shm.h)")
       .def(py::init(&make_shm_window), py::arg("segments"), py::arg("rank"),
            py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),
-           py::arg("spin_seconds"), py::arg("stall_seconds"))
+           py::arg("spin_seconds"), py::arg("stall_seconds"), py::arg("pids"))
+      .def(
+          "mark_failed", [](const ShmWindow& w) { Sync::mark_failed(w); },
+          "Tell the window's ranks that this one met a failure: their waits for it raise "
+          "PeerFailure")
       .def(
           "set_jitter",
           [](ShmWindow& w, double seconds) {

@@ -4,9 +4,12 @@
 // module docstring first.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <functional>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/dtypes.h"
@@ -17,6 +20,13 @@ namespace collectives {
 // Called while a wait has lasted `seconds` (the agreement's watchdog, agree.h); returns the
 // waited time at which to be called next, or throws to give up.
 using OnWait = std::function<double(double seconds)>;
+
+// A rank of the window's group died, or reported that it met a failure (fault-tolerant
+// mode only): the call cannot finish. collectives.runtime.faults turns it into the job's
+// RanksFailedError.
+struct PeerFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 struct ShmWindow {
   std::vector<unsigned char*> segments;  // each rank's segment: counters page, then slots
@@ -31,6 +41,8 @@ struct ShmWindow {
                               // fifth of the posts, so ranks drift apart mid-call
   int64_t seq = 0;            // chunks begun on the window: the same count on every rank
   bool closed = false;        // the window's memory was freed (close()): no stage may run
+  std::vector<pid_t> pids;    // fault-tolerant mode: each rank's process, checked alive by
+                              // a long wait (empty: not checked; shm_sync.h)
 
   // The number of a call's first chunk; its nchunks chunks are counted as begun.
   int64_t begin(int64_t nchunks) {
@@ -42,7 +54,9 @@ struct ShmWindow {
 };
 
 // Counter indices (shm.py: READY, REDUCED, DONE).
-enum ShmCounter : int64_t { kReady = 0, kReduced = 1, kDone = 2 };
+// kFailed is not a count: nonzero once its rank met a failure (fault-tolerant mode), so that
+// ranks waiting for it stop.
+enum ShmCounter : int64_t { kReady = 0, kReduced = 1, kDone = 2, kFailed = 3 };
 
 // Every call below runs the window's next chunks (ShmWindow::begin): their numbers are
 // counted on the window, so that calls made through any entry stay in step.

@@ -6,6 +6,10 @@
 #pragma once
 
 #include <sched.h>
+#include <signal.h>
+
+#include <cerrno>
+#include <fstream>
 
 #include <chrono>
 #include <cstdint>
@@ -25,6 +29,12 @@ class Sync {
   explicit Sync(const ShmWindow& w, const OnWait* on_wait = nullptr, double first_wait = 0)
       : w_(w), size_(static_cast<int>(w.segments.size())), on_wait_(on_wait),
         first_wait_(first_wait) {}
+
+  // Tell the window's ranks that this one met a failure: their waits for it end.
+  static void mark_failed(const ShmWindow& w) {
+    __atomic_store_n(reinterpret_cast<int64_t*>(w.segments[w.rank]) + kFailed * w.stride, 1,
+                     __ATOMIC_RELEASE);
+  }
 
   int rank() const { return w_.rank; }
   int size() const { return size_; }
@@ -69,7 +79,11 @@ class Sync {
     std::chrono::steady_clock::time_point start;
     bool started = false;
     double deadline;
+    double next_check = kCheckSeconds;  // fault-tolerant mode: when peers are next checked
   };
+
+  // Seconds of waiting between two checks that the peers are alive (fault-tolerant mode).
+  static constexpr double kCheckSeconds = 0.005;
 
   int64_t* counter(int owner, int64_t c) const {
     return reinterpret_cast<int64_t*>(w_.segments[owner]) + c * w_.stride;
@@ -85,6 +99,10 @@ class Sync {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - clock.start)
               .count();
       if (waited > w_.spin_seconds) sched_yield();
+      if (!w_.pids.empty() && waited >= clock.next_check) {
+        clock.next_check = waited + kCheckSeconds;
+        check_peers(j);
+      }
       if (waited <= clock.deadline) continue;
       if (on_wait_ != nullptr) {
         clock.deadline = (*on_wait_)(waited);
@@ -96,6 +114,34 @@ class Sync {
                                std::to_string(w_.stall_seconds) +
                                " s; did it leave the collective?");
     }
+  }
+
+  // Fault-tolerant mode: throw PeerFailure (after telling the others) if rank j, waited
+  // for, is dead, or any rank said it met a failure.
+  void check_peers(int j) const {
+    for (int k = 0; k < size_; ++k) {
+      if (__atomic_load_n(counter(k, kFailed), __ATOMIC_ACQUIRE) != 0) {
+        mark_failed(w_);
+        throw PeerFailure("shm: rank " + std::to_string(k) +
+                          " of the node stopped on a failure");
+      }
+    }
+    if (!alive(w_.pids[j])) {
+      mark_failed(w_);
+      throw PeerFailure("shm: rank " + std::to_string(j) + " of the node (pid " +
+                        std::to_string(w_.pids[j]) + ") has died");
+    }
+  }
+
+  // Whether process pid runs (not gone, not a zombie awaiting its parent).
+  static bool alive(pid_t pid) {
+    if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string text;
+    if (!std::getline(stat, text)) return true;  // no procfs: kill's answer stands
+    const auto paren = text.rfind(')');
+    const char state = paren + 2 < text.size() ? text[paren + 2] : 'R';
+    return state != 'Z' && state != 'X';
   }
 
   // Ranks drift apart mid-call (tests of the counters' ordering).

@@ -28,6 +28,7 @@ LAYERS = (
     ("compression", ("collectives.compression",)),
     ("api", ("collectives.api",)),
     ("optim", ("collectives.optim",)),
+    ("elastic", ("collectives.elastic",)),
     ("integrations", ("collectives.integrations",)),
     ("horovod", ("collectives.horovod",)),
     ("facade", ("collectives",)),

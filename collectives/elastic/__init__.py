@@ -1,0 +1,67 @@
+"""Elastic training: when ranks die, the survivors shrink the job and train on from the last
+commit, in memory, without a restart.
+
+    state = collectives.elastic.TorchState(model=model, optimizer=optimizer, epoch=0, batch=0)
+
+    @collectives.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for state.batch in range(state.batch, batches):
+                ...one step...
+                state.commit()
+            state.batch = 0
+
+    train(state)
+
+It needs the fault-tolerant mode (collectives/runtime/faults.py: run the job under
+`mpirun --with-ft ulfm`), in which a dead rank raises RanksFailedError on every survivor.
+`run` then restores the state's last commit, shrinks the job to the survivors
+(runtime/topology.shrink: new communicators, nodes, windows, `auto` for the new size),
+calls the state's reset callbacks (where the user rescales the learning rate or
+re-partitions data), syncs the state from the new rank 0 and calls the function again.
+Outside that mode, `run` calls the function once and a failure ends the job as before.
+Horovod's names (hvd.elastic.run, State, ObjectState, TorchState, ElasticSampler) are these.
+
+May import: the leaves, kernels, runtime, algorithms, auto, compression, api, optim."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from collectives.elastic.state import ObjectState, State
+from collectives.runtime import topology
+from collectives.runtime.faults import RanksFailedError
+
+__all__ = ["ElasticSampler", "ObjectState", "RanksFailedError", "State", "TorchState", "run"]
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate func(state, *args, **kwargs) so that a failure of ranks restores `state`'s
+    last commit, shrinks the job to the survivors and calls func again (on every survivor;
+    Horovod's hvd.elastic.run). func starts after state is synced from rank 0."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise TypeError(f"state: expected a collectives.elastic State, got "
+                            f"{type(state).__name__}")
+        while True:
+            try:
+                state.sync()
+                return func(state, *args, **kwargs)
+            except RanksFailedError:
+                state.restore()
+                topology.shrink()
+                state.on_reset()
+
+    return wrapper
+
+
+def __getattr__(name: str) -> Any:
+    """TorchState and ElasticSampler, imported with torch on first use."""
+    if name in ("TorchState", "ElasticSampler"):
+        from collectives.elastic import torch_state
+        return getattr(torch_state, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,118 @@
+"""A model, its optimizer, samplers and plain values as one elastic state (Horovod's
+TorchState and ElasticSampler)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+from collectives.elastic.state import ObjectState
+from collectives.optim import ZeroOptimizer, broadcast_optimizer_state, broadcast_parameters
+from collectives.runtime import topology
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """Each rank's share of a dataset's indices for one epoch, which, after the job shrank,
+    deals only the indices not yet processed over the survivors. Record each batch
+    (`record_batch`) and keep the sampler in a TorchState; `set_epoch` starts a new epoch.
+    shuffle: a permutation drawn from (seed, epoch), the same on every rank."""
+
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0):
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.epoch = 0
+        self.processed = 0  # indices of this epoch's order that every rank has processed
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.processed = epoch, 0
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Batch batch_idx (of batch_size samples a rank) of this pass is done on every rank."""
+        self.processed = self.start + (batch_idx + 1) * batch_size * self.size
+
+    def reset(self) -> None:
+        """Deal the indices not processed yet over the job's ranks as it is now."""
+        self.rank, self.size = topology.rank(), topology.size()
+        self.start = min(self.processed, len(self.dataset))
+        left = len(self.dataset) - self.start
+        self.per_rank = math.ceil(left / self.size) if left else 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "processed": self.processed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.processed = state["epoch"], state["processed"]
+        self.reset()
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
+    def __iter__(self):
+        left = self._order()[self.start:]
+        left += left[:self.per_rank * self.size - len(left)]  # pad to an even deal
+        return iter(left[self.rank::self.size])
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+
+class TorchState(ObjectState):
+    """model's state_dict, optimizer's state_dict (a DistributedOptimizer's, with its 1-bit
+    error buffers), every ElasticSampler among kwargs and the other kwargs' values, as one
+    elastic state: commit copies them in memory, restore loads the copies, sync broadcasts
+    rank 0's parameters, optimizer state, samplers' positions and values."""
+
+    def __init__(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, **kwargs: Any):
+        if isinstance(optimizer, ZeroOptimizer):
+            raise ValueError("optimizer: a ZeroOptimizer's shards die with their ranks, so it "
+                             "cannot be restored after a failure; use DistributedOptimizer")
+        self.model, self.optimizer = model, optimizer
+        self._samplers = {k: v for k, v in kwargs.items() if isinstance(v, ElasticSampler)}
+        for k, sampler in self._samplers.items():
+            setattr(self, k, sampler)
+        super().__init__(**{k: v for k, v in kwargs.items() if k not in self._samplers})
+        self._saved_torch: dict[str, Any] = {}
+        self.save()
+
+    def save(self) -> None:
+        saved: dict[str, Any] = {}
+        if self.model is not None:
+            saved["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.optimizer is not None:
+            saved["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+        saved["samplers"] = {k: s.state_dict() for k, s in self._samplers.items()}
+        self._saved_torch = saved
+        super().save()
+
+    def restore(self) -> None:
+        saved = self._saved_torch
+        if self.model is not None:
+            self.model.load_state_dict(saved["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
+        for k, s in self._samplers.items():
+            s.load_state_dict(saved["samplers"][k])
+        super().restore()
+
+    def sync(self) -> None:
+        if self.model is not None:
+            broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if self.optimizer is not None:
+            broadcast_optimizer_state(self.optimizer, root_rank=0)
+        for s in self._samplers.values():
+            s.load_state_dict(self._bcast_object(s.state_dict(), 0))
+        super().sync()
+        self.save()
+
+    def reset(self) -> None:
+        for s in self._samplers.values():
+            s.reset()

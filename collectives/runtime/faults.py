@@ -1,0 +1,126 @@
+"""Fault-tolerant mode: a rank that dies becomes one exception on every survivor.
+
+When `Config.fault_tolerant` is on (by default when the job runs under `mpirun --with-ft
+ulfm`, Open MPI's fault-tolerance extension), a collective that cannot finish because ranks
+died raises RanksFailedError naming them, on every surviving rank, instead of hanging or
+ending the job; collectives.elastic then shrinks the job and goes on. Outside that mode a
+failure ends the job as before (MPI's default, and the abort of an uncaught exception).
+
+How a failure reaches every survivor:
+- Ranks blocked in MPI learn of it from MPI itself (our communicators return errors, as
+  mpi4py sets them to): the MPI error, or a C++ call's error text naming it.
+- Ranks waiting on a shared window's counters call no MPI: each long wait checks every
+  5 ms that the rank it waits for is alive and that no rank of the window flagged a failure
+  (csrc/runtime/shm_sync.h), and raises PeerFailure.
+- The first rank to see a failure revokes the communicator (MPI_Comm_revoke: every rank
+  blocked in it returns) and flags every shared window it holds (runtime/window.py), so
+  ranks waiting for it, rather than for the dead rank, stop too.
+The failed ranks are the ones MPI reports failed on the communicator (MPI_Comm_get_failed),
+asked for up to FIND_S after the failure is seen. The Topology then remembers them: every
+later call on it raises at once, until collectives.elastic replaces it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NoReturn, Protocol
+
+from mpi4py import MPI
+
+from collectives.kernels import _C
+from collectives.runtime import window
+
+
+class Topology(Protocol):
+    """What this module reads and keeps of a communicator (runtime/topology.py's Topology)."""
+
+    comm: MPI.Comm
+    config: Any  # config.Config: fault_tolerant
+    failed: list[int] | None  # the ranks lost, once seen (owned here)
+
+    def comms(self) -> list[MPI.Comm]: ...
+
+#: Seconds a rank that has seen a failure waits for MPI to name the failed ranks.
+FIND_S = 1.0
+
+#: A wait on a shared window found its peer dead, or flagged by a peer (raised by C++).
+PeerFailure = _C.PeerFailure
+
+
+class RanksFailedError(_C.StallError):
+    """Ranks of the communicator died: this call, and every later call on that communicator,
+    cannot finish. `ranks`: the failed ranks (numbered in that communicator; empty if MPI
+    had not named them yet). Raised on every surviving rank; collectives.elastic.run
+    catches it, restores the last commit and shrinks the job to the survivors. A kind of
+    StallError (a collective that cannot complete), so Horovod's HorovodInternalError,
+    which is StallError, catches it too."""
+
+    def __init__(self, ranks: list[int], cause: str = ""):
+        self.ranks = list(ranks)
+        named = f"ranks {self.ranks}" if self.ranks else "ranks (not named by MPI yet)"
+        super().__init__(f"{named} of the communicator failed"
+                         + (f" ({cause})" if cause else "")
+                         + "; collectives.elastic.run shrinks the job to the survivors")
+
+
+def _looks_failed(exc: BaseException) -> bool:
+    """Whether exc may come from a failed rank: an MPI error (ULFM may report a failure
+    as any error class, MPI_ERR_OTHER included), our C++ layer's text of one, or a shared
+    window's PeerFailure."""
+    if isinstance(exc, (PeerFailure, MPI.Exception)):
+        return True
+    return type(exc) is RuntimeError and "MPI_ERR" in str(exc)
+
+
+def _failed_ranks(comm: MPI.Comm) -> list[int]:
+    """The ranks of comm that MPI knows failed (local, no communication)."""
+    try:
+        failed = comm.Get_failed()
+    except MPI.Exception:
+        return []
+    try:
+        if failed.Get_size() == 0:
+            return []
+        group = comm.Get_group()
+        ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group)
+        group.Free()
+        return sorted(r for r in ranks if r != MPI.UNDEFINED)
+    finally:
+        failed.Free()
+
+
+def failure(topo: Topology, exc: BaseException) -> RanksFailedError | None:
+    """The RanksFailedError that exc, raised by a call on topo, stands for (None: it is not
+    a failure, or the job is not fault-tolerant). The first time: flag this rank's shared
+    windows, revoke topo's communicators and wait up to FIND_S for MPI to name the failed
+    ranks, which topo keeps."""
+    if topo.failed is None:
+        if not topo.config.fault_tolerant or not _looks_failed(exc):
+            return None
+        window.mark_failed()
+        for comm in topo.comms():
+            try:
+                comm.Revoke()
+            except MPI.Exception:
+                pass  # revoked already, or freed
+        deadline = time.monotonic() + FIND_S
+        ranks = _failed_ranks(topo.comm)
+        while not ranks and time.monotonic() < deadline:
+            time.sleep(0.001)
+            ranks = _failed_ranks(topo.comm)
+        topo.failed = ranks
+    return RanksFailedError(topo.failed, str(exc).splitlines()[0] if str(exc) else "")
+
+
+def reraise(topo: Topology, exc: BaseException) -> NoReturn:
+    """Raise what exc, from a call on topo, stands for: RanksFailedError (from exc) for a
+    failure in fault-tolerant mode, else exc itself."""
+    failed = failure(topo, exc)
+    if failed is None:
+        raise exc
+    raise failed from exc
+
+
+def check(topo: Topology) -> None:
+    """Raise RanksFailedError if topo has lost ranks (every call after the first to see it)."""
+    if topo.failed is not None:
+        raise RanksFailedError(topo.failed, "seen by an earlier call")

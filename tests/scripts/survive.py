@@ -1,0 +1,171 @@
+"""A job in which the last rank dies (SIGKILL) at a given point, run under
+`mpirun --with-ft ulfm` by tests/unit/test_elastic.py.
+
+    survive.py raise CALL KILLFILE    every survivor must raise RanksFailedError from CALL
+    survive.py train KILLFILE         elastic training must finish on the survivors
+
+The victim writes the time of its death to KILLFILE first, so survivors can say how long
+they took to notice (raise) or to recover (train)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import collectives.optim  # noqa: F401 (C.optim)
+import numpy as np
+
+import collectives as C
+from collectives import elastic
+
+DIE_AT = 20  # the victim dies at this step
+COMMIT_EVERY = 3  # steps between two commits of the train scenario
+
+
+def die(killfile: str) -> None:
+    with open(killfile, "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def since(killfile: str) -> float:
+    with open(killfile) as f:
+        return time.time() - float(f.read())
+
+
+def calls(size: int) -> dict:
+    """Each call the raise scenario can make, as a no-argument function."""
+    small = np.ones(256, np.float32)  # rides in the agreement (fast entry)
+    large = np.ones(1 << 18, np.float32)  # 1 MiB: shm's pipeline on one node (fast entry)
+
+    def torch_allreduce() -> None:
+        import torch
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("collectives")
+        dist.all_reduce(torch.ones(1 << 16))
+
+    def async_allreduce() -> None:
+        C.synchronize(C.allreduce_async(large))
+
+    return {
+        "allreduce-small": lambda: C.allreduce(small),
+        "allreduce-large": lambda: C.allreduce(large),
+        "allreduce-ring": lambda: C.allreduce(large, algorithm="ring"),
+        "allreduce-tree": lambda: C.allreduce(large, algorithm="tree"),
+        "allreduce-mpi": lambda: C.allreduce(large, algorithm="mpi"),
+        "allreduce-async": async_allreduce,
+        "allreduce-int8": lambda: C.allreduce(large, compression=C.Compression.int8),
+        "allgather": lambda: C.allgather(large[:1000]),
+        "broadcast": lambda: C.broadcast(large, root_rank=0),
+        "alltoall": lambda: C.alltoall(np.ones(size * 100, np.float32)),
+        "reducescatter": lambda: C.reducescatter(large),
+        "barrier": C.barrier,
+        "torch-all-reduce": torch_allreduce,
+    }
+
+
+def raise_scenario(call: str, killfile: str) -> None:
+    run = calls(C.size())[call]
+    victim = C.size() - 1
+    for step in range(2 * DIE_AT):
+        if step == DIE_AT and C.rank() == victim:
+            die(killfile)
+        try:
+            run()
+        except C.RanksFailedError as exc:
+            took = since(killfile)
+            try:
+                run()
+                again = "the next call ran"
+            except C.RanksFailedError:
+                again = "the next call raised too"
+            print(f"rank {C.rank()}: RanksFailedError {exc.ranks} after {took:.3f} s at "
+                  f"step {step}; {again}", flush=True)
+            return
+    print(f"rank {C.rank()}: no error", flush=True)
+
+
+def train_scenario(killfile: str) -> None:
+    """SGD with momentum on a linear model, one global batch split over the ranks, through
+    DistributedOptimizer, the learning rate scaled by the world size (set again by a reset
+    callback); a TorchState holds model, optimizer, the step and the sizes each step ran
+    at, committed every COMMIT_EVERY steps. Survivors must end with the parameters a single
+    process gets by replaying the steps at the sizes they ran at: the steps since the last
+    commit are rolled back and run again by the survivors."""
+    import torch
+
+    steps, dim, batch, lr = 2 * DIE_AT, 8, 24, 0.02
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(batch, dim, generator=g, dtype=torch.float64)
+        return x, x @ torch.arange(1.0, dim + 1, dtype=torch.float64)
+
+    model = torch.nn.Linear(dim, 1, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    opt = C.optim.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr * C.size(),
+                                                       momentum=0.9))
+    state = elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
+    resets: list[int] = []
+
+    def on_reset() -> None:
+        resets.append(C.size())
+        for group in opt.param_groups:
+            group["lr"] = lr * C.size()
+
+    state.register_reset_callbacks([on_reset])
+    recovered: list[float] = []
+    victim = C.size() - 1
+
+    @elastic.run
+    def train(state: elastic.TorchState) -> None:
+        while state.step < steps:
+            if state.step == DIE_AT and C.rank() == victim:
+                die(killfile)
+            x, y = data(state.step)
+            n, r = C.size(), C.rank()
+            lo, hi = r * batch // n, (r + 1) * batch // n
+            opt.zero_grad()
+            loss = ((model(x[lo:hi]).squeeze(1) - y[lo:hi]) ** 2).sum() * n / batch
+            loss.backward()
+            opt.step()
+            if resets and not recovered:
+                recovered.append(since(killfile))
+            state.sizes = state.sizes + [n]
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    # the replay: full-batch SGD with the world size each step ran at
+    ref = torch.nn.Linear(dim, 1, bias=False).double()
+    torch.nn.init.zeros_(ref.weight)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+    for step, n in enumerate(state.sizes):
+        x, y = data(step)
+        ref_opt.param_groups[0]["lr"] = lr * n
+        ref_opt.zero_grad()
+        # the mean of n per-rank losses, each scaled by n / batch, is the full-batch loss
+        (((ref(x).squeeze(1) - y) ** 2).sum() / batch).backward()
+        ref_opt.step()
+    err = (model.weight - ref.weight).abs().max().item()
+    digest = float(model.weight.sum())
+    at = {n: state.sizes.count(n) for n in sorted(set(state.sizes), reverse=True)}
+    print(f"rank {C.rank()}: trained {state.step} steps, steps at each size {at}, "
+          f"resets {resets}, recovered {recovered[0] if recovered else -1:.3f} s after the "
+          f"kill, max error {err:.2e}, digest {digest!r}", flush=True)
+
+
+def main() -> None:
+    C.init()
+    if sys.argv[1] == "raise":
+        raise_scenario(sys.argv[2], sys.argv[3])
+    else:
+        train_scenario(sys.argv[2])
+
+
+if __name__ == "__main__":
+    main()
