@@ -48,6 +48,15 @@ class _Reduction:
     postscale: float = 1.0
     process_set: Any = None
     sparse_as_dense: bool = False
+    #: postscale is divided by the set's size when the bucket is unpacked (a Sum over the
+    #: set as it is then: joined ranks add zeros, and a job shrunk by collectives.elastic
+    #: divides by its new size)
+    divide_by_size: bool = False
+
+    def post(self) -> float:
+        """The factor the reduced gradients are scaled by now."""
+        return self.postscale / _set_size(self.process_set) if self.divide_by_size \
+            else self.postscale
 
 
 class _Bucket:
@@ -94,12 +103,12 @@ class _Bucket:
         """Wait for the reductions and write the reduced gradients back into .grad (a
         sparse gradient stays sparse: the sum of every rank's entries, coalesced)."""
         C.synchronize(self.handle)
-        _kernels.unpack(self.buffer, self.grads, how.postscale)
+        _kernels.unpack(self.buffer, self.grads, how.post())
         for p, indices, values in self.sparse:
             if indices is None:  # sparse_as_dense
                 p.grad = p.grad.to_sparse()
                 continue
-            scale = how.postscale / (_set_size(how.process_set) if how.op is C.Average else 1)
+            scale = how.post() / (_set_size(how.process_set) if how.op is C.Average else 1)
             p.grad = torch.sparse_coo_tensor(C.synchronize(indices).t(),
                                              C.synchronize(values) * scale, p.grad.shape,
                                              check_invariants=False).coalesce()  # valid:
@@ -192,12 +201,12 @@ def _check_reduction(op: object, factor: object, algorithm: object, compression:
                         f"{type(initial_size).__name__}")
     if op is C.Sum:
         return _Reduction(op, algorithm, compression, process_set=process_set)
-    # x / f averaged, then * f: the average, with smaller partial sums; over the initial
-    # size, a Sum (where joined ranks add zeros) then * f / size
+    # x / f averaged, then * f: the average, with smaller partial sums; over the whole set
+    # (torch Join's initial world size), a Sum (joined ranks add zeros) then * f / its size
     if not initial_size:
         return _Reduction(C.Average, algorithm, compression, 1.0 / factor, factor, process_set)
-    size = C.size() if process_set is None else process_set.size()
-    return _Reduction(C.Sum, algorithm, compression, 1.0 / factor, factor / size, process_set)
+    return _Reduction(C.Sum, algorithm, compression, 1.0 / factor, factor, process_set,
+                      divide_by_size=True)
 
 
 # ---------------------------------------------------------------------------- optimizer

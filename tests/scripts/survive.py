@@ -3,6 +3,7 @@
 
     survive.py raise CALL KILLFILE    every survivor must raise RanksFailedError from CALL
     survive.py train KILLFILE         elastic training must finish on the survivors
+    survive.py horovod KILLFILE       the same, written with Horovod's names
 
 The victim writes the time of its death to KILLFILE first, so survivors can say how long
 they took to notice (raise) or to recover (train)."""
@@ -88,7 +89,7 @@ def raise_scenario(call: str, killfile: str) -> None:
     print(f"rank {C.rank()}: no error", flush=True)
 
 
-def train_scenario(killfile: str) -> None:
+def train_scenario(killfile: str, horovod: bool) -> None:
     """SGD with momentum on a linear model, one global batch split over the ranks, through
     DistributedOptimizer, the learning rate scaled by the world size (set again by a reset
     callback); a TorchState holds model, optimizer, the step and the sizes each step ran
@@ -106,9 +107,14 @@ def train_scenario(killfile: str) -> None:
 
     model = torch.nn.Linear(dim, 1, bias=False).double()
     torch.nn.init.zeros_(model.weight)
-    opt = C.optim.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr * C.size(),
-                                                       momentum=0.9))
-    state = elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
+    sgd = torch.optim.SGD(model.parameters(), lr=lr * C.size(), momentum=0.9)
+    if horovod:
+        import collectives.horovod as hvd
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+        el = hvd.elastic
+    else:
+        opt, el = C.optim.DistributedOptimizer(sgd), elastic
+    state = el.TorchState(model=model, optimizer=opt, step=0, sizes=[])
     resets: list[int] = []
 
     def on_reset() -> None:
@@ -120,7 +126,7 @@ def train_scenario(killfile: str) -> None:
     recovered: list[float] = []
     victim = C.size() - 1
 
-    @elastic.run
+    @el.run
     def train(state: elastic.TorchState) -> None:
         while state.step < steps:
             if state.step == DIE_AT and C.rank() == victim:
@@ -164,7 +170,7 @@ def main() -> None:
     if sys.argv[1] == "raise":
         raise_scenario(sys.argv[2], sys.argv[3])
     else:
-        train_scenario(sys.argv[2])
+        train_scenario(sys.argv[2], horovod=sys.argv[1] == "horovod")
 
 
 if __name__ == "__main__":
