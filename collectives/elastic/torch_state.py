@@ -84,12 +84,13 @@ class TorchState(ObjectState):
         self.save()
 
     def save(self) -> None:
-        saved: dict[str, Any] = {}
+        saved: dict[str, Any] = {"samplers": {k: s.state_dict()
+                                              for k, s in self._samplers.items()}}
+        last = self._saved_torch
         if self.model is not None:
-            saved["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            saved["model"] = _copy(self.model.state_dict(), last.get("model"))
         if self.optimizer is not None:
-            saved["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
-        saved["samplers"] = {k: s.state_dict() for k, s in self._samplers.items()}
+            saved["optimizer"] = _copy(self.optimizer.state_dict(), last.get("optimizer"))
         self._saved_torch = saved
         super().save()
 
@@ -116,3 +117,22 @@ class TorchState(ObjectState):
     def reset(self) -> None:
         for s in self._samplers.values():
             s.reset()
+
+
+def _copy(obj: Any, last: Any) -> Any:
+    """A copy of obj (a state dict), each tensor copied into the tensor at the same place in
+    last (the previous commit) where it has the same shape, dtype and device, else cloned:
+    a commit per step then reuses its memory instead of faulting in fresh pages."""
+    if isinstance(obj, torch.Tensor):
+        if isinstance(last, torch.Tensor) and last.shape == obj.shape \
+                and last.dtype == obj.dtype and last.device == obj.device:
+            return last.copy_(obj.detach())
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        last = last if isinstance(last, dict) else {}
+        return {k: _copy(v, last.get(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        lasts = last if isinstance(last, type(obj)) and len(last) == len(obj) \
+            else [None] * len(obj)
+        return type(obj)(_copy(v, w) for v, w in zip(obj, lasts))
+    return copy.deepcopy(obj)
