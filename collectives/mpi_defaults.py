@@ -1,4 +1,5 @@
-"""Open MPI parameters collectives depends on for speed, set as defaults before MPI starts.
+"""Open MPI settings made before MPI starts: parameters collectives depends on for speed, and
+no MPI_Finalize in fault-tolerant mode.
 
 Each is an environment default: a user's own OMPI_MCA_* setting wins, and nothing changes
 once MPI is initialized (a script that initialized MPI before importing collectives keeps
@@ -15,13 +16,26 @@ The cost is larger preallocated fragments (at most 512 per process, 4 MiB).
 osc = ^ucx. Open MPI's UCX one-sided component prints an error at every shared-window
 creation on machines without UCX devices; shared windows (collectives/algorithms/shm.py) are served by
 the shared-memory component either way. Clusters whose own one-sided code wants UCX set
-OMPI_MCA_osc themselves."""
+OMPI_MCA_osc themselves.
+
+No MPI_Finalize under `mpirun --with-ft ulfm` (fault-tolerant mode, runtime/faults.py).
+After ranks died, Open MPI's MPI_Finalize can wait forever for messages that a call cut
+short had in flight (seen in about 1 job in 20 whose survivors exited after
+RanksFailedError); under that launcher a process that exits without it ends normally, so
+mpi4py is told not to call it (mpi4py.rc.finalize, read when MPI is first imported)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 DEFAULTS = {"OMPI_MCA_btl_sm_eager_limit": "8192", "OMPI_MCA_osc": "^ucx"}
 
 for _name, _value in DEFAULTS.items():
     os.environ.setdefault(_name, _value)
+
+if os.environ.get("OMPI_MCA_mpi_ft_enable", "0").lower() in ("1", "true") \
+        and "mpi4py.MPI" not in sys.modules:
+    import mpi4py
+
+    mpi4py.rc.finalize = False

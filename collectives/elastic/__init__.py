@@ -37,10 +37,16 @@ from collectives.runtime.faults import RanksFailedError
 __all__ = ["ElasticSampler", "ObjectState", "RanksFailedError", "State", "TorchState", "run"]
 
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
+def run(func: Callable[..., Any] | None = None, *, min_size: int = 1) -> Any:
     """Decorate func(state, *args, **kwargs) so that a failure of ranks restores `state`'s
     last commit, shrinks the job to the survivors and calls func again (on every survivor;
-    Horovod's hvd.elastic.run). func starts after state is synced from rank 0."""
+    Horovod's hvd.elastic.run). func starts after state is synced from rank 0. With fewer
+    than min_size survivors the job ends instead (SystemExit naming the dead ranks, on every
+    survivor): `@run(min_size=4)`."""
+    if func is None:
+        return functools.partial(run, min_size=min_size)
+    if not isinstance(min_size, int) or min_size < 1:
+        raise ValueError(f"min_size: expected an int >= 1, got {min_size!r}")
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
@@ -51,12 +57,27 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 state.sync()
                 return func(state, *args, **kwargs)
-            except RanksFailedError:
+            except Exception as exc:
+                if not _failed(exc):
+                    raise
+                lost = topology.get().failed
                 state.restore()
                 topology.shrink()
+                if topology.size() < min_size:
+                    raise SystemExit(
+                        f"collectives.elastic: ranks {lost} failed and {topology.size()} are "
+                        f"left, fewer than min_size={min_size}; ending the job. Its commits "
+                        f"were in memory: go on from your last checkpoint on disk.") from exc
                 state.on_reset()
 
     return wrapper
+
+
+def _failed(exc: Exception) -> bool:
+    """Whether exc comes from ranks that failed: RanksFailedError, or an error that wraps
+    it (torch's futures, as DDP waits on them, turn it into a RuntimeError) raised while
+    the job's communicator has lost ranks."""
+    return isinstance(exc, RanksFailedError) or topology.get().failed is not None
 
 
 def __getattr__(name: str) -> Any:

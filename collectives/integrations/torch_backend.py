@@ -466,8 +466,20 @@ def _create(group_options: Any, backend_options: Any) -> ProcessGroup:
     return group
 
 
+def _remake_after_shrink(topo: Any) -> None:
+    """init's hook: when collectives.elastic shrank the job after a failure, a default group
+    of this backend is made again over the survivors (the old one's communicator died with
+    the old job), with torch's default timeout. What was built on the old group (DDP) must
+    be built again: in a reset callback."""
+    if topo.generation == 0 or not dist.is_initialized() or dist.get_backend() != NAME:
+        return
+    dist.destroy_process_group()
+    dist.init_process_group(NAME)
+
+
 def register() -> None:
     """Register the backend with torch.distributed and serve env:// from MPI (idempotent)."""
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        topology.on_init(_remake_after_shrink)
     torch_rendezvous.install()

@@ -29,19 +29,27 @@ DONE = _create_work_from_future(done([]))
 
 def future(handle: Handle, finish: Any = None) -> Future:
     """A torch future of an async call: it gets the call's result, or finish(result), or
-    the call's error, on the engine's thread once the call is done."""
-    result = Future()
+    the call's error, on the engine's thread once the call is done. The error is the
+    future's error in C++ too (a RuntimeError with the call's message when waited on):
+    torch's set_exception only stores the exception as a value there, which DDP's reducer
+    would unpack as the reduced gradients."""
+    outcome = Future()
 
     def complete(done: Handle) -> None:
         try:
-            value = done.wait() if finish is None else finish(done.wait())
+            outcome.set_result((True, done.wait() if finish is None else finish(done.wait())))
         except BaseException as exc:
-            result.set_exception(exc)
-            return
-        result.set_result(value)
+            outcome.set_result((False, exc))
 
     handle.add_done_callback(complete)
-    return result
+    return outcome.then(_unwrap)
+
+
+def _unwrap(outcome: Future) -> Any:
+    ok, value = outcome.value()
+    if not ok:
+        raise value
+    return value
 
 
 def pending(handle: Handle, finish: Any) -> dist.Work:

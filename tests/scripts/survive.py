@@ -4,9 +4,12 @@
     survive.py raise CALL KILLFILE    every survivor must raise RanksFailedError from CALL
     survive.py train KILLFILE         elastic training must finish on the survivors
     survive.py horovod KILLFILE       the same, written with Horovod's names
+    survive.py ddp KILLFILE           the same, with DDP on the "collectives" backend
 
-The victim writes the time of its death to KILLFILE first, so survivors can say how long
-they took to notice (raise) or to recover (train)."""
+The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
+rank) die at step DIE_AT; with SECOND_AT set, the last rank of the shrunk job dies at that
+step too. A victim writes the time of its death to KILLFILE first, so survivors can say how
+long they took to notice (raise) or to recover (train)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,11 @@ from collectives import elastic
 
 DIE_AT = 20  # the victim dies at this step
 COMMIT_EVERY = 3  # steps between two commits of the train scenario
+
+
+def victims(size: int) -> list[int]:
+    text = os.environ.get("VICTIMS", str(size - 1))
+    return [int(r) for r in text.split(",")]
 
 
 def die(killfile: str) -> None:
@@ -70,9 +78,9 @@ def calls(size: int) -> dict:
 
 def raise_scenario(call: str, killfile: str) -> None:
     run = calls(C.size())[call]
-    victim = C.size() - 1
+    dying = victims(C.size())
     for step in range(2 * DIE_AT):
-        if step == DIE_AT and C.rank() == victim:
+        if step == DIE_AT and C.rank() in dying:
             die(killfile)
         try:
             run()
@@ -89,11 +97,11 @@ def raise_scenario(call: str, killfile: str) -> None:
     print(f"rank {C.rank()}: no error", flush=True)
 
 
-def train_scenario(killfile: str, horovod: bool) -> None:
+def train_scenario(killfile: str, api: str) -> None:
     """SGD with momentum on a linear model, one global batch split over the ranks, through
-    DistributedOptimizer, the learning rate scaled by the world size (set again by a reset
-    callback); a TorchState holds model, optimizer, the step and the sizes each step ran
-    at, committed every COMMIT_EVERY steps. Survivors must end with the parameters a single
+    DistributedOptimizer (or DDP, rebuilt by a reset callback), the learning rate scaled by
+    the world size (set again by a reset callback); a TorchState holds model, optimizer,
+    the step and the sizes each step ran at, committed every COMMIT_EVERY steps. Survivors must end with the parameters a single
     process gets by replaying the steps at the sizes they ran at: the steps since the last
     commit are rolled back and run again by the survivors."""
     import torch
@@ -108,10 +116,17 @@ def train_scenario(killfile: str, horovod: bool) -> None:
     model = torch.nn.Linear(dim, 1, bias=False).double()
     torch.nn.init.zeros_(model.weight)
     sgd = torch.optim.SGD(model.parameters(), lr=lr * C.size(), momentum=0.9)
-    if horovod:
+    forward = [model]  # what the step calls: the model, or its DDP
+    if api == "horovod":
         import collectives.horovod as hvd
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
         el = hvd.elastic
+    elif api == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("collectives")
+        forward[0] = DistributedDataParallel(model)
+        opt, el = sgd, elastic
     else:
         opt, el = C.optim.DistributedOptimizer(sgd), elastic
     state = el.TorchState(model=model, optimizer=opt, step=0, sizes=[])
@@ -121,21 +136,26 @@ def train_scenario(killfile: str, horovod: bool) -> None:
         resets.append(C.size())
         for group in opt.param_groups:
             group["lr"] = lr * C.size()
+        if api == "ddp":  # the default group was made again over the survivors
+            forward[0] = DistributedDataParallel(model)
 
     state.register_reset_callbacks([on_reset])
     recovered: list[float] = []
-    victim = C.size() - 1
+    dying = victims(C.size())
+    second_at = int(os.environ.get("SECOND_AT", -1))
 
     @el.run
     def train(state: elastic.TorchState) -> None:
         while state.step < steps:
-            if state.step == DIE_AT and C.rank() == victim:
+            if state.step == DIE_AT and not resets and C.rank() in dying \
+                    or state.step == second_at and len(resets) == 1 \
+                    and C.rank() == C.size() - 1:
                 die(killfile)
             x, y = data(state.step)
             n, r = C.size(), C.rank()
             lo, hi = r * batch // n, (r + 1) * batch // n
             opt.zero_grad()
-            loss = ((model(x[lo:hi]).squeeze(1) - y[lo:hi]) ** 2).sum() * n / batch
+            loss = ((forward[0](x[lo:hi]).squeeze(1) - y[lo:hi]) ** 2).sum() * n / batch
             loss.backward()
             opt.step()
             if resets and not recovered:
@@ -170,7 +190,7 @@ def main() -> None:
     if sys.argv[1] == "raise":
         raise_scenario(sys.argv[2], sys.argv[3])
     else:
-        train_scenario(sys.argv[2], horovod=sys.argv[1] == "horovod")
+        train_scenario(sys.argv[2], sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Fault-tolerant mode and elastic training, in whole jobs under `mpirun --with-ft ulfm` in
 which the last rank dies by SIGKILL (tests/scripts/survive.py): every survivor raises
 RanksFailedError naming it, within a second, from every kind of call; elastic training
-shrinks the job, rolls back to the last commit and ends with the parameters of a replay.
+shrinks the job, rolls back to the last commit and ends with the parameters of a replay
+(with DistributedOptimizer, Horovod's names, or DDP on the "collectives" backend).
 Also ElasticSampler's dealing of what is left of an epoch."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -22,10 +24,10 @@ MPIRUN = Path(sys.executable).parent / "mpirun"
 LAYOUTS = {"1node": (3, None), "2nodes": (4, 2)}
 
 
-def survive(layout: str, tmp: Path, *args: str) -> str:
+def survive(layout: str, tmp: Path, *args: str, **env_vars: str) -> str:
     np_, per_node = LAYOUTS[layout]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               COLLECTIVES_AUTOTUNE="0", XDG_CACHE_HOME=str(tmp))
+               COLLECTIVES_AUTOTUNE="0", XDG_CACHE_HOME=str(tmp), **env_vars)
     if per_node:
         env["COLLECTIVES_RANKS_PER_NODE"] = str(per_node)
     cmd = [str(MPIRUN), "--with-ft", "ulfm", "-np", str(np_), "--oversubscribe",
@@ -41,32 +43,53 @@ CALLS_2NODES = ["allreduce-small", "allreduce-large", "allreduce-ring", "allgath
                 "broadcast", "barrier"]
 
 
-@pytest.mark.parametrize("layout,call", [("1node", c) for c in CALLS_1NODE]
-                         + [("2nodes", c) for c in CALLS_2NODES])
-def test_every_survivor_raises_naming_the_dead_rank(tmp_path, layout, call):
+@pytest.mark.parametrize("layout,call,dying", [("1node", c, "") for c in CALLS_1NODE]
+                         + [("2nodes", c, "") for c in CALLS_2NODES]
+                         + [("1node", c, v) for c in ("allreduce-small", "allreduce-large")
+                            for v in ("0", "1")]
+                         + [("2nodes", "allreduce-large", "0,1")])
+def test_every_survivor_raises_naming_the_dead_rank(tmp_path, layout, call, dying):
     np_ = LAYOUTS[layout][0]
-    out = survive(layout, tmp_path, "raise", call, str(tmp_path / "killed"))
-    found = re.findall(r"rank (\d+): RanksFailedError \[(\d+)\] after ([\d.]+) s at step "
+    dead = [int(r) for r in dying.split(",")] if dying else [np_ - 1]
+    out = survive(layout, tmp_path, "raise", call, str(tmp_path / "killed"),
+                  VICTIMS=",".join(map(str, dead)))
+    found = re.findall(r"rank (\d+): RanksFailedError (\[[\d, ]+\]) after ([\d.]+) s at step "
                        r"(\d+); the next call raised too", out)
-    assert sorted(int(r) for r, *_ in found) == list(range(np_ - 1)), out
-    for _, dead, took, step in found:
-        assert int(dead) == np_ - 1 and int(step) == 20, out
+    assert sorted(int(r) for r, *_ in found) == sorted(set(range(np_)) - set(dead)), out
+    for _, ranks, took, step in found:
+        assert ast.literal_eval(ranks) == dead and int(step) == 20, out
         assert float(took) < 1.0, out
 
 
-@pytest.mark.parametrize("layout,api", [("1node", "train"), ("2nodes", "train"),
-                                        ("1node", "horovod")])
-def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api):
+@pytest.mark.parametrize("layout,api,dying,second", [
+    ("1node", "train", "", False), ("2nodes", "train", "", False),
+    ("1node", "horovod", "", False),
+    ("1node", "ddp", "", False),            # DDP on the backend, rebuilt in a reset callback
+    ("1node", "train", "0", False),         # rank 0: the survivors sync from a new rank 0
+    ("2nodes", "train", "1", False),        # a middle rank
+    ("2nodes", "train", "0,2", False),      # two at once, one on each node
+    ("2nodes", "train", "", True),          # a second failure after the first recovery
+])
+def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dying, second):
+    """The victims die at step 20, the last commit being step 18; a second failure at step
+    28 goes back to step 27. Every survivor ends with the replay's parameters."""
     np_ = LAYOUTS[layout][0]
-    out = survive(layout, tmp_path, api, str(tmp_path / "killed"))
-    found = re.findall(r"rank (\d+): trained 40 steps, steps at each size \{(\d+): (\d+), "
-                       r"(\d+): (\d+)\}, resets \[(\d+)\], recovered ([\d.]+) s after the "
-                       r"kill, max error (\S+), digest (\S+)", out)
-    assert sorted(int(f[0]) for f in found) == list(range(np_ - 1)), out
-    for _, n0, steps0, n1, steps1, reset, recovered, err, _ in found:
-        # 20 steps at np, the last commit at step 18, so 22 at np - 1
-        assert (int(n0), int(steps0), int(n1), int(steps1)) == (np_, 18, np_ - 1, 22), out
-        assert int(reset) == np_ - 1
+    dead = [int(r) for r in dying.split(",")] if dying else [np_ - 1]
+    after = np_ - len(dead)
+    env = {"VICTIMS": ",".join(map(str, dead))}
+    if second:
+        env["SECOND_AT"] = "28"
+        sizes, resets = {np_: 18, after: 9, after - 1: 13}, [after, after - 1]
+    else:
+        sizes, resets = {np_: 18, after: 22}, [after]
+    out = survive(layout, tmp_path, api, str(tmp_path / "killed"), **env)
+    found = re.findall(r"rank (\d+): trained 40 steps, steps at each size (\{.*?\}), "
+                       r"resets (\[.*?\]), recovered ([\d.]+) s after the kill, max error "
+                       r"(\S+), digest (\S+)", out)
+    assert sorted(int(f[0]) for f in found) == list(range(resets[-1])), out
+    for _, at, reset, recovered, err, _ in found:
+        assert ast.literal_eval(at) == sizes, out
+        assert ast.literal_eval(reset) == resets, out
         assert float(recovered) < 1.0, out
         assert float(err) < 1e-12, out
     assert len({f[-1] for f in found}) == 1, out  # the survivors' parameters are alike

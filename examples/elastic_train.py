@@ -1,6 +1,6 @@
 """Elastic training on the digits of examples/train.py: a rank dies, the others go on.
 
-    mpirun --with-ft ulfm -np 4 --oversubscribe python examples/elastic.py --kill-at 30
+    mpirun --with-ft ulfm -np 4 --oversubscribe python examples/elastic_train.py --kill-at 30
 
 Under `mpirun --with-ft ulfm` (collectives' fault-tolerant mode) the last rank kills itself
 (SIGKILL) at step --kill-at. Every survivor raises RanksFailedError within a second;
