@@ -101,9 +101,9 @@ def train_scenario(killfile: str, api: str) -> None:
     """SGD with momentum on a linear model, one global batch split over the ranks, through
     DistributedOptimizer (or DDP, rebuilt by a reset callback), the learning rate scaled by
     the world size (set again by a reset callback); a TorchState holds model, optimizer,
-    the step and the sizes each step ran at, committed every COMMIT_EVERY steps. Survivors must end with the parameters a single
-    process gets by replaying the steps at the sizes they ran at: the steps since the last
-    commit are rolled back and run again by the survivors."""
+    the step and the sizes each step ran at, committed every COMMIT_EVERY steps. Survivors
+    must end with the parameters a single process gets by replaying the steps at the sizes
+    they ran at: the steps since the last commit are rolled back and run again."""
     import torch
 
     steps, dim, batch, lr = 2 * DIE_AT, 8, 24, 0.02
