@@ -47,6 +47,13 @@ class Config:
     #: under `mpirun --with-ft ulfm` (Open MPI sets OMPI_MCA_mpi_ft_enable=1 in the
     #: ranks' environment); decided when the options are read.
     fault_tolerant: bool | None = None
+    #: Fault-tolerant mode: seconds without a heartbeat after which Open MPI's failure
+    #: detector declares a rank that stopped answering (hung, stopped, its node unreachable)
+    #: failed, as it does a dead one; a survivor on its host then kills it, so it cannot
+    #: come back. None = no detector (collectives/mpi_defaults.py says why it is off).
+    failure_detector_timeout_s: float | None = None
+    #: Fault-tolerant mode: seconds between the detector's heartbeats.
+    failure_detector_period_s: float = 0.5
 
 
 def _parse(field: dataclasses.Field, text: str):

@@ -1,5 +1,5 @@
 """Open MPI settings made before MPI starts: parameters collectives depends on for speed, and
-no MPI_Finalize in fault-tolerant mode.
+the failure detector of the fault-tolerant mode.
 
 Each is an environment default: a user's own OMPI_MCA_* setting wins, and nothing changes
 once MPI is initialized (a script that initialized MPI before importing collectives keeps
@@ -18,24 +18,31 @@ creation on machines without UCX devices; shared windows (collectives/algorithms
 the shared-memory component either way. Clusters whose own one-sided code wants UCX set
 OMPI_MCA_osc themselves.
 
-No MPI_Finalize under `mpirun --with-ft ulfm` (fault-tolerant mode, runtime/faults.py).
-After ranks died, Open MPI's MPI_Finalize can wait forever for messages that a call cut
-short had in flight (seen in about 1 job in 20 whose survivors exited after
-RanksFailedError); under that launcher a process that exits without it ends normally, so
-mpi4py is told not to call it (mpi4py.rc.finalize, read when MPI is first imported)."""
+Open MPI's failure detector under `mpirun --with-ft ulfm` (fault-tolerant mode,
+runtime/faults.py) when Config.failure_detector_timeout_s is set: on its own thread, with
+that timeout and failure_detector_period_s. Without it a hung rank (stopped, or its node
+unreachable) hangs everyone; the thread keeps a rank that is busy outside MPI from being
+declared failed. It is not on by default: in about 1 job in 10 whose rank was killed, a
+survivor crashed (segmentation fault) with it on."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 DEFAULTS = {"OMPI_MCA_btl_sm_eager_limit": "8192", "OMPI_MCA_osc": "^ucx"}
 
 for _name, _value in DEFAULTS.items():
     os.environ.setdefault(_name, _value)
 
-if os.environ.get("OMPI_MCA_mpi_ft_enable", "0").lower() in ("1", "true") \
-        and "mpi4py.MPI" not in sys.modules:
-    import mpi4py
+if os.environ.get("OMPI_MCA_mpi_ft_enable", "0").lower() in ("1", "true"):
+    from collectives import config
 
-    mpi4py.rc.finalize = False
+    _options = config.from_env()
+    if _options.failure_detector_timeout_s is not None:
+        for _name, _value in {
+                "OMPI_MCA_mpi_ft_detector": "true",
+                "OMPI_MCA_mpi_ft_detector_thread": "true",
+                "OMPI_MCA_mpi_ft_detector_period": _options.failure_detector_period_s,
+                "OMPI_MCA_mpi_ft_detector_timeout": _options.failure_detector_timeout_s,
+        }.items():
+            os.environ.setdefault(_name, str(_value))

@@ -21,6 +21,9 @@ later call on it raises at once, until collectives.elastic replaces it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import time
 from typing import Any, NoReturn, Protocol
 
@@ -35,6 +38,7 @@ class Topology(Protocol):
 
     comm: MPI.Comm
     config: Any  # config.Config: fault_tolerant
+    processes: list[tuple[str, int]]  # each rank's (host, pid)
     failed: list[int] | None  # the ranks lost, once seen (owned here)
 
     def comms(self) -> list[MPI.Comm]: ...
@@ -108,7 +112,21 @@ def failure(topo: Topology, exc: BaseException) -> RanksFailedError | None:
             time.sleep(0.001)
             ranks = _failed_ranks(topo.comm)
         topo.failed = ranks
+        _fence(topo, ranks)
     return RanksFailedError(topo.failed, str(exc).splitlines()[0] if str(exc) else "")
+
+
+def _fence(topo: Topology, ranks: list[int]) -> None:
+    """Kill the failed ranks' processes that still run on this host (a hung rank that MPI's
+    detector declared failed), so none comes back into a job that has left it."""
+    here = socket.gethostname()
+    for r in ranks:
+        host, pid = topo.processes[r]
+        if host == here and pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def reraise(topo: Topology, exc: BaseException) -> NoReturn:

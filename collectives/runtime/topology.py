@@ -15,6 +15,9 @@ timeout is each communicator's (set_timeout)."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +57,10 @@ class Topology:
             for leader in sorted(set(leaders))
         ]
 
+        # fault-tolerant mode: each rank's (host, pid), to kill a rank declared failed that
+        # still runs (runtime/faults.py)
+        self.processes = self.comm.allgather((socket.gethostname(), os.getpid())) \
+            if config.fault_tolerant else None
         self.max_local_size = max(len(node) for node in self.nodes)
         self.node_index = next(i for i, node in enumerate(self.nodes) if self.rank in node)
         self._shard_comms: list[MPI.Comm] | None = None
@@ -147,6 +154,8 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
         _topology = Topology(comm, config, watchdog)
         if not config.fault_tolerant:  # there a rank that exits is a failure survived
             _abort_on_uncaught_exceptions()
+        else:
+            atexit.register(_exit_after_failures)
         try:
             for fn in _on_init:
                 fn(_topology)
@@ -228,6 +237,24 @@ def _abort_on_uncaught_exceptions() -> None:
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook
+
+
+def _exit_after_failures() -> None:
+    """At exit, fault-tolerant mode, in a process that has seen ranks fail: it waits for the
+    other survivors (a barrier on the shrunk job; none if it was not shrunk) and exits
+    without MPI_Finalize, which after a failure can wait forever (for messages the failed
+    call left in flight; in the failure detector's shutdown). Its status is 1 after an
+    uncaught exception, else 0 (a sys.exit code is not seen here)."""
+    if _topology is None or (_topology.generation == 0 and _topology.failed is None):
+        return
+    if _topology.failed is None:
+        try:
+            _topology.comm.Barrier()
+        except MPI.Exception:
+            pass  # another failure: nothing left to wait for
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if getattr(sys, "last_value", None) is not None else 0)
 
 
 def initialized() -> bool:

@@ -20,6 +20,7 @@ import time
 from mpi4py import MPI
 
 from collectives.kernels import _C
+from collectives.runtime import window
 from collectives.runtime.engine import ENGINE
 
 log = logging.getLogger("collectives")
@@ -81,7 +82,11 @@ class Watchdog:
                     self.comm.send((ask_id, ENGINE.native.snapshot()), asker, TAG_ANSWER)
                     req = self.comm.Irecv(buf, MPI.ANY_SOURCE, TAG_ASK)
         except MPI.Exception:
-            return  # a rank failed (fault-tolerant mode): the job's rebuild makes a new one
+            # a rank failed (fault-tolerant mode), seen here first when this rank is not in
+            # MPI (waiting on a shared window, or a stopped rank that MPI's detector declared
+            # dead): flag the windows so those waits raise; the job's rebuild makes a new one
+            window.mark_failed()
+            return
         req.Cancel()
         req.Wait()
 

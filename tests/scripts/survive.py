@@ -23,6 +23,7 @@ import numpy as np
 
 import collectives as C
 from collectives import elastic
+from collectives.runtime import topology
 
 DIE_AT = 20  # the victim dies at this step
 COMMIT_EVERY = 3  # steps between two commits of the train scenario
@@ -34,9 +35,10 @@ def victims(size: int) -> list[int]:
 
 
 def die(killfile: str) -> None:
+    """SIGKILL this process (SIGSTOP with env STOP=1: a hung rank)."""
     with open(killfile, "w") as f:
         f.write(repr(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if os.environ.get("STOP") == "1" else signal.SIGKILL)
 
 
 def since(killfile: str) -> float:
@@ -91,8 +93,11 @@ def raise_scenario(call: str, killfile: str) -> None:
                 again = "the next call ran"
             except C.RanksFailedError:
                 again = "the next call raised too"
+            shrunk = topology.shrink().size
+            total = C.allreduce(np.ones(3), op=C.Sum)
             print(f"rank {C.rank()}: RanksFailedError {exc.ranks} after {took:.3f} s at "
-                  f"step {step}; {again}", flush=True)
+                  f"step {step}; {again}; shrunk to {shrunk}, whose allreduce gave "
+                  f"{total[0]:g}", flush=True)
             return
     print(f"rank {C.rank()}: no error", flush=True)
 

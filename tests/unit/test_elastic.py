@@ -1,9 +1,9 @@
 """Fault-tolerant mode and elastic training, in whole jobs under `mpirun --with-ft ulfm` in
-which the last rank dies by SIGKILL (tests/scripts/survive.py): every survivor raises
-RanksFailedError naming it, within a second, from every kind of call; elastic training
-shrinks the job, rolls back to the last commit and ends with the parameters of a replay
-(with DistributedOptimizer, Horovod's names, or DDP on the "collectives" backend).
-Also ElasticSampler's dealing of what is left of an epoch."""
+which ranks die by SIGKILL (tests/scripts/survive.py): every survivor raises
+RanksFailedError naming them, within a second, from every kind of call, and the job shrunk
+to the survivors works; elastic training shrinks the job, rolls back to the last commit and
+ends with the parameters of a replay (with DistributedOptimizer, Horovod's names, or DDP on
+the "collectives" backend). Also ElasticSampler's dealing of what is left of an epoch."""
 
 from __future__ import annotations
 
@@ -54,30 +54,37 @@ def test_every_survivor_raises_naming_the_dead_rank(tmp_path, layout, call, dyin
     out = survive(layout, tmp_path, "raise", call, str(tmp_path / "killed"),
                   VICTIMS=",".join(map(str, dead)))
     found = re.findall(r"rank (\d+): RanksFailedError (\[[\d, ]+\]) after ([\d.]+) s at step "
-                       r"(\d+); the next call raised too", out)
-    assert sorted(int(r) for r, *_ in found) == sorted(set(range(np_)) - set(dead)), out
-    for _, ranks, took, step in found:
+                       r"(\d+); the next call raised too; shrunk to (\d+), whose allreduce "
+                       r"gave (\d+)", out)
+    assert sorted(int(r) for r, *_ in found) == list(range(np_ - len(dead))), out
+    for _, ranks, took, step, shrunk, total in found:
         assert ast.literal_eval(ranks) == dead and int(step) == 20, out
         assert float(took) < 1.0, out
+        assert int(shrunk) == int(total) == np_ - len(dead), out
 
 
-@pytest.mark.parametrize("layout,api,dying,second", [
-    ("1node", "train", "", False), ("2nodes", "train", "", False),
-    ("1node", "horovod", "", False),
-    ("1node", "ddp", "", False),            # DDP on the backend, rebuilt in a reset callback
-    ("1node", "train", "0", False),         # rank 0: the survivors sync from a new rank 0
-    ("2nodes", "train", "1", False),        # a middle rank
-    ("2nodes", "train", "0,2", False),      # two at once, one on each node
-    ("2nodes", "train", "", True),          # a second failure after the first recovery
+@pytest.mark.parametrize("layout,api,dying,how", [
+    ("1node", "train", "", "kill"), ("2nodes", "train", "", "kill"),
+    ("1node", "horovod", "", "kill"),
+    ("1node", "ddp", "", "kill"),           # DDP on the backend, rebuilt in a reset callback
+    ("1node", "train", "0", "kill"),        # rank 0: the survivors sync from a new rank 0
+    ("2nodes", "train", "1", "kill"),       # a middle rank
+    ("2nodes", "train", "0,2", "kill"),     # two at once, one on each node
+    ("2nodes", "train", "", "twice"),       # a second failure after the first recovery
+    ("1node", "train", "", "stop"),         # a hung (SIGSTOPped) rank: MPI's detector
 ])
-def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dying, second):
+def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dying, how):
     """The victims die at step 20, the last commit being step 18; a second failure at step
-    28 goes back to step 27. Every survivor ends with the replay's parameters."""
+    28 goes back to step 27. Every survivor ends with the replay's parameters. A stopped
+    rank is declared failed by Open MPI's detector (Config.failure_detector_timeout_s: 3 s)
+    and killed by a survivor."""
     np_ = LAYOUTS[layout][0]
     dead = [int(r) for r in dying.split(",")] if dying else [np_ - 1]
     after = np_ - len(dead)
-    env = {"VICTIMS": ",".join(map(str, dead))}
-    if second:
+    env = {"VICTIMS": ",".join(map(str, dead)), "STOP": "1" if how == "stop" else "0"}
+    if how == "stop":
+        env["COLLECTIVES_FAILURE_DETECTOR_TIMEOUT_S"] = "3"
+    if how == "twice":
         env["SECOND_AT"] = "28"
         sizes, resets = {np_: 18, after: 9, after - 1: 13}, [after, after - 1]
     else:
@@ -90,7 +97,7 @@ def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dy
     for _, at, reset, recovered, err, _ in found:
         assert ast.literal_eval(at) == sizes, out
         assert ast.literal_eval(reset) == resets, out
-        assert float(recovered) < 1.0, out
+        assert float(recovered) < (4.0 if how == "stop" else 1.0), out
         assert float(err) < 1e-12, out
     assert len({f[-1] for f in found}) == 1, out  # the survivors' parameters are alike
 
