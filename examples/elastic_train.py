@@ -1,14 +1,15 @@
 """Elastic training on the digits of examples/train.py: a rank dies, the others go on.
 
-    mpirun --with-ft ulfm -np 4 --oversubscribe python examples/elastic_train.py --kill-at 30
+    mpirun --with-ft ulfm -np 4 --oversubscribe python examples/elastic_train.py --kill-at 30,60
 
 Under `mpirun --with-ft ulfm` (collectives' fault-tolerant mode) the last rank kills itself
-(SIGKILL) at step --kill-at. Every survivor raises RanksFailedError within a second;
-collectives.elastic.run puts back the last commit (model, optimizer, the sampler's place in
-the epoch, epoch and step, committed every --commit-every steps), shrinks the job to the
-survivors, rescales the learning rate in a reset callback, and trains on: the survivors
-share what is left of the epoch (ElasticSampler) and finish every epoch. Without
-`--with-ft ulfm` the same script trains normally, and a failure ends the job.
+(SIGKILL) at each step of --kill-at (30,60: two ranks die, one after the other). Every
+survivor raises RanksFailedError within a second; collectives.elastic.run puts back the
+last commit (model, optimizer, the sampler's place in the epoch, epoch and step, committed
+every --commit-every steps), shrinks the job to the survivors, rescales the learning rate
+in a reset callback, and trains on: the survivors share what is left of the epoch
+(ElasticSampler) and finish every epoch. Without `--with-ft ulfm` the same script trains
+normally, and a failure ends the job.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=16, help="samples per rank and step")
-    ap.add_argument("--lr", type=float, default=0.01, help="learning rate per rank")
+    ap.add_argument("--lr", type=float, default=0.03, help="learning rate per rank")
     ap.add_argument("--commit-every", type=int, default=1, help="steps between commits")
-    ap.add_argument("--kill-at", type=int, default=-1,
-                    help="the last rank dies at this step (-1: no rank dies)")
+    ap.add_argument("--kill-at", default="",
+                    help="steps at which the last rank dies, comma-separated (none: '')")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -42,7 +43,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     C.init()
-    first_size = C.size()
+    # the i-th kill happens at its step if i ranks have died so far
+    kills = {int(step): C.size() - i for i, step in enumerate(args.kill_at.split(",")) if step}
     torch.manual_seed(args.seed)
     x, y, x_test, y_test = load_data()
     model = make_model()
@@ -68,8 +70,7 @@ def main() -> None:
             model.train()
             mine = list(state.sampler)
             for b, lo in enumerate(range(0, len(mine), args.batch_size)):
-                if state.step == args.kill_at and C.size() == first_size \
-                        and C.rank() == C.size() - 1:
+                if kills.get(state.step) == C.size() and C.rank() == C.size() - 1:
                     os.kill(os.getpid(), signal.SIGKILL)
                 batch = torch.tensor(mine[lo:lo + args.batch_size])
                 opt.zero_grad()
