@@ -179,9 +179,11 @@ class OnebitAdam(torch.optim.Optimizer):
             exp_avg.copy_(compressed_allreduce(exp_avg, worker, server, self.block_size))
 
     def _errors(self, p: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-        """This rank's error buffers for p: zeros at the freeze (or after a reset)."""
-        if "worker_error" not in state:
-            sizes = error_sizes(p.numel(), C.size())
+        """This rank's error buffers for p: zeros at the freeze, after a reset, or when the
+        job's size changed (collectives.elastic shrank it: the chunks are not the same)."""
+        sizes = error_sizes(p.numel(), C.size())
+        if "worker_error" not in state or \
+                (state["worker_error"].numel(), state["server_error"].numel()) != sizes:
             for name, size in zip(_ERRORS, sizes):
                 state[name] = torch.zeros(size, dtype=torch.float32, device=p.device)
         return state["worker_error"], state["server_error"]

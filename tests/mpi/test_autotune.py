@@ -26,11 +26,12 @@ from collectives.runtime import topology
 SMALL = (8, 4 << 10)  # sizes that keep a test's measurement short
 
 
-def _job(**options) -> types.SimpleNamespace:
-    """The job's topology with other options."""
+def _job(generation: int = 0, **options) -> types.SimpleNamespace:
+    """The job's topology with other options (generation: shrinks after failures)."""
     job = topology.get()
     return types.SimpleNamespace(comm=job.comm, rank=job.rank, size=job.size, nodes=job.nodes,
-                                 channel=job.channel, config=config.Config(**options))
+                                 channel=job.channel, config=config.Config(**options),
+                                 generation=generation)
 
 
 @pytest.fixture
@@ -57,6 +58,18 @@ def test_the_first_job_measures_and_the_next_reads_the_cache(comm, cache):
     again = autotune.setup(_job(), timed_call)
     assert time.perf_counter() - start < 0.2
     assert again == json.loads(json.dumps(first))
+
+
+def test_a_shrunk_job_reads_the_cache_but_does_not_measure(comm, cache):
+    """After a failure (collectives.elastic) the job goes on at once: on the cache of its
+    new setup if there is one, else on the model."""
+    if comm.Get_size() == 1:
+        return
+    start = time.perf_counter()
+    assert autotune.setup(_job(generation=1), timed_call) == {}
+    assert time.perf_counter() - start < 0.2
+    measured = autotune.setup(_job(), timed_call)
+    assert autotune.setup(_job(generation=1), timed_call) == json.loads(json.dumps(measured))
 
 
 def test_the_key_names_what_the_times_depend_on(comm):

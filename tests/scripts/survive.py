@@ -5,6 +5,7 @@
     survive.py train KILLFILE         elastic training must finish on the survivors
     survive.py horovod KILLFILE       the same, written with Horovod's names
     survive.py ddp KILLFILE           the same, with DDP on the "collectives" backend
+    survive.py onebit KILLFILE        the same with OnebitAdam (1-bit error buffers)
 
 The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
 rank) die at step DIE_AT; with SECOND_AT set, the last rank of the shrunk job dies at that
@@ -113,12 +114,14 @@ def train_scenario(killfile: str, api: str) -> None:
 
     steps, dim, batch, lr = 2 * DIE_AT, 8, 24, 0.02
 
-    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.float32 if api == "onebit" else torch.float64  # OnebitAdam: float32 only
+
+    def data(step: int, dtype: torch.dtype = dtype) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(step)
         x = torch.randn(batch, dim, generator=g, dtype=torch.float64)
-        return x, x @ torch.arange(1.0, dim + 1, dtype=torch.float64)
+        return x.to(dtype), (x @ torch.arange(1.0, dim + 1, dtype=torch.float64)).to(dtype)
 
-    model = torch.nn.Linear(dim, 1, bias=False).double()
+    model = torch.nn.Linear(dim, 1, bias=False).to(dtype)
     torch.nn.init.zeros_(model.weight)
     sgd = torch.optim.SGD(model.parameters(), lr=lr * C.size(), momentum=0.9)
     forward = [model]  # what the step calls: the model, or its DDP
@@ -132,6 +135,9 @@ def train_scenario(killfile: str, api: str) -> None:
         dist.init_process_group("collectives")
         forward[0] = DistributedDataParallel(model)
         opt, el = sgd, elastic
+    elif api == "onebit":  # compressed from step 5: error buffers in the state
+        opt = C.optim.OnebitAdam(model.parameters(), lr=lr * C.size(), freeze_step=5)
+        el = elastic
     else:
         opt, el = C.optim.DistributedOptimizer(sgd), elastic
     state = el.TorchState(model=model, optimizer=opt, step=0, sizes=[])
@@ -176,7 +182,7 @@ def train_scenario(killfile: str, api: str) -> None:
     torch.nn.init.zeros_(ref.weight)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
     for step, n in enumerate(state.sizes):
-        x, y = data(step)
+        x, y = data(step, torch.float64)
         ref_opt.param_groups[0]["lr"] = lr * n
         ref_opt.zero_grad()
         # the mean of n per-rank losses, each scaled by n / batch, is the full-batch loss

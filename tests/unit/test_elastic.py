@@ -67,6 +67,7 @@ def test_every_survivor_raises_naming_the_dead_rank(tmp_path, layout, call, dyin
     ("1node", "train", "", "kill"), ("2nodes", "train", "", "kill"),
     ("1node", "horovod", "", "kill"),
     ("1node", "ddp", "", "kill"),           # DDP on the backend, rebuilt in a reset callback
+    ("2nodes", "onebit", "", "kill"),       # OnebitAdam: its error buffers change size
     ("1node", "train", "0", "kill"),        # rank 0: the survivors sync from a new rank 0
     ("2nodes", "train", "1", "kill"),       # a middle rank
     ("2nodes", "train", "0,2", "kill"),     # two at once, one on each node
@@ -98,7 +99,7 @@ def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dy
         assert ast.literal_eval(at) == sizes, out
         assert ast.literal_eval(reset) == resets, out
         assert float(recovered) < (4.0 if how == "stop" else 1.0), out
-        assert float(err) < 1e-12, out
+        assert api == "onebit" or float(err) < 1e-12, out  # 1-bit: no exact replay
     assert len({f[-1] for f in found}) == 1, out  # the survivors' parameters are alike
 
 
