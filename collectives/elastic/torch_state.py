@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -55,9 +56,10 @@ class ElasticSampler(torch.utils.data.Sampler):
         g.manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.dataset), generator=g).tolist()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         left = self._order()[self.start:]
-        left += left[:self.per_rank * self.size - len(left)]  # pad to an even deal
+        need = self.per_rank * self.size  # an even deal: repeat indices to fill it
+        left = (left * -(-need // len(left)))[:need] if left else []
         return iter(left[self.rank::self.size])
 
     def __len__(self) -> int:
@@ -65,8 +67,8 @@ class ElasticSampler(torch.utils.data.Sampler):
 
 
 class TorchState(ObjectState):
-    """model's state_dict, optimizer's state_dict (a DistributedOptimizer's, with its 1-bit
-    error buffers), every ElasticSampler among kwargs and the other kwargs' values, as one
+    """model's state_dict, optimizer's state_dict (OnebitAdam's with its 1-bit error
+    buffers), every ElasticSampler among kwargs and the other kwargs' values, as one
     elastic state: commit copies them in memory, restore loads the copies, sync broadcasts
     rank 0's parameters, optimizer state, samplers' positions and values."""
 

@@ -40,6 +40,10 @@ class Topology:
         self.generation = generation  # shrinks after failures that led to this job's comm
         ranks_per_node = config.ranks_per_node
         self.comm = comm.Dup()
+        if config.fault_tolerant:
+            # an MPI error raises instead of aborting, whatever the user's communicator
+            # does; the communicators split from this one inherit it
+            self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         if ranks_per_node is None:
             self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)

@@ -9,8 +9,9 @@
 
 The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
 rank) die at step DIE_AT; with SECOND_AT set, the last rank of the shrunk job dies at that
-step too. A victim writes the time of its death to KILLFILE first, so survivors can say how
-long they took to notice (raise) or to recover (train)."""
+step too; MIN_SIZE is the elastic run's min_size. A victim writes the time of its death to
+KILLFILE first, so survivors can say how long they took to notice (raise) or to recover
+(train)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ def calls(size: int) -> dict:
             dist.init_process_group("collectives")
         dist.all_reduce(torch.ones(1 << 16))
 
-    def async_allreduce() -> None:
-        C.synchronize(C.allreduce_async(large))
+    def async_allreduces() -> None:  # a queue of them on the engine
+        for handle in [C.allreduce_async(large) for _ in range(4)]:
+            C.synchronize(handle)
 
     return {
         "allreduce-small": lambda: C.allreduce(small),
@@ -68,7 +70,7 @@ def calls(size: int) -> dict:
         "allreduce-ring": lambda: C.allreduce(large, algorithm="ring"),
         "allreduce-tree": lambda: C.allreduce(large, algorithm="tree"),
         "allreduce-mpi": lambda: C.allreduce(large, algorithm="mpi"),
-        "allreduce-async": async_allreduce,
+        "allreduce-async": async_allreduces,
         "allreduce-int8": lambda: C.allreduce(large, compression=C.Compression.int8),
         "allgather": lambda: C.allgather(large[:1000]),
         "broadcast": lambda: C.broadcast(large, root_rank=0),
@@ -155,7 +157,7 @@ def train_scenario(killfile: str, api: str) -> None:
     dying = victims(C.size())
     second_at = int(os.environ.get("SECOND_AT", -1))
 
-    @el.run
+    @el.run(min_size=int(os.environ.get("MIN_SIZE", 1)))
     def train(state: elastic.TorchState) -> None:
         while state.step < steps:
             if state.step == DIE_AT and not resets and C.rank() in dying \

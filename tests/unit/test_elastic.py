@@ -103,6 +103,13 @@ def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dy
     assert len({f[-1] for f in found}) == 1, out  # the survivors' parameters are alike
 
 
+def test_too_few_survivors_end_the_job_saying_why(tmp_path):
+    out = survive("1node", tmp_path, "train", str(tmp_path / "killed"), MIN_SIZE="3")
+    said = re.findall(r"collectives.elastic: ranks \[2\] failed and 2 are left, fewer than "
+                      r"min_size=3; ending the job", out)
+    assert len(said) == 2 and "trained" not in out, out
+
+
 def test_elastic_sampler_deals_what_is_left(monkeypatch):
     """10 samples over 3 ranks, batch 1: after one batch each rank has done its first
     sample (3 of the epoch's order); 2 survivors then share the other 7, padded to 8."""
@@ -130,3 +137,7 @@ def test_elastic_sampler_deals_what_is_left(monkeypatch):
     assert sorted(set(left)) == sorted(order[3:])
     s.set_epoch(1)
     assert len(s) == 5 and s._order() != order
+    monkeypatch.setattr(torch_state.topology, "rank", lambda: 2)
+    monkeypatch.setattr(torch_state.topology, "size", lambda: 3)
+    s.load_state_dict({"epoch": 1, "processed": 9})  # 1 left for 3 ranks: each gets it
+    assert len(s) == 1 and list(s) == [s._order()[9]]
