@@ -22,8 +22,8 @@ Open MPI's failure detector under `mpirun --with-ft ulfm` (fault-tolerant mode,
 runtime/faults.py) when Config.failure_detector_timeout_s is set: on its own thread, with
 that timeout and failure_detector_period_s. Without it a hung rank (stopped, or its node
 unreachable) hangs everyone; the thread keeps a rank that is busy outside MPI from being
-declared failed. It is not on by default: with it on, 2 of the 34 jobs of
-tests/unit/test_elastic.py (ranks killed) crashed in a survivor (segmentation fault)."""
+declared failed. It is not on by default: with it on, 2 of 33 jobs of
+tests/unit/test_elastic.py (ranks killed) failed: a survivor crashed (segmentation fault)."""
 
 from __future__ import annotations
 
