@@ -33,10 +33,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kill-at", type=int, default=20, help="-1: no rank dies")
+    ap.add_argument("--killfile", default=os.path.join(tempfile.gettempdir(), "elastic-kill"),
+                    help="where the dying rank writes the time of its death (a path every "
+                         "rank reads)")
     args = ap.parse_args()
     C.init()
     first_size = C.size()
-    killfile = os.path.join(tempfile.gettempdir(), f"elastic-bench-{os.getppid()}")
+    killfile = args.killfile
     torch.manual_seed(0)
     layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.depth)]
     model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.ReLU())])
