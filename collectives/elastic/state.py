@@ -12,18 +12,17 @@ from collections.abc import Callable
 from typing import Any
 
 from collectives.api.gather import broadcast_object
-from collectives.runtime import topology
 
 
 class State:
     """The base of elastic states: subclasses say how to save, restore and sync what they
-    hold. bcast_object(obj, root_rank) and get_rank() are Horovod's arguments; they default
-    to collectives' broadcast_object and the job's rank."""
+    hold. bcast_object(obj, root_rank) (Horovod's argument) defaults to collectives'
+    broadcast_object; get_rank, Horovod's other argument, is accepted for its signature
+    (sync always takes rank 0's state)."""
 
     def __init__(self, bcast_object: Callable[..., Any] | None = None,
                  get_rank: Callable[[], int] | None = None):
         self._bcast_object = broadcast_object if bcast_object is None else bcast_object
-        self._get_rank = topology.rank if get_rank is None else get_rank
         self._reset_callbacks: list[Callable[[], None]] = []
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
