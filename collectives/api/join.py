@@ -27,7 +27,7 @@ from collectives.auto import online, select
 from collectives.compression import Compression
 from collectives.dtypes import FLOATING, STORAGE
 from collectives.ops import ReduceOp
-from collectives.runtime import agreement
+from collectives.runtime import agreement, faults
 from collectives.runtime.buffers import host_float
 from collectives.runtime.engine import ENGINE
 from collectives.runtime.topology import Topology
@@ -103,5 +103,7 @@ def join(*, comm: Any = None, process_set: Any = None) -> int:
             except agreement.MismatchError:
                 continue  # the others raise it; this rank waits on, as in Horovod
             _contribute(topo, collective, fields)
+    except Exception as exc:  # a failure of ranks: RanksFailedError (fault-tolerant mode)
+        faults.reraise(topo, exc)
     finally:
         native.release()

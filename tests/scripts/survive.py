@@ -77,6 +77,7 @@ def calls(size: int) -> dict:
         "alltoall": lambda: C.alltoall(np.ones(size * 100, np.float32)),
         "reducescatter": lambda: C.reducescatter(large),
         "barrier": C.barrier,
+        "join": C.join,  # every rank joins at once
         "torch-all-reduce": torch_allreduce,
     }
 

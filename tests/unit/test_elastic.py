@@ -38,7 +38,7 @@ def survive(layout: str, tmp: Path, *args: str, **env_vars: str) -> str:
 
 CALLS_1NODE = ["allreduce-small", "allreduce-large", "allreduce-ring", "allreduce-tree",
                "allreduce-mpi", "allreduce-async", "allreduce-int8", "allgather", "broadcast",
-               "alltoall", "reducescatter", "barrier", "torch-all-reduce"]
+               "alltoall", "reducescatter", "barrier", "join", "torch-all-reduce"]
 CALLS_2NODES = ["allreduce-small", "allreduce-large", "allreduce-ring", "allgather",
                 "broadcast", "barrier"]
 
