@@ -108,10 +108,9 @@ def failure(topo: Topology, exc: BaseException) -> RanksFailedError | None:
             except MPI.Exception:
                 pass  # revoked already, or freed
         deadline = time.monotonic() + FIND_S
-        ranks = _failed_ranks(topo.comm) or _dead_here(topo)
-        while not ranks and time.monotonic() < deadline:
+        while not (ranks := _failed_ranks(topo.comm) or _dead_here(topo)) \
+                and time.monotonic() < deadline:
             time.sleep(0.001)
-            ranks = _failed_ranks(topo.comm) or _dead_here(topo)
         topo.failed = ranks
         _fence(topo, ranks)
     return RanksFailedError(topo.failed, str(exc).splitlines()[0] if str(exc) else "")
@@ -121,23 +120,8 @@ def _dead_here(topo: Topology) -> list[int]:
     """The ranks of topo whose process on this host is gone: named at once, where MPI's
     own notice of a death on this host takes 0.1-0.4 s to arrive."""
     here = socket.gethostname()
-    return [r for r, (host, pid) in enumerate(topo.processes) if host == here and _gone(pid)]
-
-
-def _gone(pid: int) -> bool:
-    """Whether process pid has ended (a zombie awaiting its parent has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False  # no procfs: kill's answer stands
-    return state in ("Z", "X")
+    return [r for r, (host, pid) in enumerate(topo.processes)
+            if host == here and not _C.process_alive(pid)]
 
 
 def _fence(topo: Topology, ranks: list[int]) -> None:

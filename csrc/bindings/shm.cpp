@@ -123,6 +123,8 @@ void py_shm_broadcast(ShmWindow& w, const py::buffer& buf, int64_t nbytes,
 
 void bind_shm(py::module_& m) {
   py::register_exception<PeerFailure>(m, "PeerFailure", PyExc_RuntimeError);
+  m.def("process_alive", [](int64_t pid) { return process_alive(static_cast<pid_t>(pid)); },
+        py::arg("pid"), "Whether process pid runs (not gone, not a zombie)");
   py::class_<ShmWindow>(m, "ShmWindow", "A shared window's layout, seen from one rank (shm.h)")
       .def(py::init(&make_shm_window), py::arg("segments"), py::arg("rank"),
            py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),

@@ -22,6 +22,19 @@
 
 namespace collectives {
 
+// Whether process pid runs (not gone, not a zombie awaiting its parent): how a wait in
+// fault-tolerant mode tells a dead peer, and how collectives/runtime/faults.py names the
+// ranks that died on this host.
+inline bool process_alive(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return true;  // no procfs: kill's answer stands
+  const auto paren = text.rfind(')');
+  const char state = paren + 2 < text.size() ? text[paren + 2] : 'R';
+  return state != 'Z' && state != 'X';
+}
+
 class Sync {
  public:
   // on_wait (may be null): called past each of its deadlines (the first at first_wait s)
@@ -126,22 +139,11 @@ class Sync {
                           " of the node stopped on a failure");
       }
     }
-    if (!alive(w_.pids[j])) {
+    if (!process_alive(w_.pids[j])) {
       mark_failed(w_);
       throw PeerFailure("shm: rank " + std::to_string(j) + " of the node (pid " +
                         std::to_string(w_.pids[j]) + ") has died");
     }
-  }
-
-  // Whether process pid runs (not gone, not a zombie awaiting its parent).
-  static bool alive(pid_t pid) {
-    if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-    std::string text;
-    if (!std::getline(stat, text)) return true;  // no procfs: kill's answer stands
-    const auto paren = text.rfind(')');
-    const char state = paren + 2 < text.size() ? text[paren + 2] : 'R';
-    return state != 'Z' && state != 'X';
   }
 
   // Ranks drift apart mid-call (tests of the counters' ordering).
