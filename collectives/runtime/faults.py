@@ -17,8 +17,9 @@ How a failure reaches every survivor:
   ranks waiting for it, rather than for the dead rank, stop too.
 The failed ranks are the ones MPI reports failed on the communicator (MPI_Comm_get_failed),
 asked for up to FIND_S after the failure is seen, or, sooner, those whose process on this
-host is gone. The Topology then remembers them: every later call on it raises at once,
-until collectives.elastic replaces it."""
+host is gone; once one is named, SETTLE_S more for ranks that died with it. The Topology
+then remembers them: every later call on it raises at once, until collectives.elastic
+replaces it."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class Topology(Protocol):
 
 #: Seconds a rank that has seen a failure waits for MPI to name the failed ranks.
 FIND_S = 1.0
+#: Seconds it goes on looking once one is named, for ranks that died with it.
+SETTLE_S = 0.05
 
 #: A wait on a shared window found its peer dead, or flagged by a peer (raised by C++).
 PeerFailure = _C.PeerFailure
@@ -108,12 +111,20 @@ def failure(topo: Topology, exc: BaseException) -> RanksFailedError | None:
             except MPI.Exception:
                 pass  # revoked already, or freed
         deadline = time.monotonic() + FIND_S
-        while not (ranks := _failed_ranks(topo.comm) or _dead_here(topo)) \
-                and time.monotonic() < deadline:
+        while not (ranks := _named(topo)) and time.monotonic() < deadline:
             time.sleep(0.001)
+        settled = time.monotonic() + SETTLE_S  # ranks that die together are named together
+        while ranks and time.monotonic() < settled:
+            time.sleep(0.005)
+            ranks = sorted(set(ranks) | set(_named(topo)))
         topo.failed = ranks
         _fence(topo, ranks)
     return RanksFailedError(topo.failed, str(exc).splitlines()[0] if str(exc) else "")
+
+
+def _named(topo: Topology) -> list[int]:
+    """The failed ranks known now: MPI's, and those whose process on this host is gone."""
+    return sorted(set(_failed_ranks(topo.comm)) | set(_dead_here(topo)))
 
 
 def _dead_here(topo: Topology) -> list[int]:
