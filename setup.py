@@ -65,7 +65,7 @@ class BuildExt(build_ext):
 
 setup(
     name="collectives",
-    version="0.2.1",
+    version="0.2.2",
     description="MPI collective communication for data-parallel training",
     packages=[*find_packages(include=["collectives", "collectives.*"]), "collectives.optim",
               *(f"collectives.optim.{p}" for p in find_packages("optim"))],

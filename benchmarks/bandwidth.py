@@ -283,7 +283,8 @@ def run(args, comm: MPI.Comm) -> list[dict]:
                 "busbw": algbw * BUS_FACTOR[op](n),
                 "wrong": count_wrong(op, a, x, comm, gloo) if args.c else -1,
                 # the algorithm `auto` ran (after its trial, if any)
-                **({"runs": select.choose(op, x.nbytes, topology.get())} if a == "auto" else {}),
+                **({"runs": select.choose(op, x.nbytes, topology.get(), args.inplace)}
+                   if a == "auto" else {}),
             })
     for row in rows:
         for algo, key in (("mpi", "vs_mpi"), ("mpi-raw", "vs_raw")):

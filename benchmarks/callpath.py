@@ -5,12 +5,13 @@ A call back is a call into a file that is further up the current stack but is no
 caller's file (a lower layer running a function of a higher one: the engine running the
 api's move, an algorithm calling into online's timing). A plain return is not one.
 
-    mpirun -np 2 python benchmarks/callpath.py            # both routes, 1 MiB float32
-    mpirun -np 2 python benchmarks/callpath.py --route general --bytes 4096
+    mpirun -np 2 -x XDG_CACHE_HOME=$(mktemp -d) python benchmarks/callpath.py   # 1 MiB
+    mpirun -np 2 python benchmarks/callpath.py --route fast
 
 Routes: `fast` is a repeated host allreduce that has a C++ fast entry (a small one that rides
 in the agreement); `general` is a repeated `auto` allreduce while auto/online.py still tries
-its size class (from 256 KiB up, its first calls), the longest everyday path. Only Python is
+its size class (from 256 KiB up, its first calls: a class an earlier job settled runs no
+trial, so the general route needs an empty cache), the longest everyday path. Only Python is
 traced (sys.setprofile); the C++ files a route enters are listed in docs/architecture.md.
 Rank 0 prints."""
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 import collectives as C
-from collectives.auto import online
+from collectives.auto import online, select
 from collectives.runtime import topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +81,9 @@ def main() -> None:
         if route == "general" and not online.checks(topology.get(), x.nbytes):
             sys.exit(f"{x.nbytes} bytes: auto does not check this class online; try --bytes "
                      "of 256 KiB or more")
+        if route == "general" and select.size_class(x.nbytes) in topology.get().settled:
+            sys.exit(f"{x.nbytes} bytes: settled from the cache (no trial); run with an empty "
+                     "cache: mpirun -x XDG_CACHE_HOME=$(mktemp -d) ...")
         files, backs = trace(lambda x=x: C.allreduce(x))
         if C.rank() == 0:
             print(f"{route}: {len(files)} Python files, {len(backs)} call backs")

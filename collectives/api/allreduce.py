@@ -55,7 +55,7 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     if type(op) is not ReduceOp:
         return None
     if type(x) is np.ndarray:
-        call = topo.fast.get((op, x.dtype, x.shape, algorithm))
+        call = topo.fast.get((op, x.dtype, x.shape, algorithm, inplace))
         if call is None:
             return None
         # a large result's memory comes from the result pool (no fresh pages to fault in)
@@ -70,7 +70,7 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     if type(x) is not _Tensor or not x.is_cpu or x.requires_grad and inplace \
             or not x.is_contiguous():
         return None
-    call = topo.fast.get((op, x.dtype, x.shape, algorithm))
+    call = topo.fast.get((op, x.dtype, x.shape, algorithm, inplace))
     if call is None:
         return None
     if inplace:
@@ -106,10 +106,10 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
                        postscale_factor)
     if compressor is not Compression.none and buf.dtype in FLOATING:
         return _compressed(topo, buf, op, algorithm, compressor, inplace)
-    call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm)
+    call = calls.allreduce(topo, buf.dtype, buf.shape, buf.nbytes, op, algorithm, inplace)
     out = buf if inplace else buf.empty(buf.shape)
     fast = call.fast is not None and not buf.staged and buf.dtype != "bfloat16"
-    key = (op, x.dtype, x.shape, algorithm)
+    key = (op, x.dtype, x.shape, algorithm, inplace)
     checked = algorithm == "auto" and online.checks(topo, buf.nbytes)
     if fast and not checked:
         topo.fast[key] = call  # the next such call takes the fast entry
@@ -122,9 +122,9 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
 
     def move() -> Any:
         if checked:  # `auto` picks the algorithm now (online.py)
-            online.run(topo, call.size_class, buf.nbytes, reduce)
-            if fast and online.settled_on(topo, call.size_class, buf.nbytes, call.algorithm,
-                                               call.fast):
+            online.run(topo, call.size_class, buf.nbytes, inplace, reduce)
+            if fast and online.settled_on(topo, call.size_class, buf.nbytes, inplace,
+                                          call.algorithm, call.fast):
                 topo.fast[key] = call  # the choice is final: the next such call is fast
         else:
             reduce(call.algorithm)

@@ -38,7 +38,7 @@ class Call(NamedTuple):
     dtype_code: int = 0    # a reduction: the kernels' codes of its payload
     op_code: int = 0
     divisor: int = 1       # world size for Average, else 1
-    size_class: int = 0    # a reduction: its size class (select.size_class), auto's unit
+    size_class: int = 0    # a reduction: its class (select.size_class), auto's unit
 
 
 def describe(topo: Topology, collective: str, fields: tuple, algorithm: str) -> Call:
@@ -53,17 +53,21 @@ def describe(topo: Topology, collective: str, fields: tuple, algorithm: str) -> 
 
 
 def allreduce(topo: Topology, dtype: str, shape: tuple, nbytes: int, op: ReduceOp,
-              algorithm: str) -> Call:
+              algorithm: str, inplace: bool) -> Call:
     """An uncompressed allreduce's description (raises the argument errors of concrete()),
-    found by a key cheaper to build than its fields: this is on every call's path."""
-    key = ("allreduce", dtype, shape, op, algorithm)
+    found by a key cheaper to build than its fields: this is on every call's path. `auto`
+    settles in place and out of place apart (select.size_class), so for `auto` every rank
+    must call alike: in_place is one of its agreed fields."""
+    key = ("allreduce", dtype, shape, op, algorithm, inplace)
     call = topo.calls.get(key)
     if call is None:
         fields = (("op", op.name), ("dtype", dtype), ("shape", shape),
                   ("algorithm", algorithm), ("compression", "none"))
-        algo = select.concrete(topo, "allreduce", algorithm, nbytes)
+        if algorithm == "auto":
+            fields += (("in_place", inplace),)
+        algo = select.concrete(topo, "allreduce", algorithm, nbytes, inplace)
         call = _remember(topo, key, _reduction(topo, "allreduce", fields, dtype, nbytes, op,
-                                               algo, fast_entry=True))
+                                               algo, fast_entry=True, inplace=inplace))
     return call
 
 
@@ -80,7 +84,7 @@ def reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes
 
 
 def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes: int,
-               op: ReduceOp, algo: str, fast_entry: bool) -> Call:
+               op: ReduceOp, algo: str, fast_entry: bool, inplace: bool = False) -> Call:
     """A reduction's Call, its data riding in the agreement where riding() says; with
     fast_entry, the C++ fast entry where the whole call can run in C++: a riding one, or
     shm's pipeline after a shared-memory exchange."""
@@ -98,7 +102,7 @@ def _reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbyte
             fast = _C.FastAllreduce(ENGINE.native, topo.channel, native, count, code, kop,
                                     divisor, pipeline)
     return Call(collective, fields, algo, native, rides, fast, code, kop, divisor,
-                select.size_class(nbytes))
+                select.size_class(nbytes, inplace))
 
 
 def riding(topo: Topology, algo: str, nbytes: int) -> bool:

@@ -67,7 +67,7 @@ def _contribute(topo: Topology, collective: str, fields: tuple) -> None:
     if compressor is not Compression.none and dtype in FLOATING:
         compressor.allreduce(topo, host_float(data, dtype), op, algorithm)
         return
-    algo = select.concrete(topo, "allreduce", algorithm, data.nbytes)
+    algo = select.concrete(topo, "allreduce", algorithm, data.nbytes, f.get("in_place", False))
     if not calls.riding(topo, algo, data.nbytes):  # else it was reduced in the exchange
         algorithms.reduce(algo, topo, data, data, op, dtype)
 

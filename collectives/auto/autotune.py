@@ -11,7 +11,8 @@ contents through MPI, so ranks on hosts without a shared file system agree, and 
 is the slowest rank's, so every rank makes the same choices however noisy its own clock.
 
 The same file keeps what `auto`'s online check (online.py) settled in this setup: the
-algorithm each allreduce size class settled on, its time and what its trial cost (Memory).
+algorithm each allreduce class (select.size_class: size, in place or not) settled on, its
+time and what its trial cost (Memory).
 A later job of the setup starts from them and runs no trial for those classes; a cache
 whose key differs (another version, world size, node layout or host) is not read at all.
 
@@ -226,7 +227,7 @@ def setup(topo: Any, timed: Timed) -> dict:
 
 class Memory:
     """The settled classes of the job's online check, kept in its cache file beside the
-    measurement: {size class: {"algorithm": name, "seconds_per_byte": the class's call
+    measurement: {class: {"algorithm": name, "seconds_per_byte": the class's call
     time, "spent": what its trial cost}}. Every rank holds the entries read at init (rank 0
     read them, MPI spread them), so every rank recalls alike; rank 0 writes a class when it
     settles (the file read again, updated and replaced at once, so a concurrent job of the

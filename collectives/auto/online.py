@@ -1,4 +1,4 @@
-"""`auto` checks its choice online: the first allreduces of each size class too large to
+"""`auto` checks its choice online: the first allreduces of each class too large to
 ride in the agreement try every algorithm `auto` rates within CLOSE of the best, ROUNDS
 turns of BURST calls each, and the class settles on the fastest for the rest of the job.
 After every candidate's first turn, those over DROP x the fastest's turn leave the trial.
@@ -53,11 +53,13 @@ the job's cache file): a later job's first call of that class settles it from th
 with the same watch, and runs no trial. Trial calls are counted apart in the stats
 (`allreduce/<algorithm> (trial)`), so a job can see what its learning cost.
 
-Size classes are factors of 4 (select.size_class); sizes that ride in the agreement are
-left to the first measurement, and a settled class holds for its sizes that do not. Cost:
-BURST calls of every candidate and one allreduce, then ROUNDS - 1 turns of BURST calls of
-those within DROP, each at most CLOSE x the estimated best's time
-(as far as the estimate holds), and one allreduce when the trial ends; a runoff's
+A class is sizes within a factor of 4, in place or out of place (select.size_class: the
+MPI library's allreduce is much faster in place, ours hardly differ, so the two can settle
+apart; for `auto`, whether a call is in place is agreed like its dtype). Sizes that ride in
+the agreement are left to the first measurement, and a settled class holds for its sizes
+that do not. Cost: BURST calls of every candidate and one allreduce, then ROUNDS - 1 turns
+of BURST calls of those within DROP, each at most CLOSE x the estimated best's time (as far
+as the estimate holds), and one allreduce when the trial ends; a runoff's
 RUNOFF_TURNS x BURST x 2 calls at most RUNOFF x the leader's time, and one allreduce; then
 one allreduce of a float per review, and a trial again when the time drifts or RETRY_S has
 passed."""
@@ -116,7 +118,7 @@ clock: Callable[[], float] = time.perf_counter
 
 
 class Trial:
-    """One size class's running trial (or runoff): its candidates, the turns each takes,
+    """One class's running trial (or runoff): its candidates, the turns each takes,
     this rank's timed seconds per byte of each candidate's turns so far, the calls made,
     and the seconds that the class's trials before this one cost (a runoff's screening)."""
 
@@ -159,11 +161,13 @@ def checks(topo: Topology, nbytes: int) -> bool:
             and nbytes > topo.channel.capacity)
 
 
-def settled_on(topo: Topology, c: int, nbytes: int, algorithm: str, entry: Any) -> bool:
-    """Whether size class c (of nbytes) has settled on algorithm: a call described with it
-    may take its fast entry from now on, which is put under the class's watch. (The call
-    that ends a trial ran a candidate, which need not be the one the class settled on.)"""
-    if c not in topo.settled or select.choose("allreduce", nbytes, topo) != algorithm:
+def settled_on(topo: Topology, c: int, nbytes: int, inplace: bool, algorithm: str,
+               entry: Any) -> bool:
+    """Whether class c (of nbytes, in place or not) has settled on algorithm: a call
+    described with it may take its fast entry from now on, which is put under the class's
+    watch. (The call that ends a trial ran a candidate, which need not be the one the
+    class settled on.)"""
+    if c not in topo.settled or select.choose("allreduce", nbytes, topo, inplace) != algorithm:
         return False
     watch = topo.watches.get(c)
     entry.watch(None if watch is None else watch.native)
@@ -177,8 +181,10 @@ def rejoined(topo: Topology) -> None:
         watch.native.renew(watch.window)
 
 
-def run(topo: Topology, c: int, nbytes: int, reduce: Callable[[str], None]) -> None:
-    """The data phase of an `auto` allreduce of nbytes (of size class c) that checks() covers:
+def run(topo: Topology, c: int, nbytes: int, inplace: bool,
+        reduce: Callable[[str], None]) -> None:
+    """The data phase of an `auto` allreduce of nbytes (of class c: its size, in place or
+    not) that checks() covers:
     reduce(algorithm) with a trial's candidate, else with `auto`'s choice. The choice is
     made here, in submission order, not when the call was described: a caller's thread may
     describe a call while the engine's settles its class."""
@@ -188,7 +194,7 @@ def run(topo: Topology, c: int, nbytes: int, reduce: Callable[[str], None]) -> N
         watch = _review(topo, c, watch)
     trial = None if joined or c in topo.settled else _trial(topo, c, nbytes)
     if trial is None:
-        algo = select.choose("allreduce", nbytes, topo)
+        algo = select.choose("allreduce", nbytes, topo, inplace)
         ENGINE.native.credit(topo.stats, "allreduce", algo)
         start = clock()
         reduce(algo)

@@ -79,7 +79,7 @@ class Topology:
         self.calls: dict[tuple, Any] = {}           # api/calls.py: described calls
         self.fast: dict[tuple, Any] = {}            # api/calls.py: the allreduce fast entries
         self.trials: dict[int, Any] = {}            # auto/online.py: trials running per class
-        self.settled: dict[int, str | None] = {}    # auto/online.py: settled size classes
+        self.settled: dict[int, str | None] = {}    # auto/online.py: settled classes
         self.watches: dict[int, Any] = {}           # auto/online.py: their watches
         self.memory: Any = None                     # auto/autotune.py: the cache's settled
                                                     # classes (the job's communicator only)

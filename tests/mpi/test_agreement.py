@@ -223,7 +223,7 @@ def test_fast_entry_runs_shms_pipeline(comm, dtype, op):
     before = stats()
     first = C.allreduce(inputs[r], op=op, algorithm="shm")  # general path; describes it
     general = stats() - before
-    call = topo.fast[(op, inputs[r].dtype, (count,), "shm")]
+    call = topo.fast[(op, inputs[r].dtype, (count,), "shm", False)]  # out of place
     assert call.fast is not None and not call.rides
     assert_equal(first, expected, "general path")
     for kind in ("numpy", "numpy in place", "torch", "torch in place"):

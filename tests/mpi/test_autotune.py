@@ -293,10 +293,9 @@ def test_settled_class_runs_its_choice_after_a_trial_ending_on_another(comm, tri
     assert select.size_class(riding) == select.size_class(x.nbytes)
     assert select.choose("allreduce", riding, trials) == "shm"
     before = _runs("ring", "shm")
-    for i in range(online.MIN_WATCH // 2):  # within the watch's first window
+    for i in range(online.MIN_WATCH):  # within the watch's first window
         assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), f"call {i}")
-        C.allreduce_(x.copy(), op=C.Sum)
-    assert _runs("ring", "shm") == {"ring": before["ring"] + 2 * (online.MIN_WATCH // 2),
+    assert _runs("ring", "shm") == {"ring": before["ring"] + online.MIN_WATCH,
                                     "shm": before["shm"]}
 
 
@@ -551,6 +550,56 @@ def test_a_later_job_starts_from_the_classes_an_earlier_one_settled(comm, trials
     other = np.full(x.size * 4, comm.Get_rank() + 1.0)  # the next class: not in the file
     C.allreduce(other, op=C.Sum)
     assert select.size_class(other.nbytes) in trials.trials
+    C.allreduce_(x.copy(), op=C.Sum)  # the same size in place: another class, not in it
+    assert select.size_class(x.nbytes, inplace=True) in trials.trials
+
+
+@pytest.mark.mpi(min_size=2)
+def test_in_place_and_out_of_place_settle_apart(comm, trials, monkeypatch):
+    """Out of place settles on ring (ring 1 s, mpi 2 s a call); then, with the times the
+    other way round, the same size in place is a class of its own: it is tried and settles
+    on mpi, while out-of-place calls still run ring; both exact. With rank 0 joined, the
+    others' in-place calls run mpi on every rank (the joined rank reads in_place from the
+    call's agreed fields). A rank calling in place where the others do not is a mismatch on
+    every rank, naming in_place."""
+    seconds: dict[str, float] = {}
+    _fake_time(monkeypatch, lambda a: seconds[a])
+    x = _settle_ring_over_mpi(comm, trials, monkeypatch, seconds)
+    n, out, inside = comm.Get_size(), select.size_class(x.nbytes), \
+        select.size_class(x.nbytes, inplace=True)
+    assert inside != out and inside not in trials.settled
+    seconds.update(ring=2.0, mpi=1.0)
+    for i in range((online.ROUNDS + online.RUNOFF_TURNS) * online.BURST * 2):
+        y = x.copy()
+        C.allreduce_(y, op=C.Sum)
+        assert_equal(y, np.full(x.size, n * (n + 1) / 2.0), f"in place, call {i}")
+        if inside in trials.settled:
+            break
+    assert trials.settled == {out: "ring", inside: "mpi"}
+    assert select.choose("allreduce", x.nbytes, trials) == "ring"
+    assert select.choose("allreduce", x.nbytes, trials, inplace=True) == "mpi"
+    ran = _runs("ring", "mpi", trial=False)
+    assert_equal(C.allreduce(x, op=C.Sum), np.full(x.size, n * (n + 1) / 2.0), "out of place")
+    y = x.copy()
+    C.allreduce_(y, op=C.Sum)
+    assert_equal(y, np.full(x.size, n * (n + 1) / 2.0), "in place")
+    assert _runs("ring", "mpi", trial=False) == {"ring": ran["ring"] + 1, "mpi": ran["mpi"] + 1}
+
+    ran = _runs("ring", "mpi", trial=False)
+    if comm.rank == 0:
+        C.join()
+    else:
+        y = x.copy()
+        C.allreduce_(y, op=C.Sum)
+        assert_equal(y, np.full(x.size, n * (n + 1) / 2.0 - 1), "in place, rank 0 joined")
+        C.join()
+        assert _runs("ring", "mpi", trial=False)["mpi"] == ran["mpi"] + 1  # joined: uncounted
+
+    with pytest.raises(C.MismatchError, match="in_place"):
+        if comm.rank == 0:
+            C.allreduce_(x.copy(), op=C.Sum)
+        else:
+            C.allreduce(x, op=C.Sum)
 
 
 @pytest.mark.mpi(min_size=2)
