@@ -121,13 +121,22 @@ def _load_store(dtype: str):
 
 
 def _apply(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    if op == "Sum":
-        return a + b  # integers wrap
-    if op == "Product":
-        return a * b
+    if op in ("Sum", "Product"):
+        return _nan_of(a, b, a + b if op == "Sum" else a * b)  # integers wrap
     if op == "Min":  # a NaN operand wins (numpy.minimum); on a tie, b
         return np.where((a < b) | (a != a), a, b)
     return np.where((a > b) | (a != a), a, b)
+
+
+def _nan_of(a: np.ndarray, b: np.ndarray, result: np.ndarray) -> np.ndarray:
+    """result, with its NaNs' bits fixed (the kernels' contract leaves NaN payloads open; the
+    vectors must not depend on the CPU): a's NaN, else b's, else (inf - inf, 0 * inf) the
+    positive quiet NaN. Hardware differs here (x86 keeps the first operand's NaN and its
+    default NaN is negative; NumPy's SIMD loops may swap the operands of a + b)."""
+    if result.dtype.kind != "f":
+        return result
+    return np.where(a != a, a, np.where(b != b, b, np.where(result != result,
+                                                            result.dtype.type(np.nan), result)))
 
 
 def reduce(srcs: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
@@ -162,9 +171,18 @@ def as_float(x: np.ndarray, dtype: str) -> np.ndarray:
 COUNTS = (0, 1, 7, 8, 9, 255, 256, 257, 1037)
 
 
+def _powers_of_ten(exponents: np.ndarray) -> np.ndarray:
+    """10.0 ** k (float64) for each k, the same bits on every CPU: a table of decimal literals
+    ("1e-8", which Python's float() rounds correctly), never NumPy's power, whose last bit
+    depends on the SIMD loop the CPU selects (and so would the vectors built from it)."""
+    lo = int(exponents.min(initial=0))
+    table = np.array([float(f"1e{k}") for k in range(lo, int(exponents.max(initial=0)) + 1)])
+    return table[exponents - lo]
+
+
 def _special_values(rng: np.random.Generator, n: int) -> np.ndarray:
     """Random floats salted with zeros, -0, tiny, subnormal, huge, inf and round-off ties."""
-    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 6, n)).astype(f32)
+    x = (rng.standard_normal(n) * _powers_of_ten(rng.integers(-8, 6, n))).astype(f32)
     salt = np.array([0.0, -0.0, 1e-45, 3e-41, 6.1e-5, 5.96e-8, 2.98e-8, 65504, 65520, 1e6,
                      np.inf, -np.inf, 1.0009765625, 1.00048828125], f32)
     k = min(n, salt.size)
@@ -294,7 +312,7 @@ def random_values(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
         return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
     exp = {"float16": (-8, 5), "bfloat16": (-38, 38), "float32": (-38, 38),
            "float64": (-300, 300)}[dtype]
-    x = rng.standard_normal(n) * 10.0 ** rng.integers(*exp, n)
+    x = rng.standard_normal(n) * _powers_of_ten(rng.integers(*exp, n))
     small = rng.random(n) < 0.25  # small integers: exact sums, ties between sources
     x[small] = rng.integers(-4, 5, small.sum())
     return _to(x, dtype)
