@@ -5,7 +5,7 @@ sets): test accuracy over seeds for each hook, on the "collectives" backend.
     mpirun -np 2 python benchmarks/ddp_hooks_convergence.py --tasks digits --seeds 0,1
 
 Every hook trains the same model from the same initialization on the same global batches
-(optim/convergence.py), wrapped in DistributedDataParallel with that hook; onebit runs its
+(convergence.py), wrapped in DistributedDataParallel with that hook; onebit runs its
 first --warmup steps uncompressed. Rank 0 prints one row per (task, hook): accuracy per
 seed, the mean, and the worst shortfall against uncompressed DDP on the same seed."""
 
@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 import torch
 import torch.distributed as dist
-from collectives.optim.convergence import TASKS, train
+from convergence import TASKS, train
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import collectives  # noqa: F401  (registers the backend)

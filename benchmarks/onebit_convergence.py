@@ -23,8 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from collectives.optim import DistributedOptimizer
-from collectives.optim.convergence import TASKS, Result, ring_bytes, train
 from collectives.optim.onebit_adam import OnebitAdam
+from convergence import TASKS, Result, ring_bytes, train
 
 import collectives as C
 

@@ -3,7 +3,8 @@
 Owns: DistributedOptimizer (distributed.py) and ZeroOptimizer (zero.py: optimizer state and
 gradients sharded), on the buckets reduced during backward that they share (overlap.py);
 the broadcasts of parameters and optimizer state (broadcast.py), OnebitAdam, Adasum's
-optimizer, the argument checks (wrapped.py), the convergence tasks of the benchmarks.
+optimizer, the argument checks (wrapped.py). (The convergence tasks that the benchmarks
+and tests/mpi/test_onebit_adam.py train are benchmarks/convergence.py: not installed.)
 May import: leaves, kernels, runtime, algorithms, auto, compression, api.
 
 Installed as `collectives.optim` (setup.py maps this folder there): import it so,

@@ -1,24 +1,40 @@
 """OnebitAdam (optim/onebit_adam.py): Adam(W) before the freeze, bitwise resume from a
 checkpoint, bytes per step after the freeze, and convergence against Adam on real data
-(optim/convergence.py's tasks; benchmarks/onebit_convergence.py runs the fuller sweep)."""
+(benchmarks/convergence.py's tasks; benchmarks/onebit_convergence.py runs the fuller sweep)."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import io
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from collectives.optim import DistributedOptimizer
-from collectives.optim.convergence import mlp, my_slice, ring_bytes, train
 from collectives.optim.onebit_adam import OnebitAdam
 from torch import nn
 
 import collectives as C
 
 pytestmark = pytest.mark.mpi
+
+
+def _convergence():
+    """benchmarks/convergence.py of this checkout (no part of the installed library), loaded
+    by its path: benchmarks/ on sys.path would let its scripts shadow other modules."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "convergence.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_convergence", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # for dataclasses
+    spec.loader.exec_module(module)
+    return module
+
+
+mlp, my_slice, ring_bytes, train = (getattr(_convergence(), f)
+                                    for f in ("mlp", "my_slice", "ring_bytes", "train"))
 
 
 def _adam(params: list, lr: float, freeze_step: int) -> DistributedOptimizer:

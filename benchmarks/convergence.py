@@ -1,8 +1,10 @@
 """A small convergence harness for data-parallel optimizers: scikit-learn's bundled data
 sets (no download), a fixed model per task, and a training loop in which every rank takes its
 slice of the same global batches, so an optimizer's result is comparable with Adam's and the
-same on every rank. tests/mpi/test_onebit_adam.py and benchmarks/onebit_convergence.py
-(the fuller sweep over 1-bit Adam variants) train with it; it needs scikit-learn."""
+same on every rank. benchmarks/onebit_convergence.py (the fuller sweep over 1-bit Adam
+variants), benchmarks/ddp_hooks_convergence.py and tests/mpi/test_onebit_adam.py train with
+it. It needs scikit-learn, so it is no part of the installed library: the benchmarks beside
+it import it as `convergence`, the test loads it from this folder by its path."""
 
 from __future__ import annotations
 
