@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,14 +82,17 @@ def test_alltoall_errors_name_the_argument(comm):
         C.alltoall(np.array(1.0))
 
 
-def test_barrier_waits_for_every_rank(comm):
+def test_barrier_waits_for_every_rank(comm, tmp_path_factory):
+    """The last rank arrives late, leaving a mark just before; every rank finds it after
+    the barrier (a barrier that let a rank through early would check before it is made)."""
     r, n = comm.Get_rank(), comm.Get_size()
+    mark = Path(comm.bcast(str(tmp_path_factory.mktemp("barrier")) if r == 0 else None), "arrived")
     comm.Barrier()
-    start = time.monotonic()
     if r == n - 1:
         time.sleep(0.3)
+        mark.touch()
     C.barrier()
-    assert time.monotonic() - start >= 0.29  # no rank leaves before the last arrives
+    assert mark.exists(), "left the barrier before the last rank arrived"
     assert_same_on_all_ranks(comm, np.array([1]), "after barrier")
 
 

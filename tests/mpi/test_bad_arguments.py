@@ -4,8 +4,6 @@ and the next call works everywhere (no stall timeout is waited for)."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -67,9 +65,8 @@ def _bad_ranks(n: int) -> list[int]:
 def test_every_rank_raises_in_the_same_call(comm, case):
     call, exc, word = CASES[case]
     r, n = comm.Get_rank(), comm.Get_size()
-    for bad in _bad_ranks(n):
+    for bad in _bad_ranks(n):  # no clock: a rank left waiting ends in StallError, not these
         comm.Barrier()
-        start = time.monotonic()
         if r == bad:
             with pytest.raises(exc, match=word):
                 call(True)
@@ -77,7 +74,6 @@ def test_every_rank_raises_in_the_same_call(comm, case):
             with pytest.raises(C.MismatchError,
                                match=f"rank {bad} passed an invalid argument .*{word}"):
                 call(False)
-        assert time.monotonic() - start < 1.0, f"{case}: slow to raise"
         # every rank is in step again
         assert C.allreduce(np.ones(3), op=C.Sum).tolist() == [float(n)] * 3
 
