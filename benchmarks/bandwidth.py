@@ -22,7 +22,7 @@ import time
 
 import collectives as C  # before mpi4py starts MPI: collectives/mpi_defaults.py
 from collectives import algorithms
-from collectives.auto import select
+from collectives.auto import select, state
 from collectives.runtime import topology
 import numpy as np
 from mpi4py import MPI
@@ -216,7 +216,7 @@ def warm_past_trials(calls: dict) -> None:
     topo = topology.get()
 
     def progress() -> list:
-        return [(c, trial, trial.calls) for c, trial in topo.trials.items()]
+        return [(c, trial, trial.calls) for c, trial in state.of(topo).trials.items()]
 
     for call in calls.values():
         for _ in range(TRIAL_WARMUP):

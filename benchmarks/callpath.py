@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 import collectives as C
-from collectives.auto import online, select
+from collectives.auto import online, select, state
 from collectives.runtime import topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def main() -> None:
         if route == "general" and not online.checks(topology.get(), x.nbytes):
             sys.exit(f"{x.nbytes} bytes: auto does not check this class online; try --bytes "
                      "of 256 KiB or more")
-        if route == "general" and select.size_class(x.nbytes) in topology.get().settled:
+        if route == "general" and select.size_class(x.nbytes) in state.of(topology.get()).settled:
             sys.exit(f"{x.nbytes} bytes: settled from the cache (no trial); run with an empty "
                      "cache: mpirun -x XDG_CACHE_HOME=$(mktemp -d) ...")
         files, backs = trace(lambda x=x: C.allreduce(x))

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     from mpi4py import MPI
 
     import collectives as C
-    from collectives.auto import select
+    from collectives.auto import select, state
     from collectives.runtime import topology
 
     comm = MPI.COMM_WORLD
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
               "cache": args.cache or "default", "steady_ms": steady * 1e3,
               "first_mean_x": float(first.mean()) / steady,
               "first_median_x": float(np.median(first)) / steady,
-              "settled": topo.settled.get(c, "(not settled)"), "trial_calls": trials}
+              "settled": state.of(topo).settled.get(c, "(not settled)"), "trial_calls": trials}
     if comm.rank == 0:
         print(json.dumps(result), flush=True)
         if args.json:

@@ -9,8 +9,8 @@ btl_sm_eager_limit = 8 KiB. Every collective starts with the agreement exchange,
 messages are a 40-byte header plus, for an allreduce of up to 64 KiB, its data. Open MPI's
 shared-memory transport sends up to 4 KiB (its header included) eagerly and anything larger
 by rendezvous, an extra round trip: a 4 KiB allreduce's message (4 KiB and the header)
-takes 10-11 us with 2 ranks on a two-core host, against 5-6 us with an 8 KiB limit
-(MPI_Allreduce: 4-6 us).
+would pay it on every step. With an 8 KiB limit it goes eagerly, in one trip, and a small
+allreduce costs about what MPI_Allreduce does (benchmarks/README.md, Small messages).
 The cost is larger preallocated fragments (at most 512 per process, 4 MiB).
 
 osc = ^ucx. Open MPI's UCX one-sided component prints an error at every shared-window
@@ -22,8 +22,10 @@ Open MPI's failure detector under `mpirun --with-ft ulfm` (fault-tolerant mode,
 runtime/faults.py) when Config.failure_detector_timeout_s is set: on its own thread, with
 that timeout and failure_detector_period_s. Without it a hung rank (stopped, or its node
 unreachable) hangs everyone; the thread keeps a rank that is busy outside MPI from being
-declared failed. It is not on by default: with it on, 2 of 33 jobs of
-tests/unit/test_elastic.py (ranks killed) failed: a survivor crashed (segmentation fault)."""
+declared failed. It is not on by default: in jobs whose ranks are killed (as
+tests/unit/test_elastic.py does) the detector's thread can crash a survivor (a segmentation
+fault), and a killed rank is found without it (its process gone, or MPI's error); only a
+hung rank needs it."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def tuning() -> dict:
 
 
 def install(tuning: dict) -> None:
-    """Make tuning the one in force (select.choose.cache_clear() after it)."""
+    """Make tuning the one in force (select.estimates_changed() after it)."""
     global _installed
     _installed = tuning
 

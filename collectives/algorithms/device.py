@@ -9,8 +9,8 @@ alternate calls):
 Step 2 is left running on the algorithm's stream: the caller's stream waits for it (an
 event), as it would for its own kernel. The sync of the next call but one's step 1 is what
 keeps a half from being overwritten while a peer still reads it, so a call costs one sync.
-Cost: one sync (a stream synchronize and an MPI barrier, ~100-300 us with ranks sharing one
-GPU, which time-slices their contexts) and, per rank, (P + 3) N bytes of device memory
+Cost: one sync (a stream synchronize and an MPI barrier, SYNC_S: costly with ranks sharing
+one GPU, which time-slices their contexts) and, per rank, (P + 3) N bytes of device memory
 traffic: the copy in (2 N), the fold (P N read, N written). Ranks sharing one GPU share its
 bandwidth. At P = 2 this is 5 N against 5.5 N for a reduce-scatter and allgather through
 the workspaces (shm's schedule), which needs two more syncs; from P = 4 that schedule moves
@@ -34,8 +34,8 @@ from collectives.runtime.topology import Topology
 #: The name callers pass (allreduce's algorithm=) and the stats label of these calls.
 NAME = "device"
 
-# The prices `auto` compares, measured on one H200 shared by two ranks (benchmarks/gpu.py,
-# the README's GPU table): per GPU, all the ranks on it together.
+# The prices `auto` compares, measured on one H200 shared by two ranks (benchmarks/gpu.py;
+# benchmarks/README.md, GPU): per GPU, all the ranks on it together.
 SYNC_S = 300e-6         # one sync: stream synchronize and barrier, contexts time-sliced
 GPU_BYTES_S = 2.5e12    # device memory read + written per second (a device-to-device copy)
 BUS_BYTES_S = 2.9e10    # host <-> device bytes per second through pinned memory
@@ -49,9 +49,31 @@ def check(topo: Topology) -> None:
                          f"communicator spans {len(topo.nodes)} nodes")
 
 
+class Ipc:
+    """What this algorithm keeps per communicator: the node's CUDA IPC workspaces
+    (runtime/ipc.py), made on the first device call and closed with the communicator."""
+
+    __slots__ = ("workspaces",)
+
+    def __init__(self) -> None:
+        self.workspaces: Workspaces | None = None
+
+    def close(self) -> None:
+        if self.workspaces is not None:
+            self.workspaces.close()
+            self.workspaces = None
+
+
 def usable(topo: Topology) -> bool:
     """Whether `auto` sends device data here: one node, and CUDA IPC not found broken."""
-    return len(topo.nodes) == 1 and not (topo.ipc is not None and topo.ipc.broken)
+    ws = topo.state(Ipc).workspaces
+    return len(topo.nodes) == 1 and not (ws is not None and ws.broken)
+
+
+def current_device(topo: Topology) -> int | None:
+    """The CUDA device topo's device allreduces run on (None: none has run yet)."""
+    ws = topo.state(Ipc).workspaces
+    return None if ws is None else ws.device
 
 
 def cost(nbytes: int, ranks: int, sharing: int) -> float:
@@ -75,12 +97,14 @@ def sharing(topo: Topology) -> int:
 
 def workspaces(topo: Topology, device: int) -> Workspaces:
     """topo's workspaces (made on first use), which must be on device."""
-    if topo.ipc is None:
-        topo.ipc = Workspaces(topo.comm, device)
-    elif topo.ipc.device != device:
+    ipc = topo.state(Ipc)
+    if ipc.workspaces is None:
+        ipc.workspaces = Workspaces(topo.comm, device)
+    elif ipc.workspaces.device != device:
         raise ValueError(f"x: on CUDA device {device}, but this communicator's device "
-                         f"allreduces run on device {topo.ipc.device}: use one device per rank")
-    return topo.ipc
+                         f"allreduces run on device {ipc.workspaces.device}: use one device "
+                         f"per rank")
+    return ipc.workspaces
 
 
 def allreduce(topo: Topology, ws: Workspaces, send: Any, recv: Any, op: ReduceOp, dtype: str,

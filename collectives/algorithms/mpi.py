@@ -28,9 +28,10 @@ against 30). Segment by segment it reduces inside each node to a leader, reduces
 broadcasts among the leaders with libnbc's non-blocking collectives, and broadcasts inside
 the node. Priced as the better of a flat allreduce (a node layout the library does not
 see, as simulated nodes, runs flat) and a binomial reduce and broadcast of m on the largest
-node plus the best flat allreduce of m across one rank per node. On 2 hosts x 2
-ranks at 1 Gbit/s it runs 64 MiB in 564 ms (this price 583, a flat ring's 814): between
-2 leaders a reduce and a broadcast move what an allreduce does. Between more, libnbc's
+node plus the best flat allreduce of m across one rank per node. Between 2 leaders a
+reduce and a broadcast move what an allreduce does, so there this price follows the
+library's time where a flat ring's would not (the rig's 2x2 rows in benchmarks/README.md,
+The model against the rig). Between more, libnbc's
 broadcast goes linear up to 4 leaders and binomial above, so its root sends each segment
 N-1 or log2 N times where an allreduce sends 2 (N-1)/N: there the price is a lower bound
 on the library's time, not measured."""

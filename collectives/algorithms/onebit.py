@@ -42,7 +42,8 @@ def cost(nbytes: int, layout: Layout, p: Params,
          block_size: int | None = 32) -> float:
     """Predicted seconds of compressed_allreduce of nbytes of float32 on layout: the
     docstring's two exchanges over the slowest link, plus the kernels (compress, serve,
-    decompress): 5 gamma per byte of the vector (3.7-7.2 measured at np 2, 4-64 MiB)."""
+    decompress): 5 gamma per byte of the vector, a constant fitted to the kernels' time
+    (they stream the vector and its error buffers more than once; benchmarks/kernels.py)."""
     n = layout.size
     if n <= 1:
         return 0.0

@@ -67,10 +67,10 @@ from collectives.runtime.p2p import count, even_bounds, offsets
 from collectives.runtime.window import Window, ranks_on_machine, shares_memory
 
 #: Largest staging buffer per rank and chunk where every rank has a core of its own: chunks
-#: that stay in the L2 cache, and a 1 MiB allreduce at np 2 has two to pipeline (74 us
-#: against 91 us in one chunk). With more ranks than cores a wait may cost a context switch,
-#: so fewer chunks win: buffers of twice this (np 4 on 2 cores: 1 MiB in 702 us, 838 us with
-#: this size). See slot_limit().
+#: that stay in the L2 cache, small enough that a 1 MiB allreduce at np 2 already has two
+#: to pipeline (copying one in while the other is folded). With more ranks than cores a
+#: wait may cost a context switch, which outweighs the overlap, so fewer chunks win there:
+#: buffers of twice this. See slot_limit().
 SLOT_BYTES = 512 << 10
 #: Smallest buffer allocated, so that small calls do not regrow the window one by one.
 MIN_SLOT_BYTES = 64 << 10

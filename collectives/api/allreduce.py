@@ -55,7 +55,7 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     if type(op) is not ReduceOp:
         return None
     if type(x) is np.ndarray:
-        call = topo.fast.get((op, x.dtype, x.shape, algorithm, inplace))
+        call = topo.state(calls.Calls).fast.get((op, x.dtype, x.shape, algorithm, inplace))
         if call is None:
             return None
         # a large result's memory comes from the result pool (no fresh pages to fault in)
@@ -70,7 +70,7 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     if type(x) is not _Tensor or not x.is_cpu or x.requires_grad and inplace \
             or not x.is_contiguous():
         return None
-    call = topo.fast.get((op, x.dtype, x.shape, algorithm, inplace))
+    call = topo.state(calls.Calls).fast.get((op, x.dtype, x.shape, algorithm, inplace))
     if call is None:
         return None
     if inplace:
@@ -112,7 +112,7 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
     key = (op, x.dtype, x.shape, algorithm, inplace)
     checked = algorithm == "auto" and online.checks(topo, buf.nbytes)
     if fast and not checked:
-        topo.fast[key] = call  # the next such call takes the fast entry
+        calls.take_fast(topo, key, call)  # the next such call takes the fast entry
     if call.rides:  # the data rides in the agreement
         return call, Job(lambda: buf.result_from(out), buf.flat, out.flat, buf.flat.size,
                          call.dtype_code, call.op_code, call.divisor)
@@ -125,7 +125,7 @@ def _allreduce(topo: topology.Topology, x: Any, op: Any, algorithm: Any, compres
             online.run(topo, call.size_class, buf.nbytes, inplace, reduce)
             if fast and online.settled_on(topo, call.size_class, buf.nbytes, inplace,
                                           call.algorithm, call.fast):
-                topo.fast[key] = call  # the choice is final: the next such call is fast
+                calls.take_fast(topo, key, call)  # final: the next such call is fast
         else:
             reduce(call.algorithm)
         return buf.result_from(out)

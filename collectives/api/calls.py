@@ -1,5 +1,5 @@
 """Call descriptions: everything derived from a call's agreed arguments, made once per
-distinct call and kept on its communicator (Topology.calls).
+distinct call and kept per communicator (Calls, this module's state on its Topology).
 
 A description holds the fields every rank must agree on, their digest (the agreement
 checks it), the concrete algorithm (`auto` resolved: a function of agreed values, so the
@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from collectives.algorithms import shm
 from collectives.auto import select
+from collectives.auto import state as auto_state
 from collectives.dtypes import CODES, STORAGE
 from collectives.kernels import _C
 from collectives.ops import KERNEL_OP, ReduceOp
@@ -26,6 +27,40 @@ from collectives.runtime.topology import Topology
 MAX_CALLS = 4096
 #: The algorithm of a call whose arguments were bad on this rank (invalid()).
 INVALID = "invalid"
+
+
+class Calls:
+    """What the api keeps per communicator: its descriptions (by a key cheaper to build than
+    their fields) and the allreduce fast entries (by (op, dtype, shape, algorithm,
+    in place), read by api/allreduce.py's fast path)."""
+
+    __slots__ = ("described", "fast")
+
+    def __init__(self) -> None:
+        self.described: dict[tuple, Call] = {}
+        self.fast: dict[tuple, Call] = {}
+
+
+def of(topo: Topology) -> Calls:
+    """topo's descriptions and fast entries."""
+    return topo.state(Calls)
+
+
+def take_fast(topo: Topology, key: tuple, call: Call) -> None:
+    """The next host allreduce of key on topo takes call's fast entry."""
+    topo.state(Calls).fast[key] = call
+
+
+def forget(topo: Topology, entries: bool) -> None:
+    """Describe topo's calls afresh from now on (a choice they were made under changed);
+    with entries, drop the fast entries too."""
+    table = topo.state(Calls)
+    table.described.clear()
+    if entries:
+        table.fast.clear()
+
+
+auto_state.on_change(forget)
 
 
 class Call(NamedTuple):
@@ -45,7 +80,7 @@ def describe(topo: Topology, collective: str, fields: tuple, algorithm: str) -> 
     """The description of a call of collective with these agreed fields running algorithm
     (concrete, or a stats label) on topo."""
     key = (collective, fields, algorithm)
-    call = topo.calls.get(key)
+    call = topo.state(Calls).described.get(key)
     if call is None:
         call = _remember(topo, key, Call(collective, fields, algorithm,
                                          _native(topo, collective, fields, algorithm)))
@@ -59,16 +94,23 @@ def allreduce(topo: Topology, dtype: str, shape: tuple, nbytes: int, op: ReduceO
     settles in place and out of place apart (select.size_class), so for `auto` every rank
     must call alike: in_place is one of its agreed fields."""
     key = ("allreduce", dtype, shape, op, algorithm, inplace)
-    call = topo.calls.get(key)
+    call = topo.state(Calls).described.get(key)
     if call is None:
-        fields = (("op", op.name), ("dtype", dtype), ("shape", shape),
-                  ("algorithm", algorithm), ("compression", "none"))
-        if algorithm == "auto":
-            fields += (("in_place", inplace),)
+        fields = allreduce_fields(op, dtype, shape, algorithm, inplace)
         algo = select.concrete(topo, "allreduce", algorithm, nbytes, inplace)
         call = _remember(topo, key, _reduction(topo, "allreduce", fields, dtype, nbytes, op,
                                                algo, fast_entry=True, inplace=inplace))
     return call
+
+
+def allreduce_fields(op: ReduceOp, dtype: str, shape: tuple, algorithm: str,
+                     inplace: bool) -> tuple:
+    """The agreed fields of an uncompressed allreduce, on host data or (with a memory field
+    added, api/on_device.py) device data: the same names in the same order, so that ranks
+    passing different memory disagree on `memory`, the field that tells them why."""
+    fields = (("op", op.name), ("dtype", dtype), ("shape", shape), ("algorithm", algorithm),
+              ("compression", "none"))
+    return fields + (("in_place", inplace),) if algorithm == "auto" else fields
 
 
 def reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes: int,
@@ -76,7 +118,7 @@ def reduction(topo: Topology, collective: str, fields: tuple, dtype: str, nbytes
     """The description of a reduction of nbytes of dtype other than allreduce's (a grouped
     allreduce): like allreduce's, without the C++ fast entry."""
     key = (collective, fields, algo)
-    call = topo.calls.get(key)
+    call = topo.state(Calls).described.get(key)
     if call is None:
         call = _remember(topo, key, _reduction(topo, collective, fields, dtype, nbytes, op,
                                                algo, fast_entry=False))
@@ -172,7 +214,7 @@ def named(topo: Topology, call: Call, name: object) -> Call:
     if not isinstance(name, str):
         raise TypeError(f"name: expected a str, got {type(name).__name__}")
     key = ("named", call.collective, call.fields, call.algorithm, name)
-    found = topo.calls.get(key)
+    found = topo.state(Calls).described.get(key)
     if found is None:
         fields = call.fields + (("name", name),)
         found = _remember(topo, key, call._replace(
@@ -206,8 +248,8 @@ def _native(topo: Topology, collective: str, fields: tuple, algorithm: str,
 
 
 def _remember(topo: Topology, key: tuple, call: Call) -> Call:
-    if len(topo.calls) >= MAX_CALLS:
-        topo.calls.clear()
-        topo.fast.clear()
-    topo.calls[key] = call
+    table = topo.state(Calls)
+    if len(table.described) >= MAX_CALLS:
+        forget(topo, entries=True)
+    table.described[key] = call
     return call

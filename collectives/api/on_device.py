@@ -76,6 +76,12 @@ def takes(topo: Topology, x: Any, algorithm: str, plain: bool) -> bool:
     return True
 
 
+def allreduce_fields(op: ReduceOp, dtype: str, shape: tuple, algorithm: str,
+                     inplace: bool) -> tuple:
+    """The agreed fields of a device allreduce: the host call's, then ("memory", "device"),
+    so that a rank passing host data where the others pass device data is told `memory`."""
+    return calls.allreduce_fields(op, dtype, shape, algorithm, inplace) + (("memory", "device"),)
+
 def allreduce(topo: Topology, x: Any, op: ReduceOp, algorithm: str,
               inplace: bool) -> tuple[Call, Job]:
     """The description and job of a device allreduce of x (takes() said yes)."""
@@ -92,8 +98,7 @@ def allreduce(topo: Topology, x: Any, op: ReduceOp, algorithm: str,
     out = data if inplace and contiguous else (
         src if inplace else _empty_like(src))
     recv = send if out is src else cuda_kernels.storage(out, "out")[0]
-    fields = (("op", op.name), ("dtype", dtype), ("shape", tuple(x.shape)),
-              ("algorithm", algorithm), ("compression", "none"), ("memory", "device"))
+    fields = allreduce_fields(op, dtype, tuple(x.shape), algorithm, inplace)
     call = calls.describe(topo, "allreduce", fields, NAME)
     caller = cuda_kernels.stream_of(src)
     ready = cuda_kernels.recorded(caller)
@@ -187,8 +192,8 @@ def contribute(topo: Topology, op: ReduceOp, dtype: str, identity: Any) -> None:
 
     if not identity.size:
         return
-    ws = device.workspaces(topo, topo.ipc.device if topo.ipc is not None
-                           else cupy.cuda.runtime.getDevice())
+    current = device.current_device(topo)
+    ws = device.workspaces(topo, cupy.cuda.runtime.getDevice() if current is None else current)
     with cupy.cuda.Device(ws.device):
         data = cupy.asarray(identity)
         cupy.cuda.get_current_stream().synchronize()

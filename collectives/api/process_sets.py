@@ -80,15 +80,27 @@ class ProcessSet:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
-#: The set of every rank of the job (id 0); its ranks are filled in by init().
+#: The set of every rank of the job (id 0); its ranks follow the job's size (init, shrink).
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
 
-def _sync_global() -> topology.Topology:
-    job = topology.get()
+def _sync_global(job: topology.Topology) -> None:
     global_process_set.ranks = list(range(job.size))
-    return job
+
+
+topology.on_init(_sync_global)
+
+
+class Registered:
+    """The sets registered over the job's communicator, by id, and the last id given (ids
+    are never reused within a job, and equal on every rank)."""
+
+    __slots__ = ("sets", "last_id")
+
+    def __init__(self) -> None:
+        self.sets: dict[int, ProcessSet] = {}
+        self.last_id = 0
 
 
 def _add(job: topology.Topology, process_set: ProcessSet) -> tuple[calls.Call, Job]:
@@ -104,10 +116,11 @@ def _add(job: topology.Topology, process_set: ProcessSet) -> tuple[calls.Call, J
     def move() -> ProcessSet:
         member = job.rank in ranks
         comm = job.comm.Split(0 if member else MPI.UNDEFINED, key=job.rank)
-        job.last_set_id += 1  # ids are never reused within a job, equal on every rank
-        process_set.process_set_id = job.last_set_id
+        registered = job.state(Registered)
+        registered.last_id += 1
+        process_set.process_set_id = registered.last_id
         process_set._comm = comm if member else None
-        job.process_sets[job.last_set_id] = process_set
+        registered.sets[registered.last_id] = process_set
         return process_set
 
     return call, Job(move)
@@ -116,7 +129,7 @@ def _add(job: topology.Topology, process_set: ProcessSet) -> tuple[calls.Call, J
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set (a ProcessSet or a list of job ranks) and return it. Collective
     over the whole job: every rank adds the same sets in the same order."""
-    job = _sync_global()
+    job = topology.get()
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     with calls.Prepared(job, "add_process_set", None) as p:
@@ -128,14 +141,14 @@ def _remove(job: topology.Topology, process_set: Any) -> tuple[calls.Call, Job]:
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set: expected a ProcessSet, got {type(process_set).__name__}")
     key = process_set.process_set_id
-    if key != 0 and job.process_sets.get(key) is not process_set:
+    if key != 0 and job.state(Registered).sets.get(key) is not process_set:
         raise ValueError(f"process_set: {process_set} is not registered")
     call = calls.describe(job, "remove_process_set", (("process_set_id", key),), "mpi")
 
     def move() -> bool:
         if key == 0:
             return False  # the global set stays
-        del job.process_sets[key]
+        del job.state(Registered).sets[key]
         if process_set._comm is not None:
             process_set._comm.Free()  # frees its Topology with it (topology.of)
         process_set._comm = None
@@ -148,7 +161,7 @@ def _remove(job: topology.Topology, process_set: Any) -> tuple[calls.Call, Job]:
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set and free its communicator; collective over the whole job.
     Returns whether it was removed (the global set never is)."""
-    job = _sync_global()
+    job = topology.get()
     with calls.Prepared(job, "remove_process_set", None) as p:
         p.call, p.job = _remove(job, process_set)
     return p.run()
@@ -180,7 +193,6 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None,
     timeline if COLLECTIVES_TIMELINE names a file."""
     started = topology.initialized()
     job = topology.init(comm, ranks_per_node)
-    _sync_global()
     for process_set in process_sets or ():
         add_process_set(process_set)
     if not started and job.config.timeline and not timeline.active():
@@ -193,7 +205,7 @@ def shutdown() -> None:
     if timeline.active():
         timeline.stop_timeline()
     if topology.initialized():
-        for process_set in topology.get().process_sets.values():
+        for process_set in topology.get().state(Registered).sets.values():
             if process_set._comm is not None:
                 process_set._comm.Free()
             process_set._comm = None

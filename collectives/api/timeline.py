@@ -30,6 +30,16 @@ from collectives.runtime.engine import ENGINE, Job
 _at_exit_registered = False
 
 
+class Recording:
+    """What the timeline keeps on the job's communicator: the recording under way, if any
+    (its file, mark_cycles and the engine clock's origin)."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: dict[str, Any] | None = None
+
+
 def _check_path(job: topology.Topology, file_path: object) -> str:
     if not isinstance(file_path, (str, os.PathLike)):
         raise TypeError(f"file_path: expected a str or path, got {type(file_path).__name__}")
@@ -44,9 +54,10 @@ def _check_path(job: topology.Topology, file_path: object) -> str:
 
 
 def _start(job: topology.Topology, file_path: Any, mark_cycles: Any) -> tuple[calls.Call, Job]:
-    if job.timeline is not None:
+    current = job.state(Recording).current
+    if current is not None:
         raise ValueError(f"file_path: a timeline is already being recorded to "
-                         f"{job.timeline['path']!r}; call stop_timeline() first")
+                         f"{current['path']!r}; call stop_timeline() first")
     if not isinstance(mark_cycles, bool):
         raise TypeError(f"mark_cycles: expected a bool, got {type(mark_cycles).__name__}")
     call = calls.describe(job, "start_timeline", (), "agreement")
@@ -61,7 +72,7 @@ def start_timeline(file_path: str | os.PathLike, mark_cycles: bool = False) -> N
     with calls.Prepared(job, "start_timeline", None) as p:
         p.call, p.job = _start(job, file_path, mark_cycles)
     path = p.run()
-    job.timeline = {"path": path, "mark_cycles": mark_cycles, "origin": ENGINE.native.clock()}
+    job.state(Recording).current = {"path": path, "mark_cycles": mark_cycles, "origin": ENGINE.native.clock()}
     ENGINE.native.tracing = True
     if not _at_exit_registered:  # the file is written even if stop_timeline() never is
         atexit.register(_stop_at_exit)
@@ -72,7 +83,7 @@ def _stop(job: topology.Topology) -> tuple[calls.Call, Job]:
     call = calls.describe(job, "stop_timeline", (), "agreement")
 
     def move() -> None:
-        state = job.timeline
+        state = job.state(Recording).current
         ENGINE.native.tracing = False
         if state is None:  # on every rank alike: start and stop are collective
             return
@@ -96,12 +107,12 @@ def stop_timeline() -> None:
             p.call, p.job = _stop(job)
         p.run()
     finally:
-        job.timeline = None
+        job.state(Recording).current = None
 
 
 def active() -> bool:
     """Whether the job records a timeline (False before init)."""
-    return topology.initialized() and topology.get().timeline is not None
+    return topology.initialized() and topology.get().state(Recording).current is not None
 
 
 def _stop_at_exit() -> None:

@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 from collectives import algorithms
 from collectives.algorithms import costmodel
-from collectives.auto import select
+from collectives.auto import select, state
 
 #: Sizes each candidate is timed at: the regimes where choices change (latency-bound, the
 #: agreement's piggyback limit, the eager/rendezvous switch, bandwidth-bound); `auto`
@@ -267,11 +267,11 @@ def _entry(entry: Any) -> bool:
 
 def install(topo: Any, timed: Timed) -> None:
     """Put the tuning of setup() in force for this job (collective over it), and give the
-    job's communicator the cache's settled classes (topo.memory) when it came from the
-    cache or a fresh measurement."""
+    job's communicator the cache's settled classes (its AutoState's memory) when it came
+    from the cache or a fresh measurement."""
     tuning = setup(topo, timed)
     costmodel.install(tuning)
-    select.choose.cache_clear()
+    select.estimates_changed()
     k = tuning.get("key")
     if k is not None and not topo.config.tuning_file:
-        topo.memory = Memory(cache_path(k), k, tuning.get("settled", {}), topo.rank)
+        state.of(topo).memory = Memory(cache_path(k), k, tuning.get("settled", {}), topo.rank)

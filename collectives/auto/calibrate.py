@@ -159,5 +159,5 @@ def main(timed: autotune.Timed, argv: list[str] | None = None) -> None:
 def _use(tuning: dict) -> None:
     """Make `auto` in this process use the fresh tuning (for the printed table)."""
     costmodel.install(tuning)
-    select.choose.cache_clear()
+    select.estimates_changed()
 

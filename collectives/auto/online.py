@@ -4,65 +4,31 @@ turns of BURST calls each, and the class settles on the fastest for the rest of 
 After every candidate's first turn, those over DROP x the fastest's turn leave the trial.
 When the runner-up's fastest turn is within RUNOFF of the leader's, the two take
 RUNOFF_TURNS more turns each, alternating, and the class settles on the one faster in most
-of those pairs of neighbouring turns.
+of those pairs of neighbouring turns (the median of the pairs' ratios).
 
-Why: the first job's measurement (autotune.py) runs in the two or three seconds of `init`,
-and on a shared machine a slow spell can cover all of it: with 2 ranks on a two-core
-node, shm's 16-64 MiB allreduce can measure 2.4-3x slow at init and hand those sizes to ring
-for good. Trying again at the sizes the job actually calls, later and interleaved, corrects
-that at the price of a few calls at a candidate's speed.
+Why: the first job's measurement (autotune.py) lasts the seconds of `init`, and a slow
+spell of a shared machine can cover all of it and give a size to the wrong algorithm for
+good; trying again at the sizes the job calls, later and interleaved, corrects that at the
+price of a few calls at a candidate's speed. The best of a few turns tells far-apart
+candidates apart, not close ones, hence the runoff: neighbouring turns share the machine's
+state, so a spell covering both cancels in their ratio. Trials compare whole calls as they
+will run once settled: a candidate without a fast entry carries the general path's extra
+cost, timed at init (_path()).
 
-Why the runoff: the best of three turns tells 2x apart, not 1.2x. With 2 ranks on a
-two-core node, ring's and shm's 2-32 MiB allreduces run within 1.5x of each other in about
-half of a benchmark's sweeps (0.75-2.6x over all), and their turns overlap: ring's 16 MiB
-calls can take 2.2-4.3 ms against shm's 1.9-3.0, enough for the best of three to settle on
-ring at 1.38x shm's median. Two neighbouring turns share the machine's state, so the median
-of the pairs' ratios discounts a slow spell that covers both, and a single slow turn
-outvotes nothing.
+Every rank settles alike: a trial advances only in a call's data phase (on the engine, in
+submission order) while no rank has joined (joined ranks run select.choose()'s algorithm),
+and when it ends every rank takes the slowest rank's time per turn (one MPI allreduce). A
+class's fast entry is registered only once the class has settled on its algorithm.
 
-A trial times each candidate's data phase, but compares whole calls as they will run once
-the class settles: on one node a class settled on shm runs through the C++ fast entry and
-any other on the general path, so the others' times carry the general path's extra cost,
-measured at init (autotune.general_path, _path()).
-
-Every rank settles the same way: each times its own calls, and when a class's trial (or
-runoff) ends every rank takes the slowest rank's time per turn (one MPI allreduce of a few
-floats, inside that call). The trial's state advances only in the call's data phase (on
-the engine, in submission order, after the agreement), and only while no rank has joined: a
-joined rank (api/join.py) runs select.choose()'s algorithm, so a call made while some rank has
-joined runs that one on every rank and counts for no trial. Every call of a checked class
-picks its algorithm in its data phase too (run()), and its fast entry, which runs the
-algorithm it was described with, is registered there only once the class has settled on
-that algorithm: so no call runs a choice its description made before the class settled.
-
-A settled class stays watched, because the machine changes under a job: on a two-core
-node shm's allreduces can run 3-4x their time for seconds at a stretch, while ring's get
-10% faster. Every WATCH_S seconds of a class's calls (a count of calls fixed when it
-settles, the same on every rank) the ranks compare the best time since the last review with
-the first review's (the slowest rank's, one allreduce of a float); beyond DRIFT either way,
-the class is tried again. A change the settled algorithm does not feel (another candidate
-getting faster) is found by trying the class again anyway after RETRY_S seconds of its
-calls, or later, once its trial costs no more than RETRY_SHARE of their time. The count is
-kept in C++ (_C.CallWatch), where the class's fast entries count and time their calls too;
-a call that comes due leaves its fast entry and reviews here, in its data phase. While a
-rank has joined, no call counts on it, so every watch is renewed when the join ends
-(rejoined()).
-
-A class settled by a trial is kept for later jobs of the same setup (autotune.Memory, in
-the job's cache file): a later job's first call of that class settles it from the cache,
-with the same watch, and runs no trial. Trial calls are counted apart in the stats
-(`allreduce/<algorithm> (trial)`), so a job can see what its learning cost.
-
-A class is sizes within a factor of 4, in place or out of place (select.size_class: the
-MPI library's allreduce is much faster in place, ours hardly differ, so the two can settle
-apart; for `auto`, whether a call is in place is agreed like its dtype). Sizes that ride in
-the agreement are left to the first measurement, and a settled class holds for its sizes
-that do not. Cost: BURST calls of every candidate and one allreduce, then ROUNDS - 1 turns
-of BURST calls of those within DROP, each at most CLOSE x the estimated best's time (as far
-as the estimate holds), and one allreduce when the trial ends; a runoff's
-RUNOFF_TURNS x BURST x 2 calls at most RUNOFF x the leader's time, and one allreduce; then
-one allreduce of a float per review, and a trial again when the time drifts or RETRY_S has
-passed."""
+A settled class stays watched, because the machine changes under a job: every WATCH_S
+seconds of its calls (a call count fixed when it settles, kept in _C.CallWatch, where the
+fast entries count and time their calls) the ranks compare the best time since the last
+review with the first review's; beyond DRIFT either way, or after RETRY_S seconds of calls
+(later if a trial would cost over RETRY_SHARE of them), the class is tried again. A join
+renews every watch (rejoined()). Settled classes are kept for later jobs of the same setup
+(autotune.Memory); trial calls are counted apart in the stats (`allreduce/<algorithm>
+(trial)`). A class is sizes within a factor of 4, in place or out of place
+(select.size_class)."""
 
 from __future__ import annotations
 
@@ -75,36 +41,36 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives.algorithms import costmodel, shm
-from collectives.auto import select
+from collectives.auto import select, state
 from collectives.auto.autotune import Memory
 from collectives.kernels import _C
 from collectives.runtime.engine import ENGINE
 from collectives.runtime.topology import Topology
 
-#: Candidates `auto` rates within this multiple of the best are tried: wide enough for a
-#: measurement taken in a slow spell (shm's 64 MiB allreduce can measure 3.7x its steady
-#: time at init, which a factor of 2 would leave out of the trial).
+#: Candidates `auto` rates within this multiple of the best are tried: wide enough to take
+#: in a candidate whose measurement at init fell in a slow spell of the machine, which can
+#: put it several times its steady time.
 CLOSE = 4.0
 #: Turns per candidate in a trial (the fastest counts: interference only adds time).
 ROUNDS = 3
 #: Calls per turn, back to back; only the last is timed: the first after another
-#: algorithm's call finds the caches full of that one's buffers (at 256 KiB such calls
-#: run 2-5x their steady time, which makes timing them a coin toss).
+#: algorithm's call finds the caches full of that one's buffers and runs well above its
+#: steady time, so timing it would measure the switch, not the algorithm.
 BURST = 2
 #: A runner-up whose fastest turn is within this multiple of the leader's goes to a runoff:
-#: wide enough for two candidates whose turns overlap (ring's 16 MiB turns above).
+#: wide enough for two candidates whose turns' times overlap, which the best of ROUNDS
+#: turns cannot order.
 RUNOFF = 1.5
 #: After every candidate's first turn, one whose turn took over this multiple of the
 #: fastest's leaves the trial (further from the leader than a runoff reaches, with room
-#: for one noisy turn): at 64 MiB with 2 ranks on one node, the three candidates that
-#: trail shm by 2.4-3.2x then cost one turn each instead of ROUNDS.
+#: for one noisy turn): candidates far behind then cost one turn each instead of ROUNDS.
 DROP = 2.0
 #: Turns per finalist in a runoff: pairs enough for their median to outvote a spell of two.
 RUNOFF_TURNS = 8
 #: Seconds of a settled class's calls between reviews (at least MIN_WATCH calls). A review
-#: costs a call's trip through Python and the engine's thread plus an allreduce: at 256 KiB
-#: (20 us calls, 2 ranks on one node) 2-3% of the time at 0.01 s, within the noise at
-#: this value.
+#: costs a call's trip through Python and the engine's thread plus an allreduce, a fixed
+#: cost per review: far enough apart for that to stay within the calls' noise, close
+#: enough to notice a slow spell within a fraction of a second.
 WATCH_S = 0.05
 MIN_WATCH = 4
 #: A settled class whose time changed more than this, either way, is tried again.
@@ -167,9 +133,10 @@ def settled_on(topo: Topology, c: int, nbytes: int, inplace: bool, algorithm: st
     described with it may take its fast entry from now on, which is put under the class's
     watch. (The call that ends a trial ran a candidate, which need not be the one the
     class settled on.)"""
-    if c not in topo.settled or select.choose("allreduce", nbytes, topo, inplace) != algorithm:
+    auto = state.of(topo)
+    if c not in auto.settled or select.choose("allreduce", nbytes, topo, inplace) != algorithm:
         return False
-    watch = topo.watches.get(c)
+    watch = auto.watches.get(c)
     entry.watch(None if watch is None else watch.native)
     return True
 
@@ -177,7 +144,7 @@ def settled_on(topo: Topology, c: int, nbytes: int, inplace: bool, algorithm: st
 def rejoined(topo: Topology) -> None:
     """A join on topo ended (on every rank at once): renew every watch, as the joined ranks
     counted none of the calls made meanwhile."""
-    for watch in topo.watches.values():
+    for watch in state.of(topo).watches.values():
         watch.native.renew(watch.window)
 
 
@@ -189,10 +156,11 @@ def run(topo: Topology, c: int, nbytes: int, inplace: bool,
     made here, in submission order, not when the call was described: a caller's thread may
     describe a call while the engine's settles its class."""
     joined = ENGINE.native.joined
-    watch = None if joined else topo.watches.get(c)
+    auto = state.of(topo)
+    watch = None if joined else auto.watches.get(c)
     if watch is not None and not watch.native.take():  # due
         watch = _review(topo, c, watch)
-    trial = None if joined or c in topo.settled else _trial(topo, c, nbytes)
+    trial = None if joined or c in auto.settled else _trial(topo, c, nbytes)
     if trial is None:
         algo = select.choose("allreduce", nbytes, topo, inplace)
         ENGINE.native.credit(topo.stats, "allreduce", algo)
@@ -232,7 +200,7 @@ def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
         k = int(order[0])
         if best[order[1]] <= RUNOFF * best[k]:  # a trial has two candidates or more
             finalists = [trial.candidates[k], trial.candidates[order[1]]]
-            topo.trials[c] = Trial(finalists, runoff=True, spent=spent)
+            state.of(topo).trials[c] = Trial(finalists, runoff=True, spent=spent)
             return
         call = float(best[k]) * nbytes
     _decide(topo, c, trial.candidates[k], call, spent, nbytes)
@@ -255,7 +223,7 @@ def _screen(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
         return
     dropped = sum(float(first[k]) for k in range(len(first)) if k not in keep)
     spent = trial.spent + dropped * nbytes * BURST  # the rest's first turns count at the end
-    rest = topo.trials[c] = Trial([trial.candidates[k] for k in keep], spent=spent)
+    rest = state.of(topo).trials[c] = Trial([trial.candidates[k] for k in keep], spent=spent)
     rest.times = [[float(first[k])] for k in keep]
     rest.calls = BURST * len(keep)
 
@@ -280,7 +248,7 @@ def _decide(topo: Topology, c: int, algo: str, call: float, spent: float, nbytes
     cost `spent`: watched, and kept for later jobs."""
     _settle(topo, c, algo)
     _watch(topo, c, call, spent)
-    memory: Memory | None = topo.memory
+    memory: Memory | None = state.of(topo).memory
     if memory is not None:
         memory.remember(c, {"algorithm": algo, "seconds_per_byte": call / nbytes,
                             "spent": spent})
@@ -291,15 +259,15 @@ def _watch(topo: Topology, c: int, call: float, spent: float) -> None:
     `spent`."""
     window = max(MIN_WATCH, math.ceil(WATCH_S / call))
     retry = max(RETRY_S, spent / RETRY_SHARE)
-    topo.watches[c] = Watch(window, math.ceil(retry / (window * call)))
+    state.of(topo).watches[c] = Watch(window, math.ceil(retry / (window * call)))
 
 
 def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:
     """Class c's watch came due: the slowest rank's best time since the last review against
-    the first review's (like against like: a trial's best of ROUNDS calls is no steady
-    time; at 256 KiB the best of 450 calls runs 0.6x it). Renewed (and this call counted)
-    when it held and reviews are left; else the class is tried again from this call
-    (None)."""
+    the first review's (like against like: the best of a review's many calls runs well
+    below a trial's best of ROUNDS, so a trial's time is no steady time). Renewed (and this
+    call counted) when it held and reviews are left; else the class is tried again from
+    this call (None)."""
     best = np.empty(1)
     topo.comm.Allreduce(np.array([watch.native.best]), best, op=MPI.MAX)
     if watch.steady is None and math.isfinite(best[0]):
@@ -311,9 +279,9 @@ def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:
         watch.native.take()
         return watch
     watch.native.renew(0)  # its fast entries decline from now on
-    del topo.watches[c], topo.settled[c]
-    topo.calls.clear()
-    topo.fast.clear()
+    auto = state.of(topo)
+    del auto.watches[c], auto.settled[c]
+    state.changed(topo, entries=True)
     return None
 
 
@@ -322,8 +290,9 @@ def _trial(topo: Topology, c: int, nbytes: int) -> Trial | None:
     settled) when an earlier job of this setup settled it (the cache's entry, watched as
     if this job had tried it), or when only one candidate is close (on `auto`'s usual
     choice)."""
-    trial = topo.trials.get(c)
-    memory: Memory | None = topo.memory
+    auto = state.of(topo)
+    trial = auto.trials.get(c)
+    memory: Memory | None = auto.memory
     kept = None if trial is not None or memory is None else memory.recall(c)
     if kept is not None and kept["algorithm"] in select.candidates(topo):
         _settle(topo, c, kept["algorithm"])
@@ -336,7 +305,7 @@ def _trial(topo: Topology, c: int, nbytes: int) -> Trial | None:
         if len(close) < 2:
             _settle(topo, c, None)
             return None
-        trial = topo.trials[c] = Trial(close)
+        trial = auto.trials[c] = Trial(close)
     return trial
 
 
@@ -344,6 +313,7 @@ def _settle(topo: Topology, c: int, algo: str | None) -> None:
     """Class c runs algo from now on (None: select.choose()'s estimate per size). Calls
     described under the old choice are described again (their fast entries, registered
     only once a class has settled and only for the algorithm it settled on, stay valid)."""
-    topo.trials.pop(c, None)
-    topo.settled[c] = algo
-    topo.calls.clear()
+    auto = state.of(topo)
+    auto.trials.pop(c, None)
+    auto.settled[c] = algo
+    state.changed(topo, entries=False)

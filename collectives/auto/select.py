@@ -14,13 +14,12 @@ library's internal algorithm choices and protocol switches are not in any formul
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from collectives import algorithms
 from collectives.algorithms import costmodel, tree
 from collectives.algorithms.costmodel import Layout
+from collectives.auto import state
 from collectives.runtime.agreement import PIGGYBACK_BYTES, SHARED_BYTES
 from collectives.runtime.topology import Topology
 
@@ -60,21 +59,36 @@ def choose(collective: str, nbytes: int, topo: Topology, inplace: bool = False) 
     agreed values and on what every rank settled alike): an allreduce's class settled
     online (by its size and whether it is in place), for its sizes too large to ride in the
     agreement (online.py; read afresh, as it settles on the engine's thread while callers
-    describe calls), else the fastest estimate, memoized per topology:
-    choose.cache_clear() after changing the estimates' inputs."""
-    settled = topo.settled.get(size_class(nbytes, inplace)) \
-        if collective == "allreduce" and topo.settled and nbytes > topo.channel.capacity \
+    describe calls), else the fastest estimate, memoized per communicator until the
+    estimates' inputs change (estimates_changed())."""
+    auto = state.of(topo)
+    settled = auto.settled.get(size_class(nbytes, inplace)) \
+        if collective == "allreduce" and auto.settled and nbytes > topo.channel.capacity \
         else None
-    return settled or _fastest(collective, nbytes, topo)
+    return settled or _fastest(auto, collective, nbytes, topo)
 
 
-@functools.lru_cache(maxsize=4096)
-def _fastest(collective: str, nbytes: int, topo: Topology) -> str:
-    found = estimates(collective, nbytes, topo)
-    return min(found, key=found.get)
+#: Choices memoized per communicator; past this the memo starts over.
+MEMO_SIZE = 4096
+_version = 0  # of the estimates' inputs: estimates_changed() counts it up
 
 
-choose.cache_clear = _fastest.cache_clear  # type: ignore[attr-defined]
+def estimates_changed() -> None:
+    """The estimates' inputs changed (the tuning in force, costmodel.install): every
+    communicator's memo of choices is stale."""
+    global _version
+    _version += 1
+
+
+def _fastest(auto: state.AutoState, collective: str, nbytes: int, topo: Topology) -> str:
+    if auto.version != _version or len(auto.memo) >= MEMO_SIZE:
+        auto.memo.clear()
+        auto.version = _version
+    found = auto.memo.get((collective, nbytes))
+    if found is None:
+        times = estimates(collective, nbytes, topo)
+        found = auto.memo[(collective, nbytes)] = min(times, key=times.get)
+    return found
 
 
 def estimates(collective: str, nbytes: int, topo: Topology) -> dict[str, float]:
@@ -87,9 +101,9 @@ def estimates(collective: str, nbytes: int, topo: Topology) -> dict[str, float]:
 def size_class(nbytes: int, inplace: bool = False) -> int:
     """What online.py settles an allreduce's algorithm for: sizes within a factor of 4,
     [4^(k-1), 4^k) bytes, and whether the call is in place: class 2k + inplace. The
-    fastest can differ between the two: the MPI library's allreduce out of place costs
-    much more than in place, ours hardly differ (8 MiB float32, np 2 on one node: mpi
-    1.09-1.12 ms in place, 1.77-1.90 out of place; shm 1.23 and 1.33)."""
+    fastest can differ between the two: the MPI library's allreduce out of place can cost
+    much more than in place while ours hardly differ, so one settled choice would be wrong
+    for one of them (benchmarks/README.md, A first job and the next one)."""
     return 2 * ((max(nbytes, 1).bit_length() + 1) // 2) + inplace
 
 

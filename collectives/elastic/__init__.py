@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from collectives.elastic.state import ObjectState, State
-from collectives.runtime import topology
+from collectives.runtime import faults, topology
 from collectives.runtime.faults import RanksFailedError
 
 __all__ = ["ElasticSampler", "ObjectState", "RanksFailedError", "State", "TorchState", "run"]
@@ -60,7 +60,7 @@ def run(func: Callable[..., Any] | None = None, *, min_size: int = 1) -> Any:
             except Exception as exc:
                 if not _failed(exc):
                     raise
-                lost = topology.get().failed
+                lost = faults.failed(topology.get())
                 state.restore()
                 topology.shrink()
                 if topology.size() < min_size:
@@ -77,7 +77,7 @@ def _failed(exc: Exception) -> bool:
     """Whether exc comes from ranks that failed: RanksFailedError, or an error that wraps
     it (torch's futures, as DDP waits on them, turn it into a RuntimeError) raised while
     the job's communicator has lost ranks."""
-    return isinstance(exc, RanksFailedError) or topology.get().failed is not None
+    return isinstance(exc, RanksFailedError) or faults.failed(topology.get()) is not None
 
 
 def __getattr__(name: str) -> Any:

@@ -62,19 +62,31 @@ def as_horovod(op: Any, postscale: Any, process_set: Any) -> tuple[Any, Any]:
     return Sum, postscale / topology_of(process_set).size
 
 
-# Names of async calls in flight (the job's Topology.in_flight) stay taken until
-# synchronize() or a poll() that found them finished: Horovod frees a name when its call
-# finishes, which takes at least a cycle of its coordinator; here a call may finish within
-# microseconds, so a name stays taken until the caller has seen it finish. Per process set's
-# Topology: async calls started so far (started) and those not known finished with their
-# place in that count (outstanding): what barrier() waits for.
-_lock = threading.Lock()  # guards those fields of every Topology
+class Named:
+    """What the drop-in keeps per communicator (the job's, and each process set's).
+    in_flight (used on the job's): names of async calls in flight, which stay taken until
+    synchronize() or a poll() that found them finished. Horovod frees a name when its call
+    finishes, which takes at least a cycle of its coordinator; here a call may finish within
+    microseconds, so a name stays taken until the caller has seen it finish. started and
+    outstanding: the async calls started so far, and those not known finished with their
+    place in that count: what barrier() waits for."""
+
+    __slots__ = ("in_flight", "started", "outstanding")
+
+    def __init__(self) -> None:
+        self.in_flight: dict[str, Handle] = {}
+        self.started = 0
+        self.outstanding: list[tuple[int, Handle]] = []
+
+
+_lock = threading.Lock()  # guards every communicator's Named
 
 
 def start_named(name: str | None, process_set: Any, start) -> Handle:
     """Start an async call under name, refusing a name still in flight (as Horovod), and
     count it for barrier()."""
-    topo, in_flight = topology_of(process_set), _topology.get().in_flight
+    named = topology_of(process_set).state(Named)
+    in_flight = _topology.get().state(Named).in_flight
     with _lock:
         if name is not None and name in in_flight:
             raise ValueError(f"Requested to collect a tensor with the same name as another "
@@ -83,9 +95,10 @@ def start_named(name: str | None, process_set: Any, start) -> Handle:
         handle = start()
         if name is not None:
             in_flight[name] = handle
-        index = topo.started
-        topo.started = index + 1
-        topo.outstanding = [(i, h) for i, h in topo.outstanding if not h.done()] + [(index, handle)]
+        index = named.started
+        named.started = index + 1
+        named.outstanding = [(i, h) for i, h in named.outstanding if not h.done()] \
+            + [(index, handle)]
     return handle
 
 
@@ -108,7 +121,7 @@ def _seen_finished(handle: Handle) -> None:
     """The caller has seen handle's call finish: its name is free again."""
     if not _topology.initialized():
         return
-    in_flight = _topology.get().in_flight
+    in_flight = _topology.get().state(Named).in_flight
     with _lock:
         for name, h in list(in_flight.items()):
             if h is handle:
@@ -144,8 +157,9 @@ def barrier(process_set=global_process_set) -> None:
         _C.barrier(process_set=set_of(process_set))
         return
     topo = topology_of(process_set)
+    named = topo.state(Named)
     with _lock:
-        started, pending = topo.started, list(topo.outstanding)
+        started, pending = named.started, list(named.outstanding)
     everyone = _meet.meet(topo, started)
     for index, handle in pending:
         if index < everyone:

@@ -94,8 +94,9 @@ def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
 class OnebitHookState:
     """onebit_hook's state: the process group, the warm-up length, the scale block size
     (one float32 scale per block_size values, so 1 + 32 / block_size bits per value; None:
-    one per chunk, as DeepSpeed scales momentum; 32 keeps digits within 2 points of
-    uncompressed training where None loses 3, benchmarks/README.md) and,
+    one per chunk, as DeepSpeed scales momentum; a scale per block follows the magnitudes
+    of the values around it, so smaller blocks lose less accuracy against uncompressed
+    training, for more bits: benchmarks/README.md, Hook convergence) and,
     per bucket, this rank's error buffers with the layout they were made for (the shapes of
     the bucket's parameters, in order).
 

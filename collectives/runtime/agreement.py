@@ -94,8 +94,10 @@ def _groups(verb: str, values: list[tuple[int, str]]) -> str:
 
 #: Largest allreduce payload carried inside the agreement messages (bytes).
 PIGGYBACK_BYTES = 64 << 10
-#: Largest allreduce payload carried by the shared-memory exchange (bytes): up to here one
-#: step (copy in, one wait, fold every rank's copy) beats shm's pipeline at np 2 (measured).
+#: Largest allreduce payload carried by the shared-memory exchange (bytes): one step (copy
+#: in, one wait, every rank folds every rank's whole copy) pays one wait where shm's
+#: pipeline pays three per chunk, but each rank reads all L copies of the whole buffer
+#: instead of L copies of its 1/L share, so the single step wins only for small payloads.
 SHARED_BYTES = 128 << 10
 #: The shared exchange's buffers per rank: two, as a rank writes exchange g + 1 while
 #: slower ones may still read g, and no rank gets further ahead (it waits in g + 1 for

@@ -5,8 +5,8 @@ Contiguous host input is viewed, never copied. Non-contiguous input is copied (a
 in-place calls, the result is copied back). Device memory (torch CUDA, CuPy) is staged
 through page-locked host memory (torch's and CuPy's caching pinned allocators): the
 algorithms hand only host buffers to MPI, and a staging copy runs at the bus's speed with no
-page faults (through pageable memory, fresh each call, a 256 MiB allreduce of device data
-takes 3.7x the same call on host memory; through pinned memory, 1.6x)."""
+page faults (pageable memory, fresh each call, adds page faults and the driver's own bounce
+copy to every transfer; benchmarks/README.md, GPU, has the staged call's times)."""
 
 from __future__ import annotations
 

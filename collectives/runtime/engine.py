@@ -33,7 +33,8 @@ class Communicator(Protocol):
     """What the engine reads of a communicator (runtime/topology.py's Topology)."""
 
     channel: Any  # _C.AgreeChannel: its agreement exchange
-    failed: list[int] | None  # ranks lost (runtime/faults.py)
+
+    def state(self, kind: type) -> Any: ...  # runtime/faults.py's Failures among them
 
 
 class Described(Protocol):
@@ -162,8 +163,7 @@ class Engine:
 
 def _execute(native: Any, topo: Communicator, call: Described, job: Job, queued: float = -1.0) -> Any:
     """The call, run; a failure of ranks raised as runtime/faults.py's RanksFailedError."""
-    if topo.failed is not None:
-        faults.check(topo)
+    faults.check(topo)
     try:
         return native.execute(topo.channel, call.native, job.send, job.out, job.count,
                               job.dtype_code, job.op_code, job.divisor, job.move, queued)

@@ -27,23 +27,41 @@ import os
 import signal
 import socket
 import time
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from mpi4py import MPI
 
 from collectives.kernels import _C
 from collectives.runtime import window
 
+S = TypeVar("S")
+
 
 class Topology(Protocol):
-    """What this module reads and keeps of a communicator (runtime/topology.py's Topology)."""
+    """What this module reads of a communicator (runtime/topology.py's Topology, which
+    imports this module)."""
 
     comm: MPI.Comm
     config: Any  # config.Config: fault_tolerant
     processes: list[tuple[str, int]]  # each rank's (host, pid)
-    failed: list[int] | None  # the ranks lost, once seen (owned here)
 
     def comms(self) -> list[MPI.Comm]: ...
+
+    def state(self, kind: type[S]) -> S: ...
+
+
+class Failures:
+    """What this module keeps per communicator: the ranks it lost, once seen (None before)."""
+
+    __slots__ = ("lost",)
+
+    def __init__(self) -> None:
+        self.lost: list[int] | None = None
+
+
+def failed(topo: Topology) -> list[int] | None:
+    """The ranks topo lost, once a call on it saw them fail (None: none seen)."""
+    return topo.state(Failures).lost
 
 #: Seconds a rank that has seen a failure waits for MPI to name the failed ranks.
 FIND_S = 1.0
@@ -101,7 +119,8 @@ def failure(topo: Topology, exc: BaseException) -> RanksFailedError | None:
     a failure, or the job is not fault-tolerant). The first time: flag this rank's shared
     windows, revoke topo's communicators and wait up to FIND_S for MPI to name the failed
     ranks, which topo keeps."""
-    if topo.failed is None:
+    seen = topo.state(Failures)
+    if seen.lost is None:
         if not topo.config.fault_tolerant or not _looks_failed(exc):
             return None
         window.mark_failed()
@@ -117,9 +136,9 @@ def failure(topo: Topology, exc: BaseException) -> RanksFailedError | None:
         while ranks and time.monotonic() < settled:
             time.sleep(0.005)
             ranks = sorted(set(ranks) | set(_named(topo)))
-        topo.failed = ranks
+        seen.lost = ranks
         _fence(topo, ranks)
-    return RanksFailedError(topo.failed, str(exc).splitlines()[0] if str(exc) else "")
+    return RanksFailedError(seen.lost, str(exc).splitlines()[0] if str(exc) else "")
 
 
 def _named(topo: Topology) -> list[int]:
@@ -129,7 +148,8 @@ def _named(topo: Topology) -> list[int]:
 
 def _dead_here(topo: Topology) -> list[int]:
     """The ranks of topo whose process on this host is gone: named at once, where MPI's
-    own notice of a death on this host takes 0.1-0.4 s to arrive."""
+    own notice of a death arrives only after its detector's delays (benchmarks/README.md,
+    Elastic training, compares the two)."""
     here = socket.gethostname()
     return [r for r, (host, pid) in enumerate(topo.processes)
             if host == here and not _C.process_alive(pid)]
@@ -159,5 +179,6 @@ def reraise(topo: Topology, exc: BaseException) -> NoReturn:
 
 def check(topo: Topology) -> None:
     """Raise RanksFailedError if topo has lost ranks (every call after the first to see it)."""
-    if topo.failed is not None:
-        raise RanksFailedError(topo.failed, "seen by an earlier call")
+    ranks = topo.state(Failures).lost
+    if ranks is not None:
+        raise RanksFailedError(ranks, "seen by an earlier call")

@@ -8,7 +8,8 @@ same agreed size, doubling, so a job exchanges them a few times), and opened wit
 peer access, so ranks on different GPUs of a node with peer access read each other's
 memory directly, and ranks sharing one GPU read it as their own. Ordering between ranks
 is host-side: a stream synchronize, then an MPI barrier (`sync`). One Workspaces per
-communicator (Topology.ipc), made on its first device call and freed with it."""
+communicator (algorithms/device.py's state on its Topology), made on its first device call
+and freed with it."""
 
 from __future__ import annotations
 

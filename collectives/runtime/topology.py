@@ -4,14 +4,19 @@
 A node is a set of ranks that share memory: MPI_COMM_TYPE_SHARED, or, to simulate several
 nodes on one machine, consecutive blocks of `ranks_per_node` ranks. Ranks with the same
 local rank on different nodes form a cross communicator (the hierarchical algorithms'
-inter-node level). What a communicator keeps across calls lives on its Topology, the one
-object per communicator: its MPI duplicates and nodes, the agreement channel (with its shared
-window where the group is one node), and the state the layers above keep per communicator
-(described calls, fast entries, stats, `auto`'s trials and settled classes, process sets,
-the timeline's recording, Horovod's names in flight, the CUDA IPC workspaces), made with it and freed with it
-(shm's algorithm windows are tied to the MPI communicator itself, see algorithms/shm.py).
-The watchdog and the Config are the process's, shared by every communicator; the stall
-timeout is each communicator's (set_timeout)."""
+inter-node level).
+
+A Topology is the one object per communicator and the unit of its lifetime. It owns what
+the runtime keeps: the MPI duplicates, ranks and nodes, the agreement channel (with its
+shared window where the group is one node), the stall limit and the engine's counters
+(stats). Each upper layer keeps its own per-communicator state in an object of its own
+class, hung here by state() and freed with the Topology: api's descriptions and fast
+entries, `auto`'s choices and trials, process sets, the timeline's recording, Horovod's
+names in flight, faults' failed ranks, the device path's CUDA IPC workspaces. Only the
+layer that defines such a class writes it; another layer that needs it changed calls a
+function of that layer. (shm's algorithm windows are tied to the MPI communicator itself,
+see algorithms/shm.py.) The watchdog and the Config are the process's, shared by every
+communicator; the stall timeout is each communicator's (set_timeout)."""
 
 from __future__ import annotations
 
@@ -20,14 +25,16 @@ import os
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from mpi4py import MPI
 
 from collectives import config as _config
 from collectives.kernels import _C
-from collectives.runtime import agreement
+from collectives.runtime import agreement, faults
 from collectives.runtime.watchdog import Limit, Watchdog
+
+S = TypeVar("S")
 
 
 class Topology:
@@ -72,26 +79,8 @@ class Topology:
         self.window = agreement.shared_window(self.comm) if len(self.nodes) == 1 else None
         self.limit = Limit(config.stall_timeout_s)  # how long a call here waits for others
         self.channel = agreement.channel(self.comm, watchdog, self.limit, self.window)
-        # What the layers above keep per communicator: each field has one owner (the module
-        # named), lives exactly as long as this object and goes with it in free(), so a
-        # communicator rebuilt after a failure starts from a clean state.
-        self.stats = _C.Stats()                     # calls and bytes: the engine writes them
-        self.calls: dict[tuple, Any] = {}           # api/calls.py: described calls
-        self.fast: dict[tuple, Any] = {}            # api/calls.py: the allreduce fast entries
-        self.trials: dict[int, Any] = {}            # auto/online.py: trials running per class
-        self.settled: dict[int, str | None] = {}    # auto/online.py: settled classes
-        self.watches: dict[int, Any] = {}           # auto/online.py: their watches
-        self.memory: Any = None                     # auto/autotune.py: the cache's settled
-                                                    # classes (the job's communicator only)
-        self.process_sets: dict[int, Any] = {}      # api/process_sets.py: sets registered
-        self.last_set_id = 0                        # over this (the job's) communicator
-        self.timeline: dict[str, Any] | None = None  # api/timeline.py: the recording, if any
-        self.ipc: Any = None                        # algorithms/device.py: the node's CUDA
-                                                    # IPC workspaces (runtime/ipc.py)
-        self.failed: list[int] | None = None        # runtime/faults.py: ranks lost, once seen
-        self.in_flight: dict[str, Any] = {}         # horovod/common.py: async names in flight
-        self.started = 0                            # horovod/common.py: async calls started,
-        self.outstanding: list[tuple[int, Any]] = []  # and those not known finished
+        self.stats = _C.Stats()  # calls and bytes: the engine writes them (C++)
+        self._states: dict[type, Any] = {}  # the upper layers' objects: state()
 
     def set_timeout(self, seconds: float | None) -> None:
         """How long a call on this communicator waits for the other ranks before it raises
@@ -122,13 +111,28 @@ class Topology:
         return [c for c in (self._shard_comms or []) + [self.cross_comm, self.node_comm,
                                                         self.comm] if c != MPI.COMM_NULL]
 
+    def state(self, kind: type[S]) -> S:
+        """The object of class `kind` that an upper layer keeps for this communicator: made
+        by kind() on first use, found again by every later call, and freed with this
+        Topology (free() calls its close(), if it has one), so a communicator rebuilt after
+        a shrink or a growth starts from a clean state. Only the module that defines kind
+        (or its package) asks for it; the others ask that module (tests/unit/
+        test_state_owners.py checks it)."""
+        found = self._states.get(kind)
+        if found is None:
+            found = self._states[kind] = kind()
+        return found
+
     def free(self) -> None:
         """Free what this object made (collective over comm). After a failure of ranks
         (fault-tolerant mode) MPI lets the survivors free it without the dead."""
         if self.window is not None:
             self.window.free()
-        if self.ipc is not None:
-            self.ipc.close()
+        states, self._states = list(self._states.values()), {}
+        for state in states:
+            close = getattr(state, "close", None)
+            if close is not None:
+                close()
         for c in self.comms():
             c.Free()
 
@@ -249,9 +253,10 @@ def _exit_after_failures() -> None:
     without MPI_Finalize, which after a failure can wait forever (for messages the failed
     call left in flight; in the failure detector's shutdown). Its status is 1 after an
     uncaught exception, else 0 (a sys.exit code is not seen here)."""
-    if _topology is None or (_topology.generation == 0 and _topology.failed is None):
+    failed = None if _topology is None else faults.failed(_topology)
+    if _topology is None or (_topology.generation == 0 and failed is None):
         return
-    if _topology.failed is None:
+    if failed is None:
         try:
             _topology.comm.Barrier()
         except MPI.Exception:

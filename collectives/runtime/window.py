@@ -84,9 +84,9 @@ class Window:
         # counters, and let no rank read a peer's before the peer has. Zeroing the whole
         # segment also faults its pages in now, and reading a byte of every page of every
         # segment maps them here: otherwise the first `depth` chunks of the calls after a
-        # window is made pay a page fault per 4 KiB in each process (a 256 KiB allreduce at
-        # np 2 would take 225 us instead of 24 for its first 4 calls, enough to lose online
-        # trials).
+        # window is made pay a page fault per 4 KiB in each process, which costs those calls
+        # several times their steady time: enough to lose an online trial (auto/online.py),
+        # whose first calls of a class are the ones it times.
         np.frombuffer(raw[rank], np.uint8)[:] = 0
         self.win.Sync()
         comm.Barrier()

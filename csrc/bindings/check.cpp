@@ -138,7 +138,8 @@ struct TorchNames {
   PyObject* dtype = PyUnicode_InternFromString("dtype");
 };
 
-// obj.name or obj.name() through the C API: pybind11's attr("name")() costs 5x more.
+// obj.name or obj.name() through the C API with the interned names above: pybind11's
+// attr("name")() makes a name string and accessor objects on every call.
 py::object get(py::handle obj, PyObject* name, bool call) {
   PyObject* r =
       call ? PyObject_CallMethodNoArgs(obj.ptr(), name) : PyObject_GetAttr(obj.ptr(), name);

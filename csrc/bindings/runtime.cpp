@@ -221,7 +221,7 @@ class PyFastAllreduce {
   }
 
   // Between raw host addresses (a CPU torch tensor's data_ptr()), skipping the NumPy view a
-  // tensor would need (~1 us of a 4 KiB call).
+  // tensor would need (an object per call, a visible share of a small call's time).
   bool run_at(uintptr_t src, uintptr_t dst) {
     if (fast_->nbytes() && (src == 0 || dst == 0))
       throw py::value_error("src, dst: null address");

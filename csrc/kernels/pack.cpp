@@ -1,12 +1,12 @@
 // One copy loop per element type; a scale of 1 is a plain copy for every dtype (bit exact,
 // NaN payloads included). Tensors are copied one after another with no threads: the copy
-// is memory bound, and a second thread on our 2-core machines gained nothing.
+// is memory bound, and a second thread adds no memory bandwidth to share.
 //
 // Big packs (a model's gradients into the fusion buffer) stream: non-temporal stores, so
 // destination lines are not first read into the cache (2 bytes of memory traffic per byte
 // packed, not 3), and a software prefetch 4 KiB ahead, because the tensors are separate
 // allocations and the hardware prefetcher stops at every 4 KiB page. Together this packs
-// 1.3-1.6x faster than plain loops or memcpy per tensor (csrc/README.md).
+// faster than plain loops or memcpy per tensor (benchmarks/README.md, Kernels).
 #include "pack.h"
 
 #include <cstring>

@@ -249,7 +249,7 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
   // Buffers up to kKeep bytes are kept per thread across calls (every small call needs
   // them); larger ones (tree allreduces of big buffers) come from `large`, already faulted
   // in when a call of that size ran before (fresh memory costs a page fault and the
-  // kernel's zeroing per page: at 64 MiB that made a tree allreduce 7x ring's time).
+  // kernel's zeroing per page, which for large buffers costs more than the exchange).
   constexpr size_t kKeep = size_t{1} << 20;
   thread_local Bytes kept_a, kept_b;
   const size_t need = static_cast<size_t>(kHeader + capacity);

@@ -1,11 +1,12 @@
 // Memory for collectives' results, kept for reuse.
 //
 // A new result array (an allgather's, an alltoall's, an out-of-place allreduce's) of
-// fresh memory costs a page fault and the kernel's zeroing per page on first touch: at
-// 64 MiB that is ~2.5 ms, a quarter of the alltoall itself. Training loops ask for the same
+// fresh memory costs a page fault and the kernel's zeroing per page on first touch, a
+// sizeable share of a large collective's own time. Training loops ask for the same
 // sizes every step, so blocks come back here when Python drops the array and the next call
 // of that size reuses one, already faulted in. Blocks are matched by exact size (rounded up
-// to 4 KiB, or to 2 MiB huge pages from 4 MiB); at most `capacity` bytes wait here, beyond that a returned block is freed.
+// to 4 KiB, or to 2 MiB huge pages from 4 MiB); at most `capacity` bytes wait here, beyond
+// that a returned block is freed.
 #pragma once
 
 #include <cstddef>

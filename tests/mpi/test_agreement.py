@@ -13,6 +13,7 @@ from conftest import assert_equal, assert_same_on_all_ranks, make_input, referen
 
 import collectives as C
 from collectives.algorithms import shm
+from collectives.api import calls
 from collectives.kernels import _C
 from collectives.runtime import topology
 from collectives.runtime.agreement import PIGGYBACK_BYTES, SHARED_BYTES
@@ -223,7 +224,7 @@ def test_fast_entry_runs_shms_pipeline(comm, dtype, op):
     before = stats()
     first = C.allreduce(inputs[r], op=op, algorithm="shm")  # general path; describes it
     general = stats() - before
-    call = topo.fast[(op, inputs[r].dtype, (count,), "shm", False)]  # out of place
+    call = calls.of(topo).fast[(op, inputs[r].dtype, (count,), "shm", False)]  # out of place
     assert call.fast is not None and not call.rides
     assert_equal(first, expected, "general path")
     for kind in ("numpy", "numpy in place", "torch", "torch in place"):

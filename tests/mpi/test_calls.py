@@ -79,12 +79,12 @@ def test_a_description_is_made_once_per_distinct_call(comm):
               calls.describe(topo, "calls_test2", (("tag", "a"), ("n", 1)), "test")]  # collective
     assert all(o is not a for o in others) and len({id(o) for o in others}) == 3
     assert (a.collective, a.fields, a.algorithm) == ("calls_test", (("tag", "a"), ("n", 1)), "test")
-    size = len(topo.calls)
+    size = len(calls.of(topo).described)
     for _ in range(3):  # the public path finds its description too
         C.allreduce(np.ones(3), op=C.Sum, algorithm="ring", name="cached")
-    grown = len(topo.calls)
+    grown = len(calls.of(topo).described)
     C.allreduce(np.ones(3), op=C.Sum, algorithm="ring", name="cached")
-    assert len(topo.calls) == grown and grown > size
+    assert len(calls.of(topo).described) == grown and grown > size
 
 
 def test_descriptions_are_per_communicator_and_count_on_its_stats(comm, other):
@@ -149,12 +149,12 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank(comm, error, where):
     r, n = comm.Get_rank(), comm.Get_size()
     bad = 0 if where == "first" else n - 1
     topo, made = topology.get(), []
-    size = len(topo.calls)
+    size = len(calls.of(topo).described)
     with calls.Prepared(topo, "calls_test", None) as p:
         p.call, p.job = _checked(topo, r == bad, error, made)
     if r == bad:
         assert p.call.algorithm == calls.INVALID
-        assert len(topo.calls) == size, "an invalid call is not cached"
+        assert len(calls.of(topo).described) == size, "an invalid call is not cached"
     with pytest.raises((ValueError, TypeError)) as info:
         p.run()
     if r == bad:
@@ -205,20 +205,20 @@ def test_the_table_starts_over_past_max_calls(comm, other, monkeypatch):
     monkeypatch.setattr(calls, "MAX_CALLS", 4)
     x = np.arange(6.0)
     assert_equal(C.allreduce(x, op=C.Sum, comm=dup), x * comm.Get_size(), "first")
-    topo.calls.clear()
+    calls.of(topo).described.clear()
     first = [calls.describe(topo, "calls_test", (("tag", f"t{i}"),), "test") for i in range(4)]
-    assert len(topo.calls) == 4
+    assert len(calls.of(topo).described) == 4
     assert all(calls.describe(topo, "calls_test", (("tag", f"t{i}"),), "test") is first[i]
                for i in range(4)), "kept while under MAX_CALLS"
     fifth = calls.describe(topo, "calls_test", (("tag", "t4"),), "test")
-    assert list(topo.calls.values()) == [fifth], "past MAX_CALLS the table starts over"
-    assert not topo.fast, "the fast entries go with their descriptions"
+    assert list(calls.of(topo).described.values()) == [fifth], "past MAX_CALLS the table starts over"
+    assert not calls.of(topo).fast, "the fast entries go with their descriptions"
     again = calls.describe(topo, "calls_test", (("tag", "t0"),), "test")
     assert again is not first[0] and (again.fields, again.algorithm) == (first[0].fields, "test")
-    assert len(topo.calls) == 2
+    assert len(calls.of(topo).described) == 2
     # descriptions made before and after the start-over still run, on every rank
     assert ENGINE.run(topo, first[1], Job(lambda: 1)) == 1
     assert ENGINE.run(topo, again, Job(lambda: 2)) == 2
     for i in range(3):
         assert_equal(C.allreduce(x + i, op=C.Sum, comm=dup), (x + i) * comm.Get_size(), f"after {i}")
-    assert len(topo.calls) <= 4
+    assert len(calls.of(topo).described) <= 4

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 class FakeTopology:
     """What select and the algorithm registry read from a Topology: its nodes (world ranks
-    per node, nodes in order) and sizes, seen from world rank 0, and the allreduce classes
-    settled online (none). Hashed by identity, as a Topology is."""
+    per node, nodes in order) and sizes, seen from world rank 0, and the upper layers'
+    state objects (state(): `auto`'s, with no class settled online)."""
 
     def __init__(self, *node_sizes: int):
         first = [sum(node_sizes[:i]) for i in range(len(node_sizes))]
@@ -14,4 +14,10 @@ class FakeTopology:
         self.size = sum(node_sizes)
         self.local_size = node_sizes[0]
         self.max_local_size = max(node_sizes)
-        self.settled: dict[int, str | None] = {}
+        self._states: dict[type, object] = {}
+
+    def state(self, kind: type) -> object:
+        """Topology.state: kind's object for this topology, made on first use."""
+        if kind not in self._states:
+            self._states[kind] = kind()
+        return self._states[kind]

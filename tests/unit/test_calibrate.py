@@ -23,14 +23,14 @@ MEASURED = {  # seconds at 1 KiB, 1 MiB and 2 MiB
 def use_tuning(tmp_path, monkeypatch, tuning: dict) -> None:
     """Make tuning the one in force, as init installs a tuning file's contents."""
     monkeypatch.setattr(costmodel, "_installed", json.loads(json.dumps(tuning)))
-    select.choose.cache_clear()
+    select.estimates_changed()
 
 
 @pytest.fixture(autouse=True)
 def fresh_choices():
-    select.choose.cache_clear()
+    select.estimates_changed()
     yield
-    select.choose.cache_clear()
+    select.estimates_changed()
 
 
 def test_params_round_trip_through_the_tuning_file(tmp_path, monkeypatch):

@@ -17,15 +17,18 @@ from collectives.auto import select
 from collectives.runtime.agreement import PIGGYBACK_BYTES, SHARED_BYTES
 
 COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast")
+# a distinct prime per parameter: a hand-computed price shows which parameters it used
+PRIMES = Params(alpha_intra=3.0, beta_intra=5.0, alpha_inter=7.0, beta_inter=11.0, gamma=13.0,
+                overhead=17.0, mpi_call=19.0)
 
 
 @pytest.fixture(autouse=True)
 def default_config(monkeypatch):
     """Every test starts from the default options (no tuning file) and fresh choices."""
     monkeypatch.setattr(config, "_current", config.Config())
-    select.choose.cache_clear()
+    select.estimates_changed()
     yield
-    select.choose.cache_clear()
+    select.estimates_changed()
 
 
 def fake_algorithm(seconds: float) -> types.SimpleNamespace:
@@ -60,22 +63,25 @@ def test_shared_piggyback_is_priced_as_one_step(monkeypatch):
     topo = FakeTopology(4)
     assert select.choose("allreduce", 4096, topo) == "shm"
     assert select.choose("allreduce", SHARED_BYTES + 1, topo) != "shm"
-    p = Params()
-    assert select.agreement_cost(Layout((4,)), p) == pytest.approx(p.alpha_intra)
-    assert select.agreement_cost(Layout((4,)), p, 100) == pytest.approx(
-        p.alpha_intra + 100 * 5 * p.gamma)  # copied in once, 4 copies folded
+    # one step in shared memory: one counter wait (a message inside the node), the payload
+    # copied in once, then all L copies folded by every rank; nothing of the links between
+    # nodes nor an MPI call. Hand-computed with PRIMES (each parameter a distinct prime).
+    assert select.agreement_cost(Layout((4,)), PRIMES) == 3  # alpha_intra
+    assert select.agreement_cost(Layout((4,)), PRIMES, 100) == 3 + 100 * 13 + 4 * 100 * 13  # 6503
+    assert select.agreement_cost(Layout((8,)), PRIMES, 10) == 3 + 10 * 13 + 8 * 10 * 13  # 1173
 
 
 def test_piggyback_price_is_the_agreement_exchange():
-    layout = Layout((2, 1))
-    p = Params()
-    steps = tree.doubling_steps(3)
-    assert steps == 3  # 2 ranks double, the third folds in and out
-    alpha, beta = p.alpha_inter, p.beta_inter
-    assert select.agreement_cost(layout, p) == pytest.approx(steps * alpha + p.mpi_call)
-    with_data = steps * (alpha + 100 * (beta + p.gamma)) + p.mpi_call
-    assert select.agreement_cost(layout, p, 100) == pytest.approx(with_data)
-    assert select.predict("allreduce", 100, layout, p)["tree"] == pytest.approx(with_data)
+    """Across nodes, recursive doubling in one call from C: each step one message over the
+    links between nodes (alpha_inter 7, beta_inter 11 per byte) and the payload folded
+    (gamma 13 per byte), plus the call's fixed cost (mpi_call 19). Hand-computed with PRIMES."""
+    # 3 ranks: 2 double (1 step), the third folds in and out (2 steps)
+    assert select.agreement_cost(Layout((2, 1)), PRIMES) == 3 * 7 + 19  # 40
+    assert select.agreement_cost(Layout((2, 1)), PRIMES, 100) == 3 * (7 + 100 * 24) + 19  # 7240
+    assert select.predict("allreduce", 100, Layout((2, 1)), PRIMES)["tree"] == 7240
+    # 4 ranks: 2 doubling steps; 5 ranks: 4 doubling, 1 folded in and out: 2 + 2 steps
+    assert select.agreement_cost(Layout((2, 2)), PRIMES, 10) == 2 * (7 + 10 * 24) + 19  # 513
+    assert select.agreement_cost(Layout((1,) * 5), PRIMES) == 4 * 7 + 19  # 47
 
 
 def test_doubling_steps():
@@ -166,7 +172,7 @@ def test_choices_are_memoized_per_topology(monkeypatch):
     monkeypatch.setitem(algorithms.REGISTRY, "fake", fake_algorithm(0.0))
     assert select.choose("allgather", 1 << 20, topo) == first
     assert select.choose("allgather", 1 << 20, FakeTopology(4)) == "fake"
-    select.choose.cache_clear()
+    select.estimates_changed()
     assert select.choose("allgather", 1 << 20, topo) == "fake"
 
 
