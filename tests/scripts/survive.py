@@ -99,9 +99,11 @@ def raise_scenario(call: str, killfile: str) -> None:
                 again = "the next call raised too"
             shrunk = topology.shrink().size
             total = C.allreduce(np.ones(3), op=C.Sum)
+            everyone = C.allreduce(np.ones(3), op=C.Sum, process_set=C.global_process_set)
             print(f"rank {C.rank()}: RanksFailedError {exc.ranks} after {took:.3f} s at "
                   f"step {step}; {again}; shrunk to {shrunk}, whose allreduce gave "
-                  f"{total[0]:g}", flush=True)
+                  f"{total[0]:g}; global set {C.global_process_set.ranks} of size "
+                  f"{C.global_process_set.size()} gave {everyone[0]:g}", flush=True)
             return
     print(f"rank {C.rank()}: no error", flush=True)
 

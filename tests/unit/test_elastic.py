@@ -55,12 +55,16 @@ def test_every_survivor_raises_naming_the_dead_rank(tmp_path, layout, call, dyin
                   VICTIMS=",".join(map(str, dead)))
     found = re.findall(r"rank (\d+): RanksFailedError (\[[\d, ]+\]) after ([\d.]+) s at step "
                        r"(\d+); the next call raised too; shrunk to (\d+), whose allreduce "
-                       r"gave (\d+)", out)
+                       r"gave (\d+); global set (\[[\d, ]+\]) of size (\d+) gave (\d+)", out)
     assert sorted(int(r) for r, *_ in found) == list(range(np_ - len(dead))), out
-    for _, ranks, took, step, shrunk, total in found:
+    left = np_ - len(dead)
+    for _, ranks, took, step, shrunk, total, members, size, everyone in found:
         assert ast.literal_eval(ranks) == dead and int(step) == 20, out
         assert float(took) < 1.0, out
-        assert int(shrunk) == int(total) == np_ - len(dead), out
+        assert int(shrunk) == int(total) == left, out
+        # the global process set follows the shrunk job
+        assert ast.literal_eval(members) == list(range(left)) and int(size) == left, out
+        assert int(everyone) == left, out
 
 
 @pytest.mark.parametrize("layout,api,dying,how", [
