@@ -11,6 +11,15 @@ Columns follow nccl-tests: algbw = size / time, busbw = algbw x the op's bus fac
 (allreduce 2(n-1)/n, allgather and reducescatter (n-1)/n, broadcast 1); size is the full
 buffer (allgather: the gathered result). `vs_mpi` = mpi's time / this time (>1 = faster);
 `vs_raw` the same against mpi-raw (the MPI collective called directly, when measured).
+
+The allreduce variants a user meets: `--redop sum,average`, `--framework numpy,torch` and
+`--place out,in` (allreduce / allreduce_) time every combination as its own column
+(algo/framework/place/redop), each against mpi's call of the same variant; `--algo copy`
+adds the copy bound (np.copyto of the buffer on every rank at once), and `vs_copy` is the
+copy's time / this time:
+
+    mpirun -np 2 python benchmarks/bandwidth.py -b 64M -e 256M --algo shm,auto,copy \
+        --redop sum,average --framework numpy,torch --place out,in
 """
 
 from __future__ import annotations  # noqa: I001  (collectives first: see below)
@@ -19,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any, NamedTuple
 
 import collectives as C  # before mpi4py starts MPI: collectives/mpi_defaults.py
 from collectives import algorithms
@@ -32,7 +42,7 @@ OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")
 #: Beside our algorithms: torch.distributed gloo, 1-bit compressed allreduce, and the MPI
 #: library's collective called directly through mpi4py (mpi-raw; `mpi` is the same collective
 #: behind our API: argument checks, agreement, stats).
-EXTRA_ALGOS = ("gloo", "onebit", "mpi-raw")
+EXTRA_ALGOS = ("gloo", "onebit", "mpi-raw", "copy")
 BUS_FACTOR = {
     "allreduce": lambda n: 2 * (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
@@ -124,10 +134,15 @@ def raw_mpi(op: str, x: np.ndarray, comm: MPI.Comm, inplace: bool):
     return lambda: comm.Bcast(buf, root=0) or buf
 
 
-def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None, inplace: bool = False):
+def make_call(op: str, algo: str, x: Any, gloo: Gloo | None, inplace: bool = False,
+              redop: str = "sum"):
     """A zero-argument callable running one collective, or None if algo lacks op. inplace:
     allreduce and broadcast overwrite x (allreduce_, broadcast_) instead of returning a new
-    array, so no output is allocated per call (nccl-tests' in-place columns)."""
+    array, so no output is allocated per call (nccl-tests' in-place columns). x may be a
+    NumPy array or a torch tensor (--framework); redop: sum or average (a reduction's op)."""
+    if algo == "copy":  # the copy bound: the buffer copied once on every rank at once
+        out = np.empty_like(np.asarray(x))
+        return lambda: np.copyto(out, np.asarray(x))
     if algo == "gloo":
         return gloo.make(op, x)
     if algo == "mpi-raw":
@@ -141,14 +156,15 @@ def make_call(op: str, algo: str, x: np.ndarray, gloo: Gloo | None, inplace: boo
         return lambda: C.compressed_allreduce(x, worker, server, block_size=256)
     if op != "alltoall" and algo not in C.ALGORITHMS:
         return None  # an alltoall-only algorithm
+    reduce_op = {"sum": C.Sum, "average": C.Average}[redop]
     if op == "allreduce":
         if inplace:
-            return lambda: C.allreduce_(x, op=C.Sum, algorithm=algo)
-        return lambda: C.allreduce(x, op=C.Sum, algorithm=algo)
+            return lambda: C.allreduce_(x, op=reduce_op, algorithm=algo)
+        return lambda: C.allreduce(x, op=reduce_op, algorithm=algo)
     if op == "allgather":
         return lambda: C.allgather(x, algorithm=algo)
     if op == "reducescatter":
-        return lambda: C.reducescatter(x, op=C.Sum, algorithm=algo)
+        return lambda: C.reducescatter(x, op=reduce_op, algorithm=algo)
     if op == "alltoall":
         if algo not in algorithms.ALLTOALL_ALGORITHMS or x.size % C.size():
             return None
@@ -169,15 +185,19 @@ def local_input(op: str, nbytes: int, dtype: np.dtype, comm: MPI.Comm) -> np.nda
     return rng.integers(-3, 4, size=count).astype(dtype)
 
 
-def count_wrong(op: str, algo: str, x: np.ndarray, comm: MPI.Comm, gloo) -> int:
-    """Elements differing from a NumPy reference over mpi4py-gathered inputs."""
-    if algo in ("gloo", "onebit"):  # gloo: not ours; onebit: lossy by design
+def count_wrong(op: str, algo: str, x: np.ndarray, comm: MPI.Comm, gloo,
+                redop: str = "sum") -> int:
+    """Elements differing from a NumPy reference over mpi4py-gathered inputs (out of
+    place, on a NumPy copy of x)."""
+    if algo in ("gloo", "onebit", "copy"):  # gloo: not ours; onebit: lossy by design
         return -1
     inputs = comm.allgather(x)
     n, r = comm.Get_size(), comm.Get_rank()
-    got = make_call(op, algo, x, gloo)()
+    got = make_call(op, algo, x, gloo, redop=redop)()
     if op == "allreduce":
         ref = np.sum(inputs, axis=0, dtype=x.dtype)
+        if redop == "average":
+            ref = ref // x.dtype.type(n) if x.dtype.kind in "iu" else ref / x.dtype.type(n)
     elif op == "allgather":
         ref = np.concatenate(inputs)
     elif op == "broadcast":
@@ -256,6 +276,39 @@ def median_times(calls: dict, nbytes: int, args, comm: MPI.Comm) -> dict[str, fl
             for name, ts in round_times(calls, nbytes, args, comm).items()}
 
 
+class Variant(NamedTuple):
+    """One column: an algorithm called on a framework's buffer, in or out of place, with a
+    reduction op (the last three: what --framework, --place and --redop list)."""
+
+    algo: str
+    framework: str
+    place: str
+    redop: str
+
+    def label(self, args) -> str:
+        if self.algo == "copy" or (args.framework, args.place, args.redop) == (
+                ["numpy"], [self.place], ["sum"]):
+            return self.algo  # the plain sweep: columns named by algorithm alone
+        return "/".join(self)
+
+
+def variants(op: str, args) -> list[Variant]:
+    """The columns of op: every algorithm for every framework, place and redop that op
+    takes (place and redop are allreduce's and reducescatter's; the copy once)."""
+    reduction = op in ("allreduce", "reducescatter")
+    places = args.place if op in ("allreduce", "broadcast") else ["out"]
+    redops = args.redop if reduction else ["none"]
+    out = []
+    for algo in args.algo:
+        if algo == "copy":
+            out.append(Variant("copy", "numpy", "out", "none"))
+            continue
+        frameworks = args.framework if algo not in ("gloo", "mpi-raw", "onebit") else ["numpy"]
+        out += [Variant(algo, f, p, r) for f in frameworks for p in places for r in redops
+                if not (r == "average" and algo in ("gloo", "mpi-raw", "onebit"))]
+    return out
+
+
 def run(args, comm: MPI.Comm) -> list[dict]:
     n = comm.Get_size()
     dtype = np.dtype(args.dtype)
@@ -268,42 +321,62 @@ def run(args, comm: MPI.Comm) -> list[dict]:
     for op, nbytes in progress:
         progress.set_postfix_str(f"{op} {nbytes} B")
         x = local_input(op, nbytes, dtype, comm)
-        calls = {a: make_call(op, a, x, gloo, args.inplace) for a in args.algo}
-        calls = {a: c for a, c in calls.items() if c is not None}
+        # in-place calls overwrite their buffer: one copy per framework, x kept for the check
+        buffers = {("numpy", "out"): x, ("numpy", "in"): x.copy()}
+        if "torch" in args.framework:
+            import torch
+
+            buffers[("torch", "out")] = torch.from_numpy(x)
+            buffers[("torch", "in")] = torch.from_numpy(x.copy())
+        columns = {v: make_call(op, v.algo, buffers[(v.framework, v.place)], gloo,
+                                v.place == "in", v.redop if v.redop != "none" else "sum")
+                   for v in variants(op, args)}
+        columns = {v: c for v, c in columns.items() if c is not None}
+        calls = {v.label(args): c for v, c in columns.items()}
         rounds = round_times(calls, nbytes, args, comm)
         size = x.nbytes * (n if op == "allgather" else 1)
-        for a in calls:
+        checked: dict[tuple, int] = {}
+        for v in columns:
+            a = v.label(args)
             t = float(np.median(rounds[a]))
             algbw = size / t / 1e9
+            if args.c and (v.algo, v.redop) not in checked:
+                checked[(v.algo, v.redop)] = count_wrong(op, v.algo, x, comm, gloo,
+                                                         v.redop if v.redop != "none" else "sum")
             rows.append({
                 "size": size, "count": size // dtype.itemsize, "type": dtype.name,
-                "redop": "sum" if op in ("allreduce", "reducescatter") else "none",
+                "redop": v.redop, "framework": v.framework, "place": v.place,
                 "op": op, "algo": a, "time_us": t * 1e6,
                 "rounds_us": [r * 1e6 for r in rounds[a]], "algbw": algbw,
                 "busbw": algbw * BUS_FACTOR[op](n),
-                "wrong": count_wrong(op, a, x, comm, gloo) if args.c else -1,
+                "wrong": checked.get((v.algo, v.redop), -1),
                 # the algorithm `auto` ran (after its trial, if any)
-                **({"runs": select.choose(op, x.nbytes, topology.get(), args.inplace)}
-                   if a == "auto" else {}),
+                **({"runs": select.choose(op, x.nbytes, topology.get(), v.place == "in")}
+                   if v.algo == "auto" else {}),
             })
     for row in rows:
-        for algo, key in (("mpi", "vs_mpi"), ("mpi-raw", "vs_raw")):
-            ref = next((r for r in rows if r["op"] == row["op"] and r["size"] == row["size"]
-                        and r["algo"] == algo), None)
+        same = [r for r in rows if r["op"] == row["op"] and r["size"] == row["size"]]
+        for algo, key in (("mpi", "vs_mpi"), ("mpi-raw", "vs_raw"), ("copy", "vs_copy")):
+            ref = next((r for r in same if r["algo"].split("/")[0] == algo
+                        and (algo == "copy" or all(r[k] == row[k] for k in
+                                                   ("framework", "place", "redop")))), None)
             row[key] = ref["time_us"] / row["time_us"] if ref else float("nan")
     return rows
 
 
 def print_table(rows: list[dict], n: int) -> None:
-    head = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>5} {'op':>13} {'algo':>12} "
-            f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'vs_mpi':>7} {'vs_raw':>7}")
+    width = max(12, *(len(r["algo"]) for r in rows))
+    head = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>7} {'op':>13} "
+            f"{'algo':>{width}} {'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} "
+            f"{'vs_mpi':>7} {'vs_raw':>7} {'vs_copy':>7}")
     print(f"# collectives bandwidth, np={n}, GB/s = 1e9 B/s")
     print(head)
     for r in rows:
         wrong = "n/a" if r["wrong"] < 0 else str(r["wrong"])
-        print(f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>5} {r['op']:>13} "
-              f"{r['algo']:>12} {r['time_us']:>10.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} "
-              f"{wrong:>6} {r['vs_mpi']:>7.2f} {r['vs_raw']:>7.2f}")
+        print(f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>7} {r['op']:>13} "
+              f"{r['algo']:>{width}} {r['time_us']:>10.1f} {r['algbw']:>7.3f} "
+              f"{r['busbw']:>7.3f} {wrong:>6} {r['vs_mpi']:>7.2f} {r['vs_raw']:>7.2f} "
+              f"{r['vs_copy']:>7.2f}")
 
 
 def pyplot():
@@ -356,7 +429,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--inplace", action="store_true",
                    help="allreduce/broadcast in place (no output allocated per call); the "
-                        "correctness check still runs out of place")
+                        "correctness check still runs out of place (--place in)")
+    p.add_argument("--place", default=None, type=lambda s: s.split(","),
+                   help="out,in: allreduce/broadcast out of place, in place, or both")
+    p.add_argument("--redop", default="sum", type=lambda s: s.split(","),
+                   help="sum,average: the reductions' op (each its own column)")
+    p.add_argument("--framework", default="numpy", type=lambda s: s.split(","),
+                   help="numpy,torch: the buffer's type (each its own column)")
     p.add_argument("--json", help="write rows as JSON to this file")
     p.add_argument("--csv", help="write rows as CSV to this file")
     p.add_argument("--plot", help="write busbw vs size (PNG) to this file")
@@ -368,6 +447,13 @@ def main(argv: list[str] | None = None) -> None:
         known = algorithms.ALGORITHMS + algorithms.ALLTOALL_ALGORITHMS + EXTRA_ALGOS
         if a not in known:
             p.error(f"--algo: {a!r} is not one of {sorted(set(known))}")
+    args.place = args.place or (["in"] if args.inplace else ["out"])
+    for name, values, allowed in (("--place", args.place, ("out", "in")),
+                                  ("--redop", args.redop, ("sum", "average")),
+                                  ("--framework", args.framework, ("numpy", "torch"))):
+        for v in values:
+            if v not in allowed:
+                p.error(f"{name}: {v!r} is not one of {allowed}")
     if "mpi" not in args.algo:
         args.algo.append("mpi")  # the reference every ratio is taken against
     comm = MPI.COMM_WORLD

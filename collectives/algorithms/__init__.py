@@ -2,6 +2,8 @@
 
 Every module listed in REGISTRY provides, as plain functions, the collectives it runs:
   allreduce(comm, send, recv, op, dtype)            recv = reduction of every send
+      (a module that sets FOLDS_AVERAGE = True also takes divisor=: an Average's division,
+      made by each rank on what it reduces, inside the reduction)
   reducescatter(comm, send, recv, counts, op, dtype) recv = this rank's block of it
   allgather(comm, send, recv, counts)               recv = every send in rank order
   broadcast(comm, buf, root)                        buf = root's buf
@@ -88,7 +90,16 @@ def allreduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op:
 def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
            dtype: str) -> None:
     """recv = op over every rank's send (send may be recv), Average included: the data
-    moves as a Sum and is divided once at the end."""
+    moves as a Sum and is divided once, by the ranks that contributed (average()'s rule).
+    Where the algorithm folds the division into its reduction (FOLDS_AVERAGE), each rank
+    divides the part it reduces, with no pass of its own; else a pass over the result. The
+    bits are the same either way: each element is its Sum divided once."""
+    if op is ReduceOp.Average and type(recv) is np.ndarray \
+            and getattr(REGISTRY[algo], "FOLDS_AVERAGE", False):
+        contributed = topo.size - ENGINE.native.joined
+        function(algo, "allreduce")(_group(algo, topo), send, recv, KERNEL_OP[op], dtype,
+                                    divisor=max(contributed, 1))
+        return
     allreduce(algo, topo, send, recv, KERNEL_OP[op], dtype)
     average(recv, dtype, op, topo.size)
 

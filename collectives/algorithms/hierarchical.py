@@ -43,6 +43,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from collectives import kernels
 from collectives.algorithms import costmodel
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.algorithms.flat import FLAT, cheapest
@@ -54,6 +55,10 @@ TAG_SCATTER, TAG_ROOT = 31, 32
 #: The registry runs this module's collectives on the Topology, not on a communicator.
 TAKES_TOPOLOGY = True
 
+
+#: allreduce takes divisor= and divides, inside its own reduction, what each rank reduces
+#: (algorithms.reduce folds an Average in that way).
+FOLDS_AVERAGE = True
 
 def _steps(collective: str, m: int, L: int, N: int) -> dict[str, tuple[str, str, int]]:
     """Each level step of a call of m bytes over N nodes of at most L ranks:
@@ -116,8 +121,10 @@ def _node_order(topo: Topology) -> list[int]:
 
 
 def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
-              dtype: str) -> None:
-    """recv = reduction of every rank's send (send may be recv)."""
+              dtype: str, divisor: int = 1) -> None:
+    """recv = reduction of every rank's send (send may be recv), divided by divisor (an
+    Average: each rank divides the part it owns, 1/local_size of the buffer, before the
+    intra-node allgather spreads it)."""
     level = _levels("allreduce", recv.nbytes, topo)
     shards = even_bounds(recv.size, topo.max_local_size)
     owned = [s for s in range(topo.max_local_size) if topo.shard_owner(s) == topo.local_rank]
@@ -133,6 +140,8 @@ def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
         piece = recv[shards[s]:shards[s + 1]]
         if comm.Get_size() > 1 and piece.size:
             level["inter_ar"](comm, piece, piece, op, dtype)
+    if divisor > 1:
+        kernels.divide(recv[lo:hi], dtype, divisor)
     # 3. intra-node allgather of the reduced parts
     level["intra_ag"](topo.node_comm, recv[lo:hi].copy(), recv, local_counts)
 

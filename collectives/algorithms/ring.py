@@ -35,13 +35,19 @@ TAG_RS, TAG_AG, TAG_BCAST = 11, 12, 13
 MAX_MESSAGE_BYTES = 1 << 30
 
 
+#: allreduce takes divisor= and divides, inside its own reduction, what each rank reduces
+#: (algorithms.reduce folds an Average in that way).
+FOLDS_AVERAGE = True
+
 def _segment_elems(itemsize: int) -> int:
     return max(1, config.get().ring_segment_bytes // itemsize)
 
 
 def _reduce_scatter(comm: MPI.Comm, send: np.ndarray, bounds: list[int], op: ReduceOp,
-                    dtype: str, seg: int, dest: Callable[[int, int], np.ndarray]) -> None:
-    """Leave chunk c = [bounds[c], bounds[c+1]) reduced over all ranks in dest(n-2, r).
+                    dtype: str, seg: int, dest: Callable[[int, int], np.ndarray],
+                    divisor: int = 1) -> None:
+    """Leave chunk c = [bounds[c], bounds[c+1]) reduced over all ranks in dest(n-2, r),
+    divided by divisor (an Average: each segment of the last step as it is folded).
 
     dest(step, c) is where this rank writes its partial reduction of chunk c at that step;
     it is also what it sends on at the next step."""
@@ -61,6 +67,8 @@ def _reduce_scatter(comm: MPI.Comm, send: np.ndarray, bounds: list[int], op: Red
         for (a, b), req in zip(pieces, recvs):
             req.Wait()
             kernels.reduce(out[a:b], [send[rlo + a:rlo + b], tmp[a:b]], dtype, op)
+            if divisor > 1 and step == n - 2:
+                kernels.divide(out[a:b], dtype, divisor)
         MPI.Request.Waitall(sends)
         outgoing = out
 
@@ -80,8 +88,9 @@ def _ring_allgather(comm: MPI.Comm, buf: np.ndarray, bounds: list[int]) -> None:
 
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
-              dtype: str) -> None:
-    """recv = reduction of every rank's send (send may be recv)."""
+              dtype: str, divisor: int = 1) -> None:
+    """recv = reduction of every rank's send (send may be recv), divided by divisor (an
+    Average: each rank divides only the chunk it reduces, before the allgather)."""
     n = comm.Get_size()
     if n == 1 or recv.size == 0:
         if recv is not send:
@@ -90,7 +99,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     bounds = even_bounds(recv.size, n)
     seg = _segment_elems(recv.itemsize)
     _reduce_scatter(comm, send, bounds, op, dtype, seg,
-                    lambda step, c: recv[bounds[c]:bounds[c + 1]])
+                    lambda step, c: recv[bounds[c]:bounds[c + 1]], divisor)
     _ring_allgather(comm, recv, bounds)
 
 

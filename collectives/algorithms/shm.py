@@ -88,6 +88,10 @@ _windows: dict[int, Window] = {}
 _keyval: int | None = None  # created on first use: MPI must be initialized
 
 
+#: allreduce takes divisor= and divides, inside its own reduction, what each rank reduces
+#: (algorithms.reduce folds an Average in that way).
+FOLDS_AVERAGE = True
+
 def _window(comm: MPI.Comm, slot_bytes: int) -> Window:
     """comm's window with buffers of at least slot_bytes; creating or growing it is
     collective, and every rank asks for the same size because sizes are agreed."""
@@ -184,10 +188,13 @@ def _piece_elems(longest: int, pieces: int, itemsize: int, size: int) -> int:
 
 
 def _reduce_single(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, lo: int, hi: int,
-                   op: ReduceOp, dtype: str) -> None:
+                   op: ReduceOp, dtype: str, divisor: int = 1) -> None:
     """recv = elements [lo, hi) of the reduction of every rank's send, in one step (every
-    rank folds them from every rank's buffer, in C++: csrc/runtime/shm.cpp)."""
+    rank folds them from every rank's buffer, in C++: csrc/runtime/shm.cpp), divided by
+    divisor (the call is small: its result is still in cache)."""
     kernels.shm_reduce_single(_window(comm, send.nbytes).native, send, recv, lo, hi, dtype, op)
+    if divisor > 1:
+        kernels.divide(recv, dtype, divisor)
 
 
 class _Blocks:
@@ -205,11 +212,12 @@ class _Blocks:
 # ------------------------------------------------------------------ reduce over blocks
 
 def _reduce_blocks(w: Window, blocks: _Blocks, send: np.ndarray, recv: np.ndarray,
-                   op: ReduceOp, dtype: str, allreduce: bool) -> None:
+                   op: ReduceOp, dtype: str, allreduce: bool, divisor: int = 1) -> None:
     """The pipelined stages (copy-in, reduce, and for allreduce copy-out) of every chunk,
-    in C++ with the GIL released (csrc/runtime/shm.cpp; same counters and order as above)."""
+    in C++ with the GIL released (csrc/runtime/shm.cpp; same counters and order as above);
+    the reduce stage divides its pieces by divisor."""
     kernels.shm_reduce(w.native, send, recv, blocks.bounds, blocks.e, blocks.nchunks, dtype, op,
-                       allreduce)
+                       allreduce, divisor)
 
 
 def _allreduce_blocks(size: int, elems: int, itemsize: int) -> _Blocks | None:
@@ -222,8 +230,9 @@ def _allreduce_blocks(size: int, elems: int, itemsize: int) -> _Blocks | None:
 
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
-              dtype: str) -> None:
-    """recv = reduction of every rank's send (send may be recv)."""
+              dtype: str, divisor: int = 1) -> None:
+    """recv = reduction of every rank's send (send may be recv), divided by divisor (an
+    Average: each rank divides the pieces it folds, in the same stage)."""
     count(comm, recv.nbytes, recv.nbytes)
     size = comm.Get_size()
     if size == 1 or recv.size == 0:
@@ -232,9 +241,9 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
         return
     blocks = _allreduce_blocks(size, recv.size, recv.itemsize)
     if blocks is None:  # every rank folds the whole vector
-        return _reduce_single(comm, send, recv, 0, recv.size, op, dtype)
+        return _reduce_single(comm, send, recv, 0, recv.size, op, dtype, divisor)
     w = _window(comm, size * blocks.e * recv.itemsize)
-    _reduce_blocks(w, blocks, send, recv, op, dtype, allreduce=True)
+    _reduce_blocks(w, blocks, send, recv, op, dtype, allreduce=True, divisor=divisor)
 
 
 def has_fast_entry(algorithm: str, shared_channel: bool) -> bool:

@@ -50,10 +50,12 @@ def shm_window(addresses: list[int], rank: int, header_bytes: int, stride: int,
 
 
 def shm_reduce(window: Any, send: np.ndarray, recv: np.ndarray, bounds: list[int],
-               e: int, nchunks: int, dtype: str, op: ReduceOp, allreduce: bool) -> None:
-    """The shared-memory reduction stages of collectives/algorithms/shm.py."""
+               e: int, nchunks: int, dtype: str, op: ReduceOp, allreduce: bool,
+               divisor: int = 1) -> None:
+    """The shared-memory reduction stages of collectives/algorithms/shm.py; divisor > 1
+    divides each reduced piece (an Average) in the stage that reduces it."""
     _C.shm_reduce(window, send, recv, bounds, e, nchunks, CODES[dtype], int(op),
-                  allreduce)
+                  allreduce, divisor)
 
 
 def shm_reduce_single(window: Any, send: np.ndarray, recv: np.ndarray, lo: int, hi: int,

@@ -51,16 +51,18 @@ void check_pieces(const ShmWindow& w, const std::vector<int64_t>& bounds, int64_
 
 void py_shm_reduce(ShmWindow& w, const py::buffer& send,
                    const py::buffer& recv, const std::vector<int64_t>& bounds, int64_t e,
-                   int64_t nchunks, int dtype_code, int op_code, bool allreduce) {
+                   int64_t nchunks, int dtype_code, int op_code, bool allreduce,
+                   int64_t divisor) {
   const DType dtype = check::dtype(dtype_code);
   const ReduceOp op = check::op(op_code);
+  if (divisor < 1) throw py::value_error("divisor: must be >= 1");
   const int64_t size = static_cast<int64_t>(w.segments.size());
   check_pieces(w, bounds, e, nchunks, size * e * dtype_size(dtype));
   const void* in = check::ptr(send, "send", dtype, false, bounds.back());
   void* out = check::ptr(recv, "recv", dtype, true,
                          allreduce ? bounds.back() : bounds[w.rank + 1] - bounds[w.rank]);
   py::gil_scoped_release release;
-  shm_reduce(w, in, out, bounds, e, nchunks, dtype, op, allreduce);
+  shm_reduce(w, in, out, bounds, e, nchunks, dtype, op, allreduce, divisor);
 }
 
 void py_shm_reduce_single(ShmWindow& w, const py::buffer& send,
@@ -149,8 +151,9 @@ void bind_shm(py::module_& m) {
           "Mark the window's memory freed: every later stage on it raises");
   m.def("shm_reduce", &py_shm_reduce, py::arg("window"), py::arg("send"),
         py::arg("recv"), py::arg("bounds"), py::arg("e"), py::arg("nchunks"), py::arg("dtype"),
-        py::arg("op"), py::arg("allreduce"),
-        "shm.py's pipelined allreduce / reducescatter stages (GIL released)");
+        py::arg("op"), py::arg("allreduce"), py::arg("divisor") = 1,
+        "shm.py's pipelined allreduce / reducescatter stages, an Average's division folded "
+        "into the reduce stage where divisor > 1 (GIL released)");
   m.def("shm_reduce_single", &py_shm_reduce_single, py::arg("window"),
         py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("lo"), py::arg("hi"),
         py::arg("dtype"), py::arg("op"),

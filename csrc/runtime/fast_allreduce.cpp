@@ -51,10 +51,13 @@ void FastAllreduce::pipelined(const void* src, void* dst) {
       throw std::logic_error("FastAllreduce: the window does not fit the pipeline");
   }
   const auto start = std::chrono::steady_clock::now();
-  shm_reduce(*window_, src, dst, p.bounds, p.e, p.nchunks, dtype_, op_, true);
-  engine_.add_bytes(nbytes_, nbytes_);
+  // an Average divides by the ranks that contributed (divide_average's rule), folded into
+  // the pipeline's reduce stage
   const int joined = engine_.running().joined;
-  divide_average(dst, count_, dtype_, divisor_, joined);
+  const int64_t contributed = divisor_ == 1 ? 1 : divisor_ - joined;
+  shm_reduce(*window_, src, dst, p.bounds, p.e, p.nchunks, dtype_, op_, true,
+             contributed > 1 ? contributed : 1);
+  engine_.add_bytes(nbytes_, nbytes_);
   if (watch_ != nullptr && joined == 0 && nbytes_ > 0) {
     const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
     watch_->record(took.count() / static_cast<double>(nbytes_));

@@ -41,9 +41,10 @@ class ReduceStages {
  public:
   ReduceStages(const ShmWindow& w, int64_t seq, const unsigned char* send, unsigned char* recv,
                const std::vector<int64_t>& bounds, int64_t e, DType dtype, ReduceOp op,
-               bool allreduce)
+               bool allreduce, int64_t divisor)
       : sync_(w), seq_(seq), send_(send), recv_(recv), piece_{bounds, e}, e_(e),
-        dtype_(dtype), op_(op), allreduce_(allreduce), item_(dtype_size(dtype)) {}
+        dtype_(dtype), op_(op), allreduce_(allreduce), divisor_(divisor),
+        item_(dtype_size(dtype)) {}
 
   // Copy this rank's pieces of the other ranks' blocks into its buffer.
   void copy_in(int64_t k) {
@@ -57,7 +58,8 @@ class ReduceStages {
     sync_.post(kReady, g);
   }
 
-  // Fold piece `rank` of every rank's buffer (own straight from send), in rank order.
+  // Fold piece `rank` of every rank's buffer (own straight from send), in rank order, and
+  // divide it by divisor (an Average) while it is in cache.
   void reduce(int64_t k) {
     const int64_t g = seq_ + k;
     sync_.wait(kReady, g);
@@ -67,6 +69,7 @@ class ReduceStages {
     for (int j = 0; j < sync_.size(); ++j) srcs_[j] = j == r ? send_ + lo * item_ : at(j, g, r);
     unsigned char* dst = allreduce_ ? at(r, g, r) : recv_ + (lo - piece_.bounds[r]) * item_;
     reduce_many(dst, srcs_.data(), sync_.size(), hi - lo, dtype_, op_);
+    if (divisor_ > 1) divide(dst, hi - lo, dtype_, divisor_);
     if (allreduce_) std::memcpy(recv_ + lo * item_, dst, (hi - lo) * item_);  // hot in cache
     sync_.post(allreduce_ ? kReduced : kDone, g);
   }
@@ -98,6 +101,7 @@ class ReduceStages {
   DType dtype_;
   ReduceOp op_;
   bool allreduce_;
+  int64_t divisor_;
   int64_t item_;
   std::vector<const void*> srcs_;
 };
@@ -145,10 +149,11 @@ void shm_allgather_single(ShmWindow& w, const void* send, void* recv,
 }
 
 void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<int64_t>& bounds,
-                int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce) {
+                int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce,
+                int64_t divisor) {
   const int64_t seq = w.begin(nchunks);
   ReduceStages st(w, seq, static_cast<const unsigned char*>(send),
-                  static_cast<unsigned char*>(recv), bounds, e, dtype, op, allreduce);
+                  static_cast<unsigned char*>(recv), bounds, e, dtype, op, allreduce, divisor);
   if (allreduce)
     pipeline(nchunks, {[&](int64_t k) { st.copy_in(k); }, [&](int64_t k) { st.reduce(k); },
                        [&](int64_t k) { st.copy_out(k); }});

@@ -64,10 +64,13 @@ enum ShmCounter : int64_t { kReady = 0, kReduced = 1, kDone = 2, kFailed = 3 };
 // nchunks chunks of a reduction of every rank's send, cut into one block
 // per rank (bounds, size + 1 element offsets) and each block into pieces of e elements.
 // allreduce: recv (all of bounds) gets the whole result; otherwise (reducescatter) recv is
-// this rank's block only.
+// this rank's block only. divisor > 1 folds an Average in: each rank divides the pieces it
+// reduces, while they are in cache, before any rank copies them (the same bits as a Sum
+// divided afterwards: one division of the same sum).
 // Throws std::runtime_error if a peer stalls past stall_seconds.
 void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<int64_t>& bounds,
-                int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce);
+                int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce,
+                int64_t divisor = 1);
 
 // nchunks chunks of an allgather: recv (all of bounds, elements of item
 // bytes) gets every rank's block; send is this rank's block.
