@@ -102,7 +102,11 @@ def join(*, comm: Any = None, process_set: Any = None) -> int:
                 agreement.check_joinable(collective, fields, joined, topo.size)
             except agreement.MismatchError:
                 continue  # the others raise it; this rank waits on, as in Horovod
-            _contribute(topo, collective, fields)
+            native.joined = joined  # an Average's divisor where this rank divides its part
+            try:
+                _contribute(topo, collective, fields)
+            finally:
+                native.joined = 0
     except Exception as exc:  # a failure of ranks: RanksFailedError (fault-tolerant mode)
         faults.reraise(topo, exc)
     finally:

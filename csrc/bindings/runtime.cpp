@@ -276,8 +276,15 @@ void bind_engine(py::module_& m) {
       .def("join_step", &PyEngine::join_step, py::arg("channel"), py::arg("call"),
            py::arg("first"), "One agreement exchange of a joined rank: (ok, joined, "
            "first_active, last_joiner)")
-      .def_property_readonly("joined", [](PyEngine& s) { return s.engine.running().joined; },
-                             "Ranks that joined in the running call's agreement")
+      .def_property(
+          "joined", [](PyEngine& s) { return s.engine.running().joined; },
+          [](PyEngine& s, int joined) {
+            if (joined < 0) throw py::value_error("joined: must be >= 0");
+            s.engine.running().joined = joined;
+          },
+          "Ranks that joined in the running call's agreement; a joined rank sets it while it "
+          "takes part in the others' call (collectives/api/join.py), so that the part it "
+          "reduces of an Average is divided by the ranks that contributed")
       .def(
           "divide_average",
           [](PyEngine& s, py::handle buf, int dtype_code, int64_t divisor) {
