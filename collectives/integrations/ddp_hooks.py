@@ -1,6 +1,7 @@
-"""DDP communication hooks: DDP's gradient buckets averaged under compression.
+"""DDP communication hooks: DDP's gradient buckets averaged, plain or under compression.
 
     ddp.register_comm_hook(None, fp16_hook)          # state: a process group, or None
+    ddp.register_comm_hook(MPI.COMM_WORLD, allreduce_hook)   # or an mpi4py communicator
     ddp.register_comm_hook(None, int8_hook)
     state = OnebitHookState(warmup_steps=100)
     ddp.register_comm_hook(state, onebit_hook)       # save state.state_dict() with the model
@@ -20,7 +21,10 @@
 Every hook works on any process group. On the "collectives" backend a bucket is one async
 call of ours on the group's communicator, overlapping backward as DDP's own allreduce does;
 on another backend (gloo) the same algorithm runs over torch.distributed's collectives
-(all_gather_single, all_to_all_single), synchronously inside the hook."""
+(all_gather_single, all_to_all_single), synchronously inside the hook. The state may also
+be an mpi4py communicator whose ranks are the group's, in the same order: the buckets then
+go through this library on it whatever backend the group has, for frameworks that set up
+gloo themselves (Accelerate on CPU: README, Running under Accelerate)."""
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations as objects.
 from typing import Any
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 from torch.futures import Future
 
 from collectives import api, kernels
@@ -42,16 +47,25 @@ def _group(state: Any) -> Any:
     return state if state is not None else dist.group.WORLD
 
 
-def _ours(group: Any) -> bool:
-    return isinstance(group, torch_backend.ProcessGroup)
+def _ours(group: Any) -> MPI.Comm | None:
+    """The communicator a bucket goes through this library on: our backend's group's, or
+    an mpi4py communicator given as the state; None for another backend's group."""
+    if isinstance(group, torch_backend.ProcessGroup):
+        return group.comm
+    return group if isinstance(group, MPI.Comm) else None
+
+
+def _size(group: Any) -> int:
+    return group.Get_size() if isinstance(group, MPI.Comm) else group.size()
 
 
 def _average(bucket: dist.GradBucket, group: Any, compression: Any) -> Future[torch.Tensor]:
     """The bucket averaged over group in place, under compression (none or fp16)."""
     buffer = bucket.buffer()
-    if _ours(group):
+    comm = _ours(group)
+    if comm is not None:
         return torch_work.future(api.allreduce_async_(buffer, ReduceOp.Average,
-                                                    compression=compression, comm=group.comm))
+                                                    compression=compression, comm=comm))
     wire = buffer if compression is Compression.none else buffer.to(torch.float16)
     wire.div_(group.size())
 
@@ -59,6 +73,13 @@ def _average(bucket: dist.GradBucket, group: Any, compression: Any) -> Future[to
         return buffer if wire is buffer else buffer.copy_(future.value()[0])
 
     return dist.all_reduce(wire, group=group, async_op=True).get_future().then(unpack)
+
+
+def allreduce_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Average the bucket uncompressed (DDP's own allreduce, through this library when state
+    is an mpi4py communicator or the group is ours). state: the process group (None: the
+    default group) or an mpi4py communicator."""
+    return _average(bucket, _group(state), Compression.none)
 
 
 def fp16_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
@@ -78,10 +99,10 @@ def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Average the bucket as block-int8 values and scales. state: the process group (None:
     the default group)."""
     group, buffer = _group(state), bucket.buffer()
-    if _ours(group):
+    comm = _ours(group)
+    if comm is not None:
         return torch_work.future(api.allreduce_async_(buffer, ReduceOp.Average,
-                                                    compression=Compression.int8,
-                                                    comm=group.comm))
+                                                    compression=Compression.int8, comm=comm))
     codec = Compression.int8
     q, (scales, shape, _) = codec.compress(buffer)
     # a Sum, divided here: the call is not on our engine, so no rank of it has joined
@@ -161,10 +182,11 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
         state.step += 1
     if warm:
         return _average(bucket, group, Compression.none)
-    worker, server = state._errors(bucket, group.size())
-    if _ours(group):
+    worker, server = state._errors(bucket, _size(group))
+    comm = _ours(group)
+    if comm is not None:
         handle = compressed_allreduce_async(buffer, worker, server, state.block_size,
-                                                   comm=group.comm)
+                                            comm=comm)
         return torch_work.future(handle)
     n = group.size()
 
