@@ -16,31 +16,21 @@ MPI.COMM_WORLD.
 """
 
 import argparse
-import hashlib
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from digits import datasets, evaluate
 from mpi4py import MPI
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import collectives as C
 from collectives.integrations import ddp_hooks
 
 HOOKS = {"none": None, "allreduce": ddp_hooks.allreduce_hook, "fp16": ddp_hooks.fp16_hook,
          "int8": ddp_hooks.int8_hook}
-
-
-def datasets():
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
 
 
 def main():
@@ -68,11 +58,7 @@ def main():
             accelerator.backward(F.cross_entropy(model(x), y))
             optimizer.step()
     net = accelerator.unwrap_model(model)
-    with torch.no_grad():
-        x, y = test.tensors
-        accuracy = (net(x).argmax(1) == y).float().mean().item()
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
-                                     for p in net.parameters())).hexdigest()[:16]
+    accuracy, digest = evaluate(net, test)
     print(f"rank={accelerator.process_index} backend={accelerator.state.backend} "
           f"hook={args.hook} np={accelerator.num_processes} test_accuracy={accuracy:.4f} "
           f"digest={digest} library_calls={C.stats(comm=MPI.COMM_WORLD)['calls']}", flush=True)

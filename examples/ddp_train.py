@@ -15,11 +15,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from digits import datasets
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import collectives  # noqa: F401  (registers the "collectives" backend)
@@ -31,14 +30,6 @@ def model(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                          nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
                          nn.ReLU(), nn.Linear(hidden, 10))
-
-
-def datasets():
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
 
 
 HOOKS = {"none": None, "fp16": ddp_hooks.fp16_hook, "int8": ddp_hooks.int8_hook,

@@ -17,10 +17,10 @@ calls this library made.
 """
 
 import argparse
-import hashlib
 
 import torch
 import torch.nn.functional as F
+from digits import datasets, evaluate
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.environments import MPIEnvironment as FabricMPIEnvironment
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
@@ -28,24 +28,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.plugins.environments import MPIEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from mpi4py import MPI
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import collectives as C  # registers the "collectives" backend
 from collectives.integrations import ddp_hooks
 
 HOOKS = {"none": None, "fp16": ddp_hooks.fp16_hook, "int8": ddp_hooks.int8_hook}
-
-
-def datasets():
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
-    return TensorDataset(x_train, y_train), TensorDataset(x_test, y_test)
 
 
 def mlp(hidden: int) -> nn.Module:
@@ -135,11 +125,7 @@ def main():
     seed_everything(0, verbose=False)
     train, test = datasets()
     net = (with_trainer if args.api == "trainer" else with_fabric)(args, train)
-    with torch.no_grad():
-        x, y = test.tensors
-        accuracy = (net(x).argmax(1) == y).float().mean().item()
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
-                                     for p in net.parameters())).hexdigest()[:16]
+    accuracy, digest = evaluate(net, test)
     print(f"rank={MPI.COMM_WORLD.Get_rank()} api={args.api} backend={args.backend} "
           f"hook={args.hook} np={MPI.COMM_WORLD.Get_size()} test_accuracy={accuracy:.4f} "
           f"digest={digest} library_calls={C.stats()['calls']}", flush=True)

@@ -5,34 +5,15 @@ uncompressed hook trains the model Accelerate alone trains."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from mpirun_example import run_example
 
 pytest.importorskip("accelerate", reason="Accelerate is an optional test dependency "
                                          "(pip install accelerate)")
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "examples" / "accelerate_train.py"
-MPIRUN = Path(sys.executable).parent / "mpirun"
-
 
 def _run(*args: str) -> list[dict[str, str]]:
-    """Each rank's printed line, as a dict."""
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=str(ROOT))
-    proc = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", sys.executable,
-                           str(SCRIPT), *args], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ranks = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in proc.stdout.splitlines()
-             if line.startswith("rank=")]
-    assert sorted(r["rank"] for r in ranks) == ["0", "1"], proc.stdout
-    assert len({r["digest"] for r in ranks}) == 1, f"replicas differ: {ranks}"
+    ranks = run_example("accelerate_train.py", *args)
     assert all(r["backend"] == "gloo" for r in ranks), ranks  # Accelerate's own choice
     return ranks
 
