@@ -18,7 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MPIRUN = Path(sys.executable).parent / "mpirun"
 #: Shell lines this test does not run, and why.
-NOT_RUN = {"make test": "this test is part of it"}
+_SLURM = "needs a Slurm cluster: ci/slurm.sh runs these in CI"
+NOT_RUN = {"make test": "this test is part of it",
+           "sbatch examples/slurm/train.sbatch": _SLURM,
+           "sbatch --nodes=2 --ntasks-per-node=4 examples/slurm/train.sbatch --compression fp16": _SLURM,
+           "PMIX_MCA_psec=native srun --mpi=pmix -n 2 .venv/bin/python examples/train.py": _SLURM}
 
 
 def snippets() -> list[tuple[str, str]]:
