@@ -78,6 +78,21 @@ def test_divide_vectors(dtype):
         assert same_results(buf, expected, dtype), divisor
 
 
+@pytest.mark.parametrize("dtype", ref.DTYPES)
+def test_divide_by_powers_of_two_matches_reference(dtype):
+    """Powers of two divide by a multiply (floats) or a shift (integers): the reference's
+    correctly rounded or floor division all the same, specials and subnormals included."""
+    rng = np.random.default_rng(4)
+    x = np.concatenate([ref.random_values(rng, dtype, 3000), *[
+        ref.cases(vectors, "divide")[dtype]["x"]] * 2])
+    for divisor in (4, 8, 64, 256, 1 << 20, 1 << 30):
+        if x.dtype.kind in "iu" and divisor > np.iinfo(x.dtype).max:
+            continue  # the divisor is converted to the element type (the reference's rule)
+        buf = x.copy()
+        K.divide(buf, dtype, divisor)
+        assert same_results(buf, ref.divide(x, dtype, divisor), dtype), divisor
+
+
 # ---- pack / unpack ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(ref.cases(vectors, "pack")))
