@@ -6,11 +6,13 @@
     mpirun -np 4 --oversubscribe python examples/train.py --zero 2 --checkpoint /tmp/z.pt
     mpirun -np 3 --oversubscribe python examples/train.py --zero 2 --checkpoint /tmp/z.pt
                                                                  # resumes, resharded to 3
+    mpirun -np 4 --oversubscribe python examples/train.py --zero 3  # parameters sharded too
 
 Every rank holds the same model. Each global batch is cut into one slice per rank (all ranks
 shuffle identically from --seed); DistributedOptimizer averages the gradients while backward
-runs, or, with --zero 1|2, ZeroOptimizer shards the optimizer state (and the gradients)
-over the ranks. Rank 0 shows progress on stderr and prints loss, test accuracy and samples/s per epoch.
+runs, or, with --zero 1|2|3, ZeroOptimizer shards the optimizer state (and the gradients,
+and the parameters, each layer gathered around its forward and backward) over the ranks.
+Rank 0 shows progress on stderr and prints loss, test accuracy and samples/s per epoch.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:
     def build(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
         if args.zero:
             return ZeroOptimizer(make(list(model.parameters()), args.lr), stage=args.zero,
-                                 compression=COMPRESSIONS[args.compression])
+                                 compression=COMPRESSIONS[args.compression],
+                                 module=model if args.zero == 3 else None)
         return DistributedOptimizer(make(list(model.parameters()), args.lr),
                                     named_parameters=model.named_parameters(),
                                     compression=COMPRESSIONS[args.compression],
@@ -81,9 +84,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--freeze-step", type=int, default=50, metavar="N",
                    help="onebit-adam: steps of full-precision Adam before the momentum is "
                         "sent in 1 bit (the variance is frozen)")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage: 1 shards the optimizer state over the ranks, 2 the "
-                        "gradients too (0: DistributedOptimizer)")
+                        "gradients too, 3 the parameters too (0: DistributedOptimizer)")
     p.add_argument("--checkpoint", metavar="PATH", help="save every epoch; resume if it exists "
                    "(with --zero, at any world size)")
     args = p.parse_args()
@@ -92,7 +95,7 @@ def parse_args() -> argparse.Namespace:
     if args.zero and args.optimizer == "onebit-adam":
         p.error("--zero: onebit-adam communicates by itself; use sgd or adam")
     if args.compression == "onebit" and not args.zero:
-        p.error("--compression onebit: with --zero 1|2 (1-bit gradients with error feedback; "
+        p.error("--compression onebit: with --zero 1|2|3 (1-bit gradients with error feedback; "
                 "without ZeRO, use --optimizer onebit-adam)")
     if args.lr is None:
         args.lr = OPTIMIZERS[args.optimizer][1]
@@ -167,6 +170,14 @@ def rank_file(path: str, rank: int) -> str:
     return f"{path}.rank{rank}"
 
 
+def model_state(model: nn.Module, opt) -> dict[str, torch.Tensor]:
+    """Collective: the model's whole state dict (under ZeRO stage 3 each rank holds only
+    pieces of the parameters: they are gathered)."""
+    if isinstance(opt, ZeroOptimizer) and opt.stage == 3:
+        return opt.model_state_dict()
+    return model.state_dict()
+
+
 def save_checkpoint(path: str, model: nn.Module, opt, epoch: int) -> None:
     """Rank 0 writes the model and the next epoch to path; every rank writes its optimizer
     state (1-bit Adam's error buffers differ per rank) and RNG state to path.rank<r>.
@@ -174,8 +185,9 @@ def save_checkpoint(path: str, model: nn.Module, opt, epoch: int) -> None:
     rank = C.rank()
     mine = {"optimizer": opt.state_dict(), "rng": torch.get_rng_state(), "epoch": epoch}
     files = [(mine, rank_file(path, rank))]
+    weights = model_state(model, opt)
     if rank == 0:
-        files.append(({"model": model.state_dict(), "epoch": epoch, "size": C.size()}, path))
+        files.append(({"model": weights, "epoch": epoch, "size": C.size()}, path))
     for state, name in files:
         torch.save(state, name + ".tmp")
     C.allreduce(torch.zeros(1), op=C.Sum)  # everyone has written: now replace
@@ -183,18 +195,24 @@ def save_checkpoint(path: str, model: nn.Module, opt, epoch: int) -> None:
         os.replace(name + ".tmp", name)
 
 
-def start(path: str | None, model: nn.Module, opt, seed: int) -> int:
-    """Give every rank the same model (rank 0's; from the checkpoint if there is one) and
-    its own optimizer and RNG state; returns the epoch to start from. A checkpoint from
-    another world size restores the model and rank 0's optimizer state only; a ZeRO one
-    restores every rank's shard of the state, resharded (ZeroOptimizer.load_state_dict)."""
+def start_model(path: str | None, model: nn.Module) -> tuple[int, int]:
+    """Give every rank the same model (rank 0's; from the checkpoint if there is one),
+    before an optimizer wraps it; returns the checkpoint's (epoch, world size), (0, 0) if
+    none."""
     found = None
     if C.rank() == 0 and path and os.path.exists(path):
         ckpt = torch.load(path)
         model.load_state_dict(ckpt["model"])
         found = ckpt["epoch"], ckpt["size"]
-    epoch, size = C.broadcast_object(found, root_rank=0) or (0, 0)
     broadcast_parameters(model.state_dict(), root_rank=0)
+    return C.broadcast_object(found, root_rank=0) or (0, 0)
+
+
+def start(path: str | None, opt, seed: int, epoch: int, size: int) -> int:
+    """Give every rank its own optimizer and RNG state from the checkpoint of `epoch` saved
+    at world size `size`; returns the epoch to start from. A checkpoint from another world
+    size restores rank 0's optimizer state only; a ZeRO one restores every rank's shard of
+    the state, resharded (ZeroOptimizer.load_state_dict)."""
     own = size == C.size()
     if epoch and isinstance(opt, ZeroOptimizer):
         saved = [torch.load(rank_file(path, r)) for r in range(size)]
@@ -217,11 +235,11 @@ def start(path: str | None, model: nn.Module, opt, seed: int) -> int:
     return epoch
 
 
-def replica_digest(model: nn.Module) -> str:
+def replica_digest(model: nn.Module, opt) -> str:
     """A digest of every parameter's bytes, checked equal on all ranks (replicas must never
     drift apart, whatever the optimizer and compression)."""
     h = hashlib.sha256()
-    for value in model.state_dict().values():
+    for value in model_state(model, opt).values():
         h.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     digest = h.hexdigest()[:16]
     everyone = C.broadcast_object(digest, root_rank=0)
@@ -238,8 +256,9 @@ def main() -> None:
     x_train, y_train, x_test, y_test = load_data()
     torch.manual_seed(args.seed)
     model = make_model()
+    epoch, size_saved = start_model(args.checkpoint, model)
     opt = OPTIMIZERS[args.optimizer][0](model, args)
-    first = start(args.checkpoint, model, opt, args.seed)
+    first = start(args.checkpoint, opt, args.seed, epoch, size_saved)
     if rank == 0:
         print(f"{size} rank(s), {args.optimizer} lr={args.lr}, global batch {args.batch_size}, "
               f"compression {args.compression}, algorithm {args.algorithm}"
@@ -258,7 +277,7 @@ def main() -> None:
                   f"{accuracy:.2%}  {len(x_train) / elapsed:.0f} samples/s", flush=True)
         if args.checkpoint:
             save_checkpoint(args.checkpoint, model, opt, epoch + 1)
-    digest = replica_digest(model)
+    digest = replica_digest(model, opt)
     if rank == 0:
         speed = f"{trained / seconds:.0f} samples/s" if seconds else "no epochs left to train"
         print(f"final test accuracy {accuracy:.2%}; {speed} on {size} rank(s); replicas "

@@ -33,7 +33,9 @@ plain dict, which a single-process torch optimizer over the same parameters load
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from collectives import kernels as _kernels
 from collectives.algorithms.onebit import scatter_error_size
 from collectives.runtime.p2p import even_bounds, even_split
 
+from . import zero3
 from .overlap import Overlapped, bucketed
 from .wrapped import _COMPRESSORS, _GRAD_DTYPES, _check_int
 
@@ -119,6 +122,60 @@ class _Bucket:
         self.grad, self.handle, self.ready = None, None, 0
 
 
+class _ShardedBucket(_Bucket):
+    """A stage-3 bucket: this rank's piece in its own tensor (`shard`, which the pieces
+    view and the optimizer steps); the flat buffer, which the parameters view, holds memory
+    only while gathered (optim/zero3.py says when)."""
+
+    __slots__ = ("shard", "nbytes", "gathered", "pending", "owner")
+
+    def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool):
+        super().__init__(params, rank, size, onebit)
+        self.shard = self.flat[self.lo:self.hi].clone()
+        self.pieces = [(p, offset, self.shard[start:start + piece.numel()], start)
+                       for p, offset, piece, start in self.pieces]
+        self.nbytes = self.flat.numel() * self.flat.element_size()
+        self.gathered, self.pending, self.owner = True, None, None
+        self.free()
+
+    def start(self) -> None:
+        """Start the allgather of every rank's shard, unless gathered or started."""
+        if not self.gathered and self.pending is None:
+            self.pending = C.allgather_async(self.shard, process_set=self.owner.process_set)
+            self.owner.held(self.nbytes)
+
+    def gather(self) -> None:
+        """The whole flat buffer, from every rank's shard (waiting for a started gather)."""
+        if self.gathered:
+            return
+        self.start()
+        full = C.synchronize(self.pending)
+        self.pending = None
+        self.flat.untyped_storage().resize_(self.nbytes)
+        with torch.no_grad():
+            self.flat.copy_(full)
+        self.gathered = True
+
+    def free(self) -> None:
+        """Give the flat buffer's memory back (a started gather is finished first: every
+        rank issued it)."""
+        if self.pending is not None:
+            C.synchronize(self.pending)
+            self.pending = None
+        elif not self.gathered:
+            return
+        self.flat.untyped_storage().resize_(0)
+        self.gathered = False
+        if self.owner is not None:
+            self.owner.held(-self.nbytes)
+
+    def launch(self, process_set: Any, compression: Any, block_size: int | None,
+               free_grads: bool) -> None:
+        """Stage 2's launch, then the unit's parameters freed: backward is done with them."""
+        super().launch(process_set, compression, block_size, free_grads)
+        self.free()
+
+
 class ZeroOptimizer(Overlapped):
     """Wraps a torch optimizer so that each rank keeps 1/N of its state (stage=1) and of the
     gradients (stage=2); every rank still holds all parameters, updated every step. Like
@@ -145,10 +202,16 @@ class ZeroOptimizer(Overlapped):
     def __init__(self, optimizer: torch.optim.Optimizer, stage: int = 2,
                  process_set: C.ProcessSet | None = None,
                  compression: Any = C.Compression.none, backward_passes_per_step: int = 1,
-                 fusion_threshold_bytes: int = 64 << 20, onebit_block_size: int | None = 32):
+                 fusion_threshold_bytes: int = 64 << 20, onebit_block_size: int | None = 32,
+                 module: torch.nn.Module | None = None,
+                 units: list[torch.nn.Module] | None = None,
+                 reshard_after_forward: bool = True, prefetch: bool = True):
         super().__init__(optimizer, backward_passes_per_step)
-        if stage not in (1, 2) or isinstance(stage, bool):
-            raise ValueError(f"stage: expected 1 or 2, got {stage!r}")
+        if stage not in (1, 2, 3) or isinstance(stage, bool):
+            raise ValueError(f"stage: expected 1, 2 or 3, got {stage!r}")
+        if stage != 3 and (module is not None or units is not None):
+            raise ValueError("module, units: for stage=3 only (stages 1 and 2 keep every "
+                             "parameter whole)")
         if process_set is not None and not isinstance(process_set, C.ProcessSet):
             raise TypeError(f"process_set: expected a collectives.ProcessSet, got "
                             f"{type(process_set).__name__}")
@@ -177,8 +240,24 @@ class ZeroOptimizer(Overlapped):
                                 f"supported; expected one of {[str(d) for d in _GRAD_DTYPES]}")
         if len({id(p) for p in trainable}) != len(trainable):
             raise ValueError("optimizer: a parameter is in more than one param group")
-        self._watch([_Bucket(ps, rank, self._size, compression == ONEBIT)
-                     for ps in bucketed(list(reversed(trainable)), threshold)])
+        onebit = compression == ONEBIT
+        self._sharded: zero3.ShardedBuckets | None = None
+        whole = trainable
+        buckets: list[_Bucket] = []
+        if stage == 3:
+            chosen = zero3.check_units(module, units, trainable)
+            per_unit, whole = zero3.assign(module, chosen, trainable, threshold)
+            self._sharded = zero3.ShardedBuckets(module, chosen, process_set,
+                                                 bool(reshard_after_forward), bool(prefetch))
+            for i in reversed(range(len(chosen))):  # backward reaches the last unit first
+                for ps in per_unit[i]:
+                    bucket = _ShardedBucket(ps, rank, self._size, onebit)
+                    self._sharded.add(i, bucket)
+                    buckets.append(bucket)
+            self._sharded.hook()
+            weakref.finalize(self, self._sharded.remove_hooks)
+        self._watch(buckets + [_Bucket(ps, rank, self._size, onebit)
+                               for ps in bucketed(list(reversed(whole)), threshold)])
         group_of = {id(p): k for k, g in enumerate(self._groups) for p in g}
         pieces: list[list[torch.Tensor]] = [[] for _ in self._groups]
         self._placement: list[list[tuple[int, int, int]]] = [[] for _ in self._groups]
@@ -187,6 +266,7 @@ class ZeroOptimizer(Overlapped):
                 k = group_of[id(p)]
                 pieces[k].append(piece)
                 self._placement[k].append((_index(self._groups[k], p), offset, piece.numel()))
+        self._pieces = pieces
         for group, mine in zip(optimizer.param_groups, pieces):
             group["params"] = mine
 
@@ -224,13 +304,51 @@ class ZeroOptimizer(Overlapped):
             raise RuntimeError("step() inside skip_synchronize() with gradients not yet "
                                "reduced: call synchronize() before the with block")
         self.optimizer.step()
-        handles = [C.allgather_async(b.flat[b.lo:b.hi], process_set=self._set)
-                   for b in self._buckets]
-        with torch.no_grad():
-            for bucket, handle in zip(self._buckets, handles):
-                bucket.flat.copy_(C.synchronize(handle))
+        self._gather_whole()
+        if self._sharded is not None:
+            self._sharded.free_all()  # a unit still gathered (an eval forward) is stale now
         self._synchronized = False
         return loss
+
+    def _gather_whole(self) -> None:
+        """Every whole bucket's flat buffer from its owners' pieces (stage 3's sharded
+        buckets are gathered by the next forward)."""
+        whole = [b for b in self._buckets if not isinstance(b, _ShardedBucket)]
+        handles = [C.allgather_async(b.flat[b.lo:b.hi], process_set=self._set) for b in whole]
+        with torch.no_grad():
+            for bucket, handle in zip(whole, handles):
+                bucket.flat.copy_(C.synchronize(handle))
+
+    # ---- stage 3: the parameters
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Collective: within the block every parameter holds its whole value (stage 3
+        gathers every unit and frees them after; stages 1 and 2 hold them anyway), to read,
+        evaluate or save the model."""
+        if self._sharded is None:
+            yield
+            return
+        with self._sharded.gathered():
+            yield
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """Collective: the model's state_dict with every parameter whole (copies), which
+        the same model without this optimizer loads. Stage 3 only (else model.state_dict())."""
+        if self._sharded is None:
+            raise RuntimeError("model_state_dict(): for stage=3; with stage 1 or 2 every rank "
+                               "holds the whole model: call model.state_dict()")
+        with self.gathered():
+            return {k: v.detach().clone() for k, v in self._sharded.module.state_dict().items()}
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Stage 3: bytes of sharded parameters gathered (or being gathered) now."""
+        return 0 if self._sharded is None else self._sharded.gathered_bytes
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """Stage 3: the most gathered_bytes held at once since construction."""
+        return 0 if self._sharded is None else self._sharded.peak_gathered_bytes
 
     def synchronize(self) -> None:
         """Finish reducing this step's gradients into the pieces' .grad; a no-op if done."""
@@ -243,7 +361,7 @@ class ZeroOptimizer(Overlapped):
         return f"a parameter of shape {tuple(param.shape)}"
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.launch(self._set, self._compression, self._block_size, self.stage == 2)
+        bucket.launch(self._set, self._compression, self._block_size, self.stage >= 2)
 
     def _finish(self, bucket: _Bucket) -> None:
         bucket.finish()
@@ -263,7 +381,8 @@ class ZeroOptimizer(Overlapped):
                 "numels": [[p.numel() for p in g] for g in self._groups],
                 "placement": [list(g) for g in self._placement],
                 "optimizer": self.optimizer.state_dict(),
-                "errors": [b.error.clone() for b in self._buckets if b.error is not None]}
+                "errors": [b.error.clone() for b in self._buckets if b.error is not None],
+                "parameters": [[piece.detach().clone() for piece in g] for g in self._pieces]}
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Load a shard of this layout, the list of every rank's shards (any world size:
@@ -284,6 +403,32 @@ class ZeroOptimizer(Overlapped):
             start += len(placement)
         self.optimizer.load_state_dict({"state": state, "param_groups": numbered})
         self._load_errors(state_dict)
+        if self._sharded is not None:
+            self._load_parameters(state_dict)
+
+    def _load_parameters(self, saved: Any) -> None:
+        """Stage 3: the parameters' pieces from shards that carry them (a plain optimizer
+        state dict has none: the model's own values stay), then the whole buckets
+        gathered from their owners."""
+        shards = [saved] if isinstance(saved, dict) else list(saved)
+        if not all(isinstance(s, dict) and "parameters" in s for s in shards):
+            return
+        full: dict[tuple[int, int], torch.Tensor] = {}
+        numels = [[p.numel() for p in g] for g in self._groups]
+        for shard in shards:
+            for k, (placement, values) in enumerate(zip(shard["placement"],
+                                                        shard["parameters"])):
+                for (i, offset, length), value in zip(placement, values):
+                    if (k, i) not in full:
+                        full[(k, i)] = torch.zeros(numels[k][i], dtype=value.dtype)
+                    full[(k, i)][offset:offset + length] = value
+        self._sharded.free_all()
+        with torch.no_grad():
+            for k, placement in enumerate(self._placement):
+                for (i, offset, length), piece in zip(placement, self._pieces[k]):
+                    if (k, i) in full:
+                        piece.copy_(full[(k, i)][offset:offset + length])
+        self._gather_whole()
 
     def _load_errors(self, saved: Any) -> None:
         """1-bit's error buffers: this rank's saved ones where the layout is the same (its

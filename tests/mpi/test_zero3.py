@@ -1,0 +1,273 @@
+"""ZeroOptimizer stage 3 (optim/zero.py, optim/zero3.py): parameters sharded too, each unit
+gathered around its forward and backward. It trains as one process taking the global batch
+does (SGD with momentum, Adam, AdamW; the default units, units of single layers with
+parameters left whole, prefetch and resharding on and off, tied weights, gradient
+accumulation, param groups, frozen parameters, compression, pieces empty on some ranks);
+between steps a rank holds only its pieces, and while training at most the units that
+prefetch allows; checkpoints carry the parameters, reshard to another world size and
+consolidate into a plain model and optimizer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from collectives.optim import ZeroOptimizer
+from conftest import assert_same_on_all_ranks
+from test_optimizer import Net, batch, flat_params, shard_loss
+from test_zero import OPTIMIZERS, TOL, _make, _ref_step
+
+import collectives as C
+
+
+def _twins(opt_name: str = "adam", groups: bool = False, frozen: bool = False,
+           units=None, **kwargs):
+    """(model, its stage-3 ZeroOptimizer, a copy, the copy's plain optimizer)."""
+    torch.manual_seed(0)
+    model = Net().double()
+    if frozen:
+        model.extra.bias.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    make = _make(opt_name, groups)
+    chosen = None if units is None else units(model)
+    return model, ZeroOptimizer(make(model), stage=3, module=model, units=chosen,
+                                **kwargs), ref, make(ref)
+
+
+def _step(comm, model, opt, step: int, passes: int = 1) -> None:
+    for micro in range(passes):
+        x, y = batch(comm.Get_size(), step, micro)
+        shard_loss(model, x, y, comm.Get_rank()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _diff(model, opt, ref) -> float:
+    with opt.gathered():
+        return (flat_params(model) - flat_params(ref)).abs().max().item()
+
+
+LAYERS = lambda m: [m.body[0], m.body[2]]  # noqa: E731  (extra stays whole)
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("units", [None, LAYERS], ids=["children", "layers"])
+@pytest.mark.parametrize("prefetch, reshard", [(True, True), (False, False)])
+def test_trains_as_one_process(comm, opt_name, units, prefetch, reshard):
+    model, opt, ref, ref_opt = _twins(opt_name, units=units, prefetch=prefetch,
+                                      reshard_after_forward=reshard)
+    for step in range(4):
+        _step(comm, model, opt, step)
+        _ref_step(comm.Get_size(), ref, ref_opt, step)
+        assert _diff(model, opt, ref) <= TOL, f"step {step}"
+    with opt.gathered():
+        assert_same_on_all_ranks(comm, flat_params(model).numpy(), "parameters")
+
+
+def test_a_rank_holds_its_pieces_and_the_units_prefetch_allows(comm):
+    """Backward leaves no parameter gradient (each is reduce-scattered into its owners'
+    pieces); between steps no sharded parameter has memory and the pieces cover every
+    element once over the ranks; during a step the gathered bytes peak at the two largest
+    neighbouring units with prefetch, at the largest alone without."""
+    n = comm.Get_size()
+    for prefetch in (True, False):
+        model, opt, _, _ = _twins(units=LAYERS, prefetch=prefetch)
+        sharded = [model.body[0].weight, model.body[0].bias, model.body[2].weight,
+                   model.body[2].bias]
+        total = sum(p.numel() for p in model.parameters())
+        mine = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        assert comm.allreduce(mine) == total
+        x, y = batch(n, 0, 0)
+        shard_loss(model, x, y, comm.Get_rank()).backward()
+        assert all(p.grad is None for p in model.parameters())  # reduce-scattered, freed
+        opt.step()
+        opt.zero_grad()
+        for step in range(1, 3):
+            _step(comm, model, opt, step)
+            assert all(p.untyped_storage().nbytes() == 0 for p in sharded)
+            assert model.extra.weight.untyped_storage().nbytes() > 0  # whole
+            assert opt.gathered_bytes == 0
+        unit_bytes = [sum(p.numel() * 8 for p in m.parameters()) for m in LAYERS(model)]
+        assert opt.peak_gathered_bytes == (sum(unit_bytes) if prefetch else max(unit_bytes))
+        state = sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim())
+        assert state == 2 * mine and mine <= -(-total // n) + 3
+
+
+class _Tied(torch.nn.Module):
+    """An embedding-like input layer and an output layer sharing one weight, each a unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 6, bias=False)
+        self.mid = torch.nn.Linear(6, 6)
+        self.out = torch.nn.Linear(6, 6, bias=True)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid(self.inp(x).tanh()).tanh())
+
+
+def test_tied_weights_stay_whole_and_train(comm):
+    n, r = comm.Get_size(), comm.Get_rank()
+    torch.manual_seed(0)
+    model = _Tied().double()
+    ref = copy.deepcopy(model)
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), stage=3, module=model)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for step in range(3):
+        x = torch.randn(3 * n, 6, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(step))
+        model(x[3 * r:3 * r + 3]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        (sum(ref(x[3 * s:3 * s + 3]).pow(2).mean() for s in range(n)) / n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with opt.gathered():
+            assert max((p - q).abs().max().item()
+                       for p, q in zip(model.parameters(), ref.parameters())) <= TOL
+    assert model.inp.weight.untyped_storage().nbytes() > 0  # tied: whole
+    assert model.mid.weight.untyped_storage().nbytes() == 0
+
+
+def test_groups_frozen_parameters_accumulation_and_eval(comm):
+    """Two backward passes a step, a param group of its own, a frozen bias; an evaluation
+    forward under no_grad between steps sees the current parameters and changes nothing."""
+    for opt_name in ("sgd", "adam"):
+        model, opt, ref, ref_opt = _twins(opt_name, groups=True, frozen=True,
+                                          backward_passes_per_step=2)
+        for step in range(3):
+            _step(comm, model, opt, step, passes=2)
+            _ref_step(comm.Get_size(), ref, ref_opt, step, passes=2)
+            x, _ = batch(comm.Get_size(), 9, 0)
+            with torch.no_grad():
+                assert torch.equal(model(x, 0), ref(x, 0)) or \
+                    (model(x, 0) - ref(x, 0)).abs().max().item() <= TOL
+            assert _diff(model, opt, ref) <= TOL, f"{opt_name} step {step}"
+        assert opt.param_groups[1]["lr"] == 0.002
+        assert model.extra.bias.grad is None
+
+
+@pytest.mark.parametrize("compression", ["fp16", "int8", "onebit"])
+def test_compression(comm, compression):
+    n = comm.Get_size()
+    model, opt, ref, ref_opt = _twins("sgd", compression=getattr(C.Compression, compression,
+                                                                 compression))
+    for step in range(3):
+        _step(comm, model, opt, step)
+        _ref_step(n, ref, ref_opt, step)
+    tol = {"fp16": 1e-3, "int8": 2e-2, "onebit": 0.1}[compression]
+    assert 0 < _diff(model, opt, ref) <= tol
+    with opt.gathered():
+        assert_same_on_all_ranks(comm, flat_params(model).numpy(), "parameters")
+
+
+def test_checkpoints_carry_the_parameters(comm):
+    """After 3 steps: this rank's shard, or every rank's shards, restore a model freshly
+    initialized otherwise (parameters and optimizer state): it goes on bitwise as the
+    original; model_state_dict() and consolidated_state_dict() load into a plain model and
+    optimizer that go on as one process."""
+    n = comm.Get_size()
+    model, opt, _, _ = _twins("adam", groups=True)
+    for step in range(3):
+        _step(comm, model, opt, step)
+    mine, shards = opt.state_dict(), C.allgather_object(opt.state_dict())
+    full = C.broadcast_object(opt.consolidated_state_dict(), root_rank=0)
+    weights = opt.model_state_dict()
+    copies = []
+    for saved in (mine, shards):
+        torch.manual_seed(1)  # other initial values: the checkpoint must bring them
+        twin = Net().double()
+        twin_opt = ZeroOptimizer(_make("adam", True)(twin), stage=3, module=twin)
+        twin_opt.load_state_dict(saved)
+        copies.append((twin, twin_opt))
+    plain = Net().double()
+    plain.load_state_dict(weights)
+    plain_opt = _make("adam", True)(plain)
+    plain_opt.load_state_dict(full)
+    for step in range(3, 5):
+        _step(comm, model, opt, step)
+        for twin, twin_opt in copies:
+            _step(comm, twin, twin_opt, step)
+            with opt.gathered(), twin_opt.gathered():
+                assert torch.equal(flat_params(twin), flat_params(model)), f"step {step}"
+        _ref_step(n, plain, plain_opt, step)
+        assert _diff(model, opt, plain) <= TOL, f"step {step}"
+
+
+@pytest.mark.mpi(min_size=3)
+def test_resharding_to_another_world_size(comm):
+    """Shards saved by every rank load into a stage-3 optimizer over 2 ranks: it holds the
+    same parameters and goes on as the original over its own batch."""
+    model, opt, _, _ = _twins("adam")
+    for step in range(2):
+        _step(comm, model, opt, step)
+    shards = C.allgather_object(opt.state_dict())
+    weights = opt.model_state_dict()
+    pair = C.add_process_set([0, 1])
+    try:
+        if pair.included():
+            torch.manual_seed(2)
+            small = Net().double()
+            small_opt = ZeroOptimizer(_make("adam", False)(small), stage=3, module=small,
+                                      process_set=pair)
+            small_opt.load_state_dict(shards)
+            got = small_opt.model_state_dict()
+            assert all(torch.equal(got[k], weights[k]) for k in weights)
+            full = small_opt.consolidated_state_dict()
+            if pair.rank() == 0:
+                ref = Net().double()
+                ref.load_state_dict(weights)
+                ref_opt = _make("adam", False)(ref)
+                ref_opt.load_state_dict(full)
+            for step in range(2, 4):
+                x, y = batch(2, step, 0)
+                shard_loss(small, x, y, pair.rank()).backward()
+                small_opt.step()
+                small_opt.zero_grad()
+                if pair.rank() == 0:
+                    _ref_step(2, ref, ref_opt, step)
+            got = small_opt.model_state_dict()
+            if pair.rank() == 0:
+                assert max((got[k] - v).abs().max().item()
+                           for k, v in ref.state_dict().items()) <= TOL
+    finally:
+        C.remove_process_set(pair)
+
+
+def test_fewer_elements_than_ranks(comm):
+    """Units smaller than the world: some ranks' pieces are empty, they still gather."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 2)).double()
+    ref = copy.deepcopy(model)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), stage=3,
+                        module=model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        xs = [torch.full((1, 1), float(q + step), dtype=torch.float64) for q in range(n)]
+        model(xs[r]).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        (sum(ref(x).pow(2).sum() for x in xs) / n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with opt.gathered():
+            assert (flat_params(model) - flat_params(ref)).abs().max().item() <= TOL
+
+
+def test_bad_arguments(comm):
+    model = Net().double()
+    with pytest.raises(TypeError, match="module: stage 3 needs the model"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    with pytest.raises(ValueError, match="module, units: for stage=3 only"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2, module=model)
+    with pytest.raises(ValueError, match="units: expected submodules of module"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model,
+                      units=[torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="module: the optimizer has parameters"):
+        ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), stage=3, module=model)
+    opt = ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), stage=2)
+    with pytest.raises(RuntimeError, match="model_state_dict\\(\\): for stage=3"):
+        opt.model_state_dict()
