@@ -65,8 +65,10 @@ def run(mode: str, args) -> tuple[int, int, int, int, float]:
         opt = DistributedOptimizer(adam, fusion_threshold_bytes=bucket, compression=compression)
     else:
         stage = int(mode[-1])
+        extra = {"module": model, "reshard_after_forward": not args.keep_gathered} \
+            if stage == 3 else {}
         opt = ZeroOptimizer(adam, stage=stage, compression=compression,
-                            fusion_threshold_bytes=bucket, module=model if stage == 3 else None)
+                            fusion_threshold_bytes=bucket, **extra)
     rows = args.batch // C.size()
     x, y = torch.randn(rows, args.width), torch.randn(rows, args.width)
     times, grads = [], 0
@@ -102,6 +104,9 @@ def main() -> None:
     p.add_argument("--bucket-mib", type=int, default=16, help="fusion_threshold_bytes, MiB")
     p.add_argument("--mode", choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
                    default="zero2")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="zero3: a unit stays gathered from its forward to its backward "
+                        "(reshard_after_forward=False)")
     p.add_argument("--backend", choices=("collectives", "gloo"), default="collectives",
                    help="fsdp2: the torch.distributed backend")
     p.add_argument("--compression", choices=("none", "fp16", "int8", "onebit"), default="none",
@@ -120,7 +125,9 @@ def main() -> None:
         op=C.Max).tolist()
     if C.rank() == 0:
         names = {"ddp": "DistributedOptimizer", "zero1": "ZeroOptimizer stage 1",
-                 "zero2": "ZeroOptimizer stage 2", "zero3": "ZeroOptimizer stage 3",
+                 "zero2": "ZeroOptimizer stage 2",
+                 "zero3": "ZeroOptimizer stage 3" + (", kept gathered" if args.keep_gathered
+                                                     else ""),
                  "fsdp2": f"FSDP2 on {args.backend}"}
         held = f"{params / 2**20:.1f}" + (f" (+{gathered / 2**20:.1f})" if gathered else "")
         print(f"| {C.size()} | {size * 4 / 2**20:.0f} | {names[args.mode]} | "

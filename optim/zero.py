@@ -1,5 +1,7 @@
 """ZeRO on collectives: ZeroOptimizer shards the wrapped optimizer's state over the ranks
-(stage 1), and the gradients too (stage 2).
+(stage 1), the gradients too (stage 2), and the parameters too (stage 3: optim/zero3.py
+gathers each unit of the model around its forward and backward; the buckets below are
+then per unit, and this rank's piece of each lives in its own tensor).
 
 Layout. The trainable parameters, in backward order, are packed into buckets of one dtype
 and device of at most fusion_threshold_bytes, and each parameter's .data becomes a view of
@@ -177,8 +179,12 @@ class _ShardedBucket(_Bucket):
 
 
 class ZeroOptimizer(Overlapped):
-    """Wraps a torch optimizer so that each rank keeps 1/N of its state (stage=1) and of the
-    gradients (stage=2); every rank still holds all parameters, updated every step. Like
+    """Wraps a torch optimizer so that each rank keeps 1/N of its state (stage=1), of the
+    gradients (stage=2), and of the parameters (stage=3, with module=the model: each of its
+    `units`, by default each child module with parameters, is gathered for its forward and
+    its backward, the next unit's gather prefetched; reshard_after_forward=False keeps a
+    unit gathered from its forward to its backward; optim/zero3.py). In stages 1 and 2
+    every rank holds all parameters, updated every step. Like
     DistributedOptimizer it is a torch.optim.Optimizer whose param_groups and state are the
     wrapped one's (`.optimizer`, which holds this rank's pieces), so LR schedulers and
     zero_grad(set_to_none) work on it; gradients are averaged over the ranks (of
