@@ -65,7 +65,8 @@ def run(mode: str, args) -> tuple[int, int, int, int, float]:
         opt = DistributedOptimizer(adam, fusion_threshold_bytes=bucket, compression=compression)
     else:
         stage = int(mode[-1])
-        extra = {"module": model, "reshard_after_forward": not args.keep_gathered} \
+        extra = {"module": model, "reshard_after_forward": not args.keep_gathered,
+                 "parameter_compression": getattr(C.Compression, args.parameter_compression)} \
             if stage == 3 else {}
         opt = ZeroOptimizer(adam, stage=stage, compression=compression,
                             fusion_threshold_bytes=bucket, **extra)
@@ -104,6 +105,8 @@ def main() -> None:
     p.add_argument("--bucket-mib", type=int, default=16, help="fusion_threshold_bytes, MiB")
     p.add_argument("--mode", choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
                    default="zero2")
+    p.add_argument("--parameter-compression", choices=("none", "fp16", "int8"),
+                   default="none", help="zero3: the parameters' allgather")
     p.add_argument("--keep-gathered", action="store_true",
                    help="zero3: a unit stays gathered from its forward to its backward "
                         "(reshard_after_forward=False)")
@@ -126,8 +129,10 @@ def main() -> None:
     if C.rank() == 0:
         names = {"ddp": "DistributedOptimizer", "zero1": "ZeroOptimizer stage 1",
                  "zero2": "ZeroOptimizer stage 2",
-                 "zero3": "ZeroOptimizer stage 3" + (", kept gathered" if args.keep_gathered
-                                                     else ""),
+                 "zero3": "ZeroOptimizer stage 3"
+                 + (", kept gathered" if args.keep_gathered else "")
+                 + (f", {args.parameter_compression} parameters"
+                    if args.parameter_compression != "none" else ""),
                  "fsdp2": f"FSDP2 on {args.backend}"}
         held = f"{params / 2**20:.1f}" + (f" (+{gathered / 2**20:.1f})" if gathered else "")
         print(f"| {C.size()} | {size * 4 / 2**20:.0f} | {names[args.mode]} | "

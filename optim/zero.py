@@ -45,6 +45,7 @@ import torch
 from collectives import api as C
 from collectives import kernels as _kernels
 from collectives.algorithms.onebit import scatter_error_size
+from collectives.kernels.args import INT8_BLOCK_SIZE, nblocks
 from collectives.runtime.p2p import even_bounds, even_split
 
 from . import zero3
@@ -129,10 +130,14 @@ class _ShardedBucket(_Bucket):
     view and the optimizer steps); the flat buffer, which the parameters view, holds memory
     only while gathered (optim/zero3.py says when)."""
 
-    __slots__ = ("shard", "nbytes", "gathered", "pending", "owner")
+    __slots__ = ("shard", "nbytes", "gathered", "pending", "owner", "bounds", "quantized")
 
-    def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool):
+    def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool,
+                 quantized: Any = None):
         super().__init__(params, rank, size, onebit)
+        self.bounds = even_bounds(self.flat.numel(), size)
+        # float32 parameters gathered as float16, or int8 with a scale per block
+        self.quantized = quantized if self.flat.dtype == torch.float32 else None
         self.shard = self.flat[self.lo:self.hi].clone()
         self.pieces = [(p, offset, self.shard[start:start + piece.numel()], start)
                        for p, offset, piece, start in self.pieces]
@@ -141,28 +146,58 @@ class _ShardedBucket(_Bucket):
         self.free()
 
     def start(self) -> None:
-        """Start the allgather of every rank's shard, unless gathered or started."""
-        if not self.gathered and self.pending is None:
-            self.pending = C.allgather_async(self.shard, process_set=self.owner.process_set)
-            self.owner.held(self.nbytes)
+        """Start the allgather of every rank's shard (quantized: its float16 or int8 values
+        and int8's scales), unless gathered or started."""
+        if self.gathered or self.pending is not None:
+            return
+        ps = self.owner.process_set
+        if self.quantized is C.Compression.int8:
+            q, scales = _kernels.quantize_int8(self.shard)
+            self.pending = (C.allgather_async(q, process_set=ps),
+                            C.allgather_async(scales, process_set=ps))
+        elif self.quantized is C.Compression.fp16:
+            self.pending = (C.allgather_async(_kernels.quantize_fp16(self.shard),
+                                              process_set=ps),)
+        else:
+            self.pending = (C.allgather_async(self.shard, process_set=ps),)
+        self.owner.held(self.nbytes)
 
     def gather(self) -> None:
-        """The whole flat buffer, from every rank's shard (waiting for a started gather)."""
+        """The whole flat buffer, from every rank's shard (waiting for a started gather).
+        Quantized, every rank decodes the same bytes, its own piece included, so the
+        replicas compute with identical parameters; the shards stay float32."""
         if self.gathered:
             return
         self.start()
-        full = C.synchronize(self.pending)
+        parts = [C.synchronize(h) for h in self.pending]
         self.pending = None
+        if self.quantized is C.Compression.int8:
+            full = self._dequantize(*parts)
+        elif self.quantized is C.Compression.fp16:
+            full = _kernels.dequantize_fp16(parts[0])
+        else:
+            full = parts[0]
         self.flat.untyped_storage().resize_(self.nbytes)
         with torch.no_grad():
             self.flat.copy_(full)
         self.gathered = True
 
+    def _dequantize(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Every rank's int8 piece decoded with its own scales (blocks restart per piece)."""
+        out, s = [], 0
+        for a, b in zip(self.bounds, self.bounds[1:]):
+            blocks = nblocks(b - a, INT8_BLOCK_SIZE)
+            if b > a:
+                out.append(_kernels.dequantize_int8(q[a:b], scales[s:s + blocks], b - a))
+            s += blocks
+        return torch.cat(out) if out else torch.empty(0)
+
     def free(self) -> None:
         """Give the flat buffer's memory back (a started gather is finished first: every
         rank issued it)."""
         if self.pending is not None:
-            C.synchronize(self.pending)
+            for h in self.pending:
+                C.synchronize(h)
             self.pending = None
         elif not self.gathered:
             return
@@ -183,8 +218,10 @@ class ZeroOptimizer(Overlapped):
     gradients (stage=2), and of the parameters (stage=3, with module=the model: each of its
     `units`, by default each child module with parameters, is gathered for its forward and
     its backward, the next unit's gather prefetched; reshard_after_forward=False keeps a
-    unit gathered from its forward to its backward; optim/zero3.py). In stages 1 and 2
-    every rank holds all parameters, updated every step. Like
+    unit gathered from its forward to its backward; parameter_compression=Compression.fp16
+    or .int8 gathers float32 units as float16, or int8 with a scale per block, which every
+    rank decodes alike while the optimizer steps the float32 pieces; optim/zero3.py). In
+    stages 1 and 2 every rank holds all parameters, updated every step. Like
     DistributedOptimizer it is a torch.optim.Optimizer whose param_groups and state are the
     wrapped one's (`.optimizer`, which holds this rank's pieces), so LR schedulers and
     zero_grad(set_to_none) work on it; gradients are averaged over the ranks (of
@@ -211,13 +248,19 @@ class ZeroOptimizer(Overlapped):
                  fusion_threshold_bytes: int = 64 << 20, onebit_block_size: int | None = 32,
                  module: torch.nn.Module | None = None,
                  units: list[torch.nn.Module] | None = None,
-                 reshard_after_forward: bool = True, prefetch: bool = True):
+                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 parameter_compression: Any = C.Compression.none):
         super().__init__(optimizer, backward_passes_per_step)
         if stage not in (1, 2, 3) or isinstance(stage, bool):
             raise ValueError(f"stage: expected 1, 2 or 3, got {stage!r}")
-        if stage != 3 and (module is not None or units is not None):
-            raise ValueError("module, units: for stage=3 only (stages 1 and 2 keep every "
-                             "parameter whole)")
+        if stage != 3 and (module is not None or units is not None
+                           or parameter_compression is not C.Compression.none):
+            raise ValueError("module, units, parameter_compression: for stage=3 only (stages "
+                             "1 and 2 keep every parameter whole)")
+        if not any(parameter_compression is c for c in (C.Compression.none, C.Compression.fp16,
+                                                          C.Compression.int8)):
+            raise ValueError(f"parameter_compression: expected Compression.none, fp16 or int8, "
+                             f"got {parameter_compression!r}")
         if process_set is not None and not isinstance(process_set, C.ProcessSet):
             raise TypeError(f"process_set: expected a collectives.ProcessSet, got "
                             f"{type(process_set).__name__}")
@@ -257,7 +300,8 @@ class ZeroOptimizer(Overlapped):
                                                  bool(reshard_after_forward), bool(prefetch))
             for i in reversed(range(len(chosen))):  # backward reaches the last unit first
                 for ps in per_unit[i]:
-                    bucket = _ShardedBucket(ps, rank, self._size, onebit)
+                    bucket = _ShardedBucket(ps, rank, self._size, onebit,
+                                            parameter_compression)
                     self._sharded.add(i, bucket)
                     buckets.append(bucket)
             self._sharded.hook()

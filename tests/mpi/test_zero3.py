@@ -163,6 +163,39 @@ def test_compression(comm, compression):
         assert_same_on_all_ranks(comm, flat_params(model).numpy(), "parameters")
 
 
+@pytest.mark.parametrize("quantized", ["fp16", "int8"])
+def test_parameters_gathered_quantized(comm, quantized):
+    """float32 parameters gathered as float16, or int8 with a scale per block: every rank
+    computes with the same decoded values, within the format's error of the float32
+    master pieces the optimizer steps, and the model still trains as one process does,
+    within that error."""
+    n = comm.Get_size()
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), stage=3,
+                        module=model, parameter_compression=getattr(C.Compression, quantized))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        x, y = batch(n, step, 0, torch.float32)
+        shard_loss(model, x, y, comm.Get_rank()).backward()
+        opt.step()
+        opt.zero_grad()
+        (sum(shard_loss(ref, x, y, s) for s in range(n)) / n).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    sharded = [b for b in opt._buckets if hasattr(b, "shard")]
+    masters = torch.cat([torch.cat(C.allgather_object(b.shard)) for b in sharded])
+    with opt.gathered():
+        decoded = torch.cat([b.flat.clone() for b in sharded])
+        assert_same_on_all_ranks(comm, flat_params(model).numpy(), "parameters")
+        diff = (flat_params(model) - flat_params(ref)).abs().max().item()
+    error = (decoded - masters).abs().max().item()
+    bound = {"fp16": 1e-3, "int8": masters.abs().max().item() / 127}[quantized]
+    assert 0 < error <= bound
+    assert diff <= 0.05
+
+
 def test_checkpoints_carry_the_parameters(comm):
     """After 3 steps: this rank's shard, or every rank's shards, restore a model freshly
     initialized otherwise (parameters and optimizer state): it goes on bitwise as the
@@ -261,13 +294,16 @@ def test_bad_arguments(comm):
     model = Net().double()
     with pytest.raises(TypeError, match="module: stage 3 needs the model"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
-    with pytest.raises(ValueError, match="module, units: for stage=3 only"):
+    with pytest.raises(ValueError, match="module, units, parameter_compression: for stage=3"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2, module=model)
     with pytest.raises(ValueError, match="units: expected submodules of module"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model,
                       units=[torch.nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="module: the optimizer has parameters"):
         ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), stage=3, module=model)
+    with pytest.raises(ValueError, match="parameter_compression: expected Compression.none"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model,
+                      parameter_compression="onebit")
     opt = ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), stage=2)
     with pytest.raises(RuntimeError, match="model_state_dict\\(\\): for stage=3"):
         opt.model_state_dict()
