@@ -59,11 +59,18 @@ class ShardedBuckets:
         self.units[unit].append(bucket)
 
     def hook(self) -> None:
-        """Register the gather and free hooks on every unit module."""
+        """Register the gather and free hooks on every unit module, and on each module
+        inside a unit that holds its sharded parameters a check that the unit is gathered
+        (a clear error, not a read of freed storage, for a layer called on its own)."""
         for i, m in enumerate(self._modules):
-            if self.units[i]:
-                self._hooks.append(m.register_forward_pre_hook(self._before_forward(i)))
-                self._hooks.append(m.register_forward_hook(self._after_forward(i)))
+            if not self.units[i]:
+                continue
+            self._hooks.append(m.register_forward_pre_hook(self._before_forward(i)))
+            self._hooks.append(m.register_forward_hook(self._after_forward(i)))
+            sharded = {id(p) for b in self.units[i] for p in b.params}
+            for name, sub in m.named_modules():
+                if sub is not m and any(id(p) in sharded for p in sub.parameters(recurse=False)):
+                    self._hooks.append(sub.register_forward_pre_hook(self._inside(i, name)))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -106,6 +113,17 @@ class ShardedBuckets:
         def hook(module: torch.nn.Module, args: Any) -> None:
             self.gather(unit)
             self.start(unit + 1)
+        return hook
+
+    def _inside(self, unit: int, name: str):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if not all(b.gathered for b in self.units[unit]):
+                raise RuntimeError(
+                    f"ZeroOptimizer stage 3: {type(module).__name__} {name!r} of unit "
+                    f"{type(self._modules[unit]).__name__} ran while the unit is not "
+                    f"gathered (its parameters are sharded outside the unit's forward and "
+                    f"backward): call it through its unit, make it a unit itself (units=), "
+                    f"or run it within opt.gathered()")
         return hook
 
     def _after_forward(self, unit: int):

@@ -290,6 +290,21 @@ def test_fewer_elements_than_ranks(comm):
             assert (flat_params(model) - flat_params(ref)).abs().max().item() <= TOL
 
 
+def test_a_layer_called_outside_its_unit_is_a_clear_error(comm):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()),
+                                torch.nn.Linear(4, 2))
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model)
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="Linear '0' of unit Sequential ran while the unit "
+                                           "is not gathered"):
+        model[0][0](x)
+    model(x).sum().backward()  # through the units: fine
+    opt.step()
+    with opt.gathered():
+        assert model[0][0](x).shape == (2, 4)
+
+
 def test_bad_arguments(comm):
     model = Net().double()
     with pytest.raises(TypeError, match="module: stage 3 needs the model"):
