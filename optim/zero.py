@@ -137,7 +137,8 @@ class _ShardedBucket(_Bucket):
         super().__init__(params, rank, size, onebit)
         self.bounds = even_bounds(self.flat.numel(), size)
         # float32 parameters gathered as float16, or int8 with a scale per block
-        self.quantized = quantized if self.flat.dtype == torch.float32 else None
+        self.quantized = quantized if self.flat.dtype == torch.float32 and any(
+            quantized is c for c in (C.Compression.fp16, C.Compression.int8)) else None
         self.shard = self.flat[self.lo:self.hi].clone()
         self.pieces = [(p, offset, self.shard[start:start + piece.numel()], start)
                        for p, offset, piece, start in self.pieces]
