@@ -66,6 +66,7 @@ def run(mode: str, args) -> tuple[int, int, int, int, float]:
     else:
         stage = int(mode[-1])
         extra = {"module": model, "reshard_after_forward": not args.keep_gathered,
+                 "hpz": args.hpz,
                  "parameter_compression": getattr(C.Compression, args.parameter_compression)} \
             if stage == 3 else {}
         opt = ZeroOptimizer(adam, stage=stage, compression=compression,
@@ -107,6 +108,8 @@ def main() -> None:
                    default="zero2")
     p.add_argument("--parameter-compression", choices=("none", "fp16", "int8"),
                    default="none", help="zero3: the parameters' allgather")
+    p.add_argument("--hpz", action="store_true",
+                   help="zero3: the backward gathers from node-local pieces kept by the forward")
     p.add_argument("--keep-gathered", action="store_true",
                    help="zero3: a unit stays gathered from its forward to its backward "
                         "(reshard_after_forward=False)")
@@ -131,6 +134,7 @@ def main() -> None:
                  "zero2": "ZeroOptimizer stage 2",
                  "zero3": "ZeroOptimizer stage 3"
                  + (", kept gathered" if args.keep_gathered else "")
+                 + (", hpZ" if args.hpz else "")
                  + (f", {args.parameter_compression} parameters"
                     if args.parameter_compression != "none" else ""),
                  "fsdp2": f"FSDP2 on {args.backend}"}

@@ -130,7 +130,8 @@ class _ShardedBucket(_Bucket):
     view and the optimizer steps); the flat buffer, which the parameters view, holds memory
     only while gathered (optim/zero3.py says when)."""
 
-    __slots__ = ("shard", "nbytes", "gathered", "pending", "owner", "bounds", "quantized")
+    __slots__ = ("shard", "nbytes", "gathered", "pending", "owner", "bounds", "quantized",
+                 "secondary", "node_bounds")
 
     def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool,
                  quantized: Any = None):
@@ -144,15 +145,30 @@ class _ShardedBucket(_Bucket):
                        for p, offset, piece, start in self.pieces]
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.gathered, self.pending, self.owner = True, None, None
+        # hpZ: this rank's piece of the unit among its node's ranks, kept from the forward
+        # to the backward (None: none kept); node_bounds: the node's pieces
+        self.secondary: torch.Tensor | None = None
+        self.node_bounds: list[int] | None = None
         self.free()
+
+    def keep_secondary(self, node_rank: int, node_size: int) -> None:
+        """hpZ: keep this rank's node-local piece of the gathered unit for the backward's
+        gather (the values the forward used, whatever the wire format)."""
+        if self.node_bounds is None:
+            self.node_bounds = even_bounds(self.flat.numel(), node_size)
+        lo, hi = self.node_bounds[node_rank], self.node_bounds[node_rank + 1]
+        self.secondary = self.flat[lo:hi].clone()
 
     def start(self) -> None:
         """Start the allgather of every rank's shard (quantized: its float16 or int8 values
-        and int8's scales), unless gathered or started."""
+        and int8's scales), or, with a secondary piece kept (hpZ), of the node's secondary
+        pieces over the node alone; unless gathered or started."""
         if self.gathered or self.pending is not None:
             return
         ps = self.owner.process_set
-        if self.quantized is C.Compression.int8:
+        if self.secondary is not None:
+            self.pending = (C.allgather_async(self.secondary, process_set=self.owner.node_set),)
+        elif self.quantized is C.Compression.int8:
             q, scales = _kernels.quantize_int8(self.shard)
             self.pending = (C.allgather_async(q, process_set=ps),
                             C.allgather_async(scales, process_set=ps))
@@ -172,7 +188,9 @@ class _ShardedBucket(_Bucket):
         self.start()
         parts = [C.synchronize(h) for h in self.pending]
         self.pending = None
-        if self.quantized is C.Compression.int8:
+        if self.secondary is not None:
+            full = parts[0]
+        elif self.quantized is C.Compression.int8:
             full = self._dequantize(*parts)
         elif self.quantized is C.Compression.fp16:
             full = _kernels.dequantize_fp16(parts[0])
@@ -209,9 +227,11 @@ class _ShardedBucket(_Bucket):
 
     def launch(self, process_set: Any, compression: Any, block_size: int | None,
                free_grads: bool) -> None:
-        """Stage 2's launch, then the unit's parameters freed: backward is done with them."""
+        """Stage 2's launch, then the unit's parameters freed: backward is done with them
+        (and with the secondary piece)."""
         super().launch(process_set, compression, block_size, free_grads)
         self.free()
+        self.secondary = None
 
 
 class ZeroOptimizer(Overlapped):
@@ -221,8 +241,11 @@ class ZeroOptimizer(Overlapped):
     its backward, the next unit's gather prefetched; reshard_after_forward=False keeps a
     unit gathered from its forward to its backward; parameter_compression=Compression.fp16
     or .int8 gathers float32 units as float16, or int8 with a scale per block, which every
-    rank decodes alike while the optimizer steps the float32 pieces; optim/zero3.py). In
-    stages 1 and 2 every rank holds all parameters, updated every step. Like
+    rank decodes alike while the optimizer steps the float32 pieces; hpz=True keeps, from a
+    unit's forward to its backward, this rank's piece of it among its node's ranks, so the
+    backward's gather stays on the node, ZeRO++'s hierarchical partitioning, for 1/L of the
+    parameters more memory with L ranks a node; optim/zero3.py). In stages 1 and 2 every
+    rank holds all parameters, updated every step. Like
     DistributedOptimizer it is a torch.optim.Optimizer whose param_groups and state are the
     wrapped one's (`.optimizer`, which holds this rank's pieces), so LR schedulers and
     zero_grad(set_to_none) work on it; gradients are averaged over the ranks (of
@@ -250,14 +273,17 @@ class ZeroOptimizer(Overlapped):
                  module: torch.nn.Module | None = None,
                  units: list[torch.nn.Module] | None = None,
                  reshard_after_forward: bool = True, prefetch: bool = True,
-                 parameter_compression: Any = C.Compression.none):
+                 parameter_compression: Any = C.Compression.none, hpz: bool = False):
         super().__init__(optimizer, backward_passes_per_step)
         if stage not in (1, 2, 3) or isinstance(stage, bool):
             raise ValueError(f"stage: expected 1, 2 or 3, got {stage!r}")
-        if stage != 3 and (module is not None or units is not None
+        if stage != 3 and (module is not None or units is not None or hpz
                            or parameter_compression is not C.Compression.none):
-            raise ValueError("module, units, parameter_compression: for stage=3 only (stages "
-                             "1 and 2 keep every parameter whole)")
+            raise ValueError("module, units, parameter_compression, hpz: for stage=3 only "
+                             "(stages 1 and 2 keep every parameter whole)")
+        if hpz and process_set is not None:
+            raise ValueError("hpz: over the whole job only (process_set=None): its secondary "
+                             "pieces are gathered over each node")
         if not any(parameter_compression is c for c in (C.Compression.none, C.Compression.fp16,
                                                           C.Compression.int8)):
             raise ValueError(f"parameter_compression: expected Compression.none, fp16 or int8, "
@@ -298,7 +324,8 @@ class ZeroOptimizer(Overlapped):
             chosen = zero3.check_units(module, units, trainable)
             per_unit, whole = zero3.assign(module, chosen, trainable, threshold)
             self._sharded = zero3.ShardedBuckets(module, chosen, process_set,
-                                                 bool(reshard_after_forward), bool(prefetch))
+                                                 bool(reshard_after_forward), bool(prefetch),
+                                                 zero3.node_group() if hpz else None)
             for i in reversed(range(len(chosen))):  # backward reaches the last unit first
                 for ps in per_unit[i]:
                     bucket = _ShardedBucket(ps, rank, self._size, onebit,
@@ -358,6 +385,7 @@ class ZeroOptimizer(Overlapped):
         self._gather_whole()
         if self._sharded is not None:
             self._sharded.free_all()  # a unit still gathered (an eval forward) is stale now
+            self._sharded.forget_secondary()
         self._synchronized = False
         return loss
 

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from collectives import api as C
+
 from .overlap import bucketed
 
 
@@ -43,9 +45,13 @@ class ShardedBuckets:
     accounting of what is gathered (gathered_bytes, peak_gathered_bytes)."""
 
     def __init__(self, module: torch.nn.Module, units: list[torch.nn.Module],
-                 process_set: Any, reshard_after_forward: bool, prefetch: bool):
+                 process_set: Any, reshard_after_forward: bool, prefetch: bool,
+                 node: tuple[Any, int, int] | None = None):
         self.module = module
         self.process_set = process_set
+        # hpZ: (this node's process set, this rank's rank and the size in it), or None
+        self.node = node
+        self.node_set = None if node is None else node[0]
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.units: list[list[Any]] = [[] for _ in units]  # per unit, its buckets
@@ -93,6 +99,12 @@ class ShardedBuckets:
             for b in buckets:
                 b.free()
 
+    def forget_secondary(self) -> None:
+        """hpZ: the kept pieces are stale once the optimizer has stepped."""
+        for buckets in self.units:
+            for b in buckets:
+                b.secondary = None
+
     def held(self, delta: int) -> None:
         self.gathered_bytes += delta
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -112,6 +124,9 @@ class ShardedBuckets:
     def _before_forward(self, unit: int):
         def hook(module: torch.nn.Module, args: Any) -> None:
             self.gather(unit)
+            if self.node is not None and torch.is_grad_enabled():
+                for b in self.units[unit]:
+                    b.keep_secondary(self.node[1], self.node[2])
             self.start(unit + 1)
         return hook
 
@@ -155,6 +170,24 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for o in output.values() for t in _tensors(o)]
     return []
+
+
+def node_group() -> tuple[Any, int, int]:
+    """Collective over the job: (this rank's node as a process set, its rank in it, the
+    node's size), registering one set per node (in node order, on every rank); the global
+    set (None) when the job is one node."""
+    nodes = C.allgather_object(C.cross_rank())
+    members: dict[int, list[int]] = {}
+    for r, node in enumerate(nodes):
+        members.setdefault(node, []).append(r)
+    if len(members) == 1:
+        return None, C.rank(), C.size()
+    mine = None
+    for node in sorted(members):
+        ps = C.add_process_set(members[node])
+        if node == nodes[C.rank()]:
+            mine = ps
+    return mine, mine.rank(), mine.size()
 
 
 def default_units(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -250,6 +250,34 @@ def test_two_dtypes_and_an_lr_scheduler(comm):
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.01 * 0.25
 
 
+def test_hpz_keeps_node_pieces_for_the_backward(comm):
+    """hpz=True: each unit's forward keeps this rank's piece of it among its node's ranks,
+    the backward gathers from those over the node alone, and training is bit for bit the
+    same as without (the same values are gathered); the pieces are dropped once used."""
+    runs = []
+    for hpz in (False, True):
+        model, opt, _, _ = _twins("adam", hpz=hpz)
+        sharded = [b for b in opt._buckets if hasattr(b, "shard")]
+        for step in range(3):
+            x, y = batch(comm.Get_size(), step, 0)
+            loss = shard_loss(model, x, y, comm.Get_rank())
+            kept = [b.secondary is not None for b in sharded]
+            assert all(kept) if hpz else not any(kept)
+            loss.backward()
+            assert not any(b.secondary is not None for b in sharded)
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered():
+            runs.append(flat_params(model))
+    assert torch.equal(runs[0], runs[1])
+    if C.cross_size() > 1:
+        node = opt._sharded.node_set
+        assert node is not None and node.size() == C.local_size()
+    with pytest.raises(ValueError, match="hpz: over the whole job only"):
+        ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model,
+                      hpz=True, process_set=C.global_process_set)
+
+
 def test_checkpoints_carry_the_parameters(comm):
     """After 3 steps: this rank's shard, or every rank's shards, restore a model freshly
     initialized otherwise (parameters and optimizer state): it goes on bitwise as the
@@ -363,7 +391,8 @@ def test_bad_arguments(comm):
     model = Net().double()
     with pytest.raises(TypeError, match="module: stage 3 needs the model"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
-    with pytest.raises(ValueError, match="module, units, parameter_compression: for stage=3"):
+    with pytest.raises(ValueError, match="module, units, parameter_compression, hpz: for "
+                                         "stage=3"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=2, module=model)
     with pytest.raises(ValueError, match="units: expected submodules of module"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model,
