@@ -21,7 +21,10 @@ in the same order.
 
 Cost per step: the parameters allgathered once in forward and once in backward (once with
 reshard_after_forward=False) and the gradients reduce-scattered once: 1.5 allreduces' bytes
-(1 without resharding), against stage 2's one. Memory per rank: 1/N of the sharded
+(1 without resharding), against stage 2's one. With hpZ the backward's allgather runs over
+each node's ranks alone, from the pieces the forward kept (1/L of the parameters more
+memory between a forward and its backward, L ranks a node), so only the forward's crosses
+the network. Memory per rank: 1/N of the sharded
 parameters, gradients and optimizer state, plus the units gathered at a time: the one
 computing and, with prefetch, the next one (peak_gathered_bytes counts them; the allgather's
 own output is a transient second copy of the unit being gathered).
@@ -71,9 +74,11 @@ class ShardedBuckets:
         for i, m in enumerate(self._modules):
             if not self.units[i]:
                 continue
-            self._hooks.append(m.register_forward_pre_hook(self._before_forward(i)))
-            self._hooks.append(m.register_forward_hook(self._after_forward(i)))
             sharded = {id(p) for b in self.units[i] for p in b.params}
+            places = [(sub, name, p) for sub in m.modules()
+                      for name, p in sub.named_parameters(recurse=False) if id(p) in sharded]
+            self._hooks.append(m.register_forward_pre_hook(self._before_forward(i, places)))
+            self._hooks.append(m.register_forward_hook(self._after_forward(i)))
             for name, sub in m.named_modules():
                 if sub is not m and any(id(p) in sharded for p in sub.parameters(recurse=False)):
                     self._hooks.append(sub.register_forward_pre_hook(self._inside(i, name)))
@@ -121,8 +126,15 @@ class ShardedBuckets:
             self.free_all()
 
     # ---- hooks
-    def _before_forward(self, unit: int):
+    def _before_forward(self, unit: int, places: list):
         def hook(module: torch.nn.Module, args: Any) -> None:
+            for sub, name, p in places:
+                if getattr(sub, name, None) is not p:
+                    raise RuntimeError(
+                        f"ZeroOptimizer stage 3: parameter {name!r} of a "
+                        f"{type(sub).__name__} in unit {type(module).__name__} was replaced "
+                        f"after wrapping, so it is neither sharded nor stepped: change the "
+                        f"model before building the optimizer")
             self.gather(unit)
             if self.node is not None and torch.is_grad_enabled():
                 for b in self.units[unit]:

@@ -372,7 +372,7 @@ def test_fewer_elements_than_ranks(comm):
             assert (flat_params(model) - flat_params(ref)).abs().max().item() <= TOL
 
 
-def test_a_layer_called_outside_its_unit_is_a_clear_error(comm):
+def test_a_layer_outside_its_unit_or_a_replaced_parameter_is_a_clear_error(comm):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()),
                                 torch.nn.Linear(4, 2))
@@ -385,6 +385,10 @@ def test_a_layer_called_outside_its_unit_is_a_clear_error(comm):
     opt.step()
     with opt.gathered():
         assert model[0][0](x).shape == (2, 4)
+    model[1].weight = torch.nn.Parameter(torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match="parameter 'weight' of a Linear in unit Linear was "
+                                           "replaced after wrapping"):
+        model(x)
 
 
 def test_bad_arguments(comm):
