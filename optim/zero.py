@@ -197,6 +197,7 @@ class _ShardedBucket(_Bucket):
         else:
             full = parts[0]
         self.flat.untyped_storage().resize_(self.nbytes)
+        _kernels.advise_huge_pages(self.flat)  # fresh memory: fault it in by 2 MiB pages
         with torch.no_grad():
             self.flat.copy_(full)
         self.gathered = True

@@ -148,6 +148,19 @@ def _like(arr: np.ndarray, ref: Array, dtype: str | None = None) -> Array:
     return like(arr, ref, dtype, "from_numpy")
 
 
+def advise_huge_pages(x: Array) -> None:
+    """Ask the kernel to back x's host memory with 2 MiB pages (the whole ones inside it),
+    as the result pool does for its blocks: fresh memory then faults 512x fewer pages on
+    first touch. A hint: nothing changes where the kernel has none to give; device memory
+    is left alone."""
+    if _on_device(x):
+        return
+    if _is_torch(x):
+        _C.advise_huge_pages(x.data_ptr(), x.numel() * x.element_size())
+    else:
+        _C.advise_huge_pages(x.ctypes.data, x.nbytes)
+
+
 def pack(tensors: Sequence[Array], out: Array | None = None, scale: float = 1.0) -> Array:
     """concat(t.ravel() for t in tensors) * scale in ONE kernel call: the fusion buffer.
 

@@ -3,6 +3,8 @@
 // is gone.
 #include <pybind11/pybind11.h>
 
+#include <sys/mman.h>
+
 #include <cstdint>
 #include <memory>
 
@@ -44,6 +46,17 @@ void bind_pool(py::module_& m) {
         return py::buffer_info(b.data, 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.bytes)}, {1});
       });
+  m.def("advise_huge_pages", [](uintptr_t address, int64_t nbytes) {
+        if (nbytes < 0) throw py::value_error("nbytes: must be >= 0");
+        // only whole huge pages inside the range: madvise needs aligned bounds
+        const uintptr_t lo = (address + Pool::kHugePage - 1) / Pool::kHugePage * Pool::kHugePage;
+        const uintptr_t hi = (address + static_cast<uintptr_t>(nbytes)) / Pool::kHugePage *
+                             Pool::kHugePage;
+#ifdef MADV_HUGEPAGE
+        if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#endif
+      }, py::arg("address"), py::arg("nbytes"),
+      "Ask for huge pages over the whole 2 MiB pages of [address, address + nbytes)");
   m.def("pooled", [](int64_t nbytes) {
         if (!pool) throw std::logic_error("the result pool is not created");
         if (nbytes < 0) throw py::value_error("nbytes: must be >= 0");

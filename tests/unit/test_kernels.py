@@ -4,6 +4,9 @@ and the shared vectors it generated (tests/vectors/kernels.npz, also run on CUDA
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -91,6 +94,36 @@ def test_divide_by_powers_of_two_matches_reference(dtype):
         buf = x.copy()
         K.divide(buf, dtype, divisor)
         assert same_results(buf, ref.divide(x, dtype, divisor), dtype), divisor
+
+
+def _thp_eligible(address: int) -> bool | None:
+    """/proc/self/smaps' THPeligible of the mapping holding address (None: not shown)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    return None
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_advise_huge_pages_makes_fresh_memory_eligible(framework):
+    """Where the kernel gives huge pages on request only (transparent_hugepage "madvise"),
+    a large fresh buffer is eligible once advised (a torch tensor's was not before)."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[madvise]" not in mode.read_text():
+        pytest.skip("transparent huge pages are not in madvise mode here")
+    x = torch.empty(16 << 20) if framework == "torch" else np.empty(16 << 20, np.float32)
+    address = (x.data_ptr() if framework == "torch" else x.ctypes.data) + (8 << 20)
+    before = _thp_eligible(address)
+    if before is None:
+        pytest.skip("this kernel's smaps has no THPeligible")
+    K.advise_huge_pages(x)
+    assert _thp_eligible(address) is True
+    if framework == "torch":  # NumPy advises its own large arrays; torch's CPU memory not
+        assert before is False
 
 
 # ---- pack / unpack ----------------------------------------------------------------------
