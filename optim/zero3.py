@@ -4,11 +4,12 @@ and the unit is gathered just before it computes.
 Units. A unit is a module whose parameters are gathered and freed together (by default each
 child of the model that holds trainable parameters; a user can name others, such as each
 transformer block). Its trainable parameters, one flat buffer per dtype and device, are a
-_ShardedBucket: the bucket layout of stage 2 (rank r owns [lo, hi), the r-th even piece),
-except that this rank's piece lives in its own tensor (`shard`, which the optimizer steps)
-and the flat buffer, which the parameters' .data view, holds memory only while the unit is
-gathered (its storage is resized to zero bytes between uses). Trainable parameters outside
-every unit, or in more than one (tied weights), stay whole on every rank as in stage 2.
+ShardedBucket (optim/zero_buckets.py): the bucket layout of stage 2 (rank r owns [lo, hi),
+the r-th even piece), except that this rank's piece lives in its own tensor (`shard`, which
+the optimizer steps) and the flat buffer, which the parameters' .data view, holds memory
+only while the unit is gathered (its storage is resized to zero bytes between uses).
+Trainable parameters outside every unit, or in more than one (tied weights), stay whole on
+every rank as in stage 2.
 
 When. Hooks on each unit module: before its forward the unit is gathered (an allgather of
 the shards), and the next unit's allgather is started (prefetch, async on the engine) so it
@@ -55,7 +56,6 @@ class ShardedBuckets:
         self.process_set = process_set
         # hpZ: (this node's process set, this rank's rank and the size in it), or None
         self.node = node
-        self.node_set = None if node is None else node[0]
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.units: list[list[Any]] = [[] for _ in units]  # per unit, its buckets
@@ -63,6 +63,11 @@ class ShardedBuckets:
         self.peak_gathered_bytes = 0
         self._hooks: list = []
         self._modules = units
+
+    @property
+    def node_set(self) -> Any:
+        """hpZ: the process set the backward's gathers run over (None: the global set)."""
+        return None if self.node is None else self.node[0]
 
     def add(self, unit: int, bucket: Any) -> None:
         bucket.owner = self

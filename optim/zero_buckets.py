@@ -1,0 +1,193 @@
+"""ZeroOptimizer's buckets (optim/zero.py): parameters of one dtype and device in one flat
+buffer that their .data view, this rank's piece of it, and the reduce-scatter of their
+gradients into that piece; and stage 3's variant, whose piece lives in its own tensor and
+whose flat buffer holds memory only while gathered (optim/zero3.py says when)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from collectives import api as C
+from collectives import kernels as _kernels
+from collectives.algorithms.onebit import scatter_error_size
+from collectives.kernels.args import INT8_BLOCK_SIZE, nblocks
+from collectives.runtime.p2p import even_bounds, even_split
+
+#: compression= for 1-bit gradients with error feedback (compressed_reducescatter).
+ONEBIT = "onebit"
+
+
+class Bucket:
+    """Parameters of one dtype and device sharing one flat buffer; this rank's piece of it
+    is [lo, hi), and `pieces` are its overlaps with the parameters."""
+
+    __slots__ = ("params", "flat", "bounds", "lo", "hi", "pieces", "ready", "grad", "handle",
+                 "error")
+
+    def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool):
+        self.params = params
+        starts, total = [], 0
+        for p in params:
+            starts.append(total)
+            total += p.numel()
+        self.flat = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
+        with torch.no_grad():
+            for p, start in zip(params, starts):
+                self.flat[start:start + p.numel()].copy_(p.reshape(-1))
+                p.data = self.flat[start:start + p.numel()].view_as(p)
+        self.bounds = bounds = even_bounds(total, size)  # every rank's piece
+        self.lo, self.hi = bounds[rank], bounds[rank + 1]
+        # (parameter, offset of the piece in the parameter, piece, its offset in [lo, hi)):
+        # the pieces are views of flat
+        self.pieces: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
+        for p, start in zip(params, starts):
+            a, b = max(start, self.lo), min(start + p.numel(), self.hi)
+            if a < b:
+                self.pieces.append((p, a - start, self.flat[a:b], a - self.lo))
+        self.ready = 0
+        self.grad: torch.Tensor | None = None
+        self.handle: C.Handle | None = None
+        # with 1-bit, the worker error: this rank's float32 buffer over every rank's piece
+        self.error = torch.zeros(scatter_error_size(even_split(total, size))) if onebit \
+            else None
+
+    def launch(self, process_set: Any, compression: Any, block_size: int | None,
+               free_grads: bool) -> None:
+        """Pack the gradients (zeros for a parameter without one) and start their
+        reducescatter under compression (ONEBIT: compressed_reducescatter with this
+        bucket's error buffer); free the parameters' .grad with free_grads (stage 2)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.grad = _kernels.pack(grads, torch.empty_like(self.flat))
+        if compression == ONEBIT:
+            self.handle = C.compressed_reducescatter_async(self.grad, self.error, block_size,
+                                                           process_set=process_set)
+        else:
+            self.handle = C.reducescatter_async(self.grad, op=C.Average,
+                                                compression=compression,
+                                                process_set=process_set)
+        if free_grads:
+            for p in self.params:
+                p.grad = None
+
+    def finish(self) -> None:
+        """Wait for the reducescatter; each piece's .grad is its part of this rank's piece of
+        the averaged gradients."""
+        mine = C.synchronize(self.handle)
+        for _, _, piece, start in self.pieces:
+            piece.grad = mine[start:start + piece.numel()]
+        self.drop()
+
+    def drop(self) -> None:
+        """Forget this step's packed gradients and reduction (done, or abandoned)."""
+        self.grad, self.handle, self.ready = None, None, 0
+
+
+class ShardedBucket(Bucket):
+    """A stage-3 bucket: this rank's piece in its own tensor (`shard`, which the pieces
+    view and the optimizer steps); the flat buffer, which the parameters view, holds memory
+    only while gathered (optim/zero3.py says when)."""
+
+    __slots__ = ("shard", "nbytes", "gathered", "pending", "owner", "quantized", "secondary",
+                 "node_bounds")
+
+    def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool,
+                 quantized: Any = None):
+        super().__init__(params, rank, size, onebit)
+        # float32 parameters gathered as float16, or int8 with a scale per block
+        self.quantized = quantized if self.flat.dtype == torch.float32 and any(
+            quantized is c for c in (C.Compression.fp16, C.Compression.int8)) else None
+        self.shard = self.flat[self.lo:self.hi].clone()
+        self.pieces = [(p, offset, self.shard[start:start + piece.numel()], start)
+                       for p, offset, piece, start in self.pieces]
+        self.nbytes = self.flat.numel() * self.flat.element_size()
+        self.gathered, self.pending, self.owner = True, None, None
+        # hpZ: this rank's piece of the unit among its node's ranks, kept from the forward
+        # to the backward (None: none kept); node_bounds: the node's pieces
+        self.secondary: torch.Tensor | None = None
+        self.node_bounds: list[int] | None = None
+        self.free()
+
+    def keep_secondary(self, node_rank: int, node_size: int) -> None:
+        """hpZ: keep this rank's node-local piece of the gathered unit for the backward's
+        gather (the values the forward used, whatever the wire format)."""
+        if self.node_bounds is None:
+            self.node_bounds = even_bounds(self.flat.numel(), node_size)
+        lo, hi = self.node_bounds[node_rank], self.node_bounds[node_rank + 1]
+        self.secondary = self.flat[lo:hi].clone()
+
+    def start(self) -> None:
+        """Start the allgather of every rank's shard (quantized: its float16 or int8 values
+        and int8's scales), or, with a secondary piece kept (hpZ), of the node's secondary
+        pieces over the node alone; unless gathered or started."""
+        if self.gathered or self.pending is not None:
+            return
+        ps = self.owner.process_set
+        if self.secondary is not None:
+            self.pending = (C.allgather_async(self.secondary, process_set=self.owner.node_set),)
+        elif self.quantized is C.Compression.int8:
+            q, scales = _kernels.quantize_int8(self.shard)
+            self.pending = (C.allgather_async(q, process_set=ps),
+                            C.allgather_async(scales, process_set=ps))
+        elif self.quantized is C.Compression.fp16:
+            self.pending = (C.allgather_async(_kernels.quantize_fp16(self.shard),
+                                              process_set=ps),)
+        else:
+            self.pending = (C.allgather_async(self.shard, process_set=ps),)
+        self.owner.held(self.nbytes)
+
+    def gather(self) -> None:
+        """The whole flat buffer, from every rank's shard (waiting for a started gather).
+        Quantized, every rank decodes the same bytes, its own piece included, so the
+        replicas compute with identical parameters; the shards stay float32."""
+        if self.gathered:
+            return
+        self.start()
+        parts = [C.synchronize(h) for h in self.pending]
+        self.pending = None
+        if self.secondary is not None:
+            full = parts[0]
+        elif self.quantized is C.Compression.int8:
+            full = self._dequantize(*parts)
+        elif self.quantized is C.Compression.fp16:
+            full = _kernels.dequantize_fp16(parts[0])
+        else:
+            full = parts[0]
+        self.flat.untyped_storage().resize_(self.nbytes)
+        _kernels.advise_huge_pages(self.flat)  # fresh memory: fault it in by 2 MiB pages
+        with torch.no_grad():
+            self.flat.copy_(full)
+        self.gathered = True
+
+    def _dequantize(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Every rank's int8 piece decoded with its own scales (blocks restart per piece)."""
+        out, s = [], 0
+        for a, b in zip(self.bounds, self.bounds[1:]):
+            blocks = nblocks(b - a, INT8_BLOCK_SIZE)
+            if b > a:
+                out.append(_kernels.dequantize_int8(q[a:b], scales[s:s + blocks], b - a))
+            s += blocks
+        return torch.cat(out) if out else torch.empty(0)
+
+    def free(self) -> None:
+        """Give the flat buffer's memory back (a started gather is finished first: every
+        rank issued it)."""
+        if self.pending is not None:
+            for h in self.pending:
+                C.synchronize(h)
+            self.pending = None
+        elif not self.gathered:
+            return
+        self.flat.untyped_storage().resize_(0)
+        self.gathered = False
+        if self.owner is not None:
+            self.owner.held(-self.nbytes)
+
+    def launch(self, process_set: Any, compression: Any, block_size: int | None,
+               free_grads: bool) -> None:
+        """Stage 2's launch, then the unit's parameters freed: backward is done with them
+        (and with the secondary piece)."""
+        super().launch(process_set, compression, block_size, free_grads)
+        self.free()
+        self.secondary = None
