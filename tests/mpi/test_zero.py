@@ -4,7 +4,8 @@ parameters anywhere, uneven at every world size), param groups with their own
 hyperparameters, frozen parameters and backward_passes_per_step; each rank keeps only its
 shard of the optimizer state (and, in stage 2, of the gradients); checkpoints round-trip
 as shards, resharded to another world size (a process set of another size), and
-consolidated into a plain optimizer's state dict."""
+consolidated into a plain optimizer's state dict. GradScaler and parameters of two dtypes
+with an LR scheduler are checked in stage 3 too (its other tests: test_zero3.py)."""
 
 from __future__ import annotations
 
@@ -218,19 +219,26 @@ def test_compression(comm, compression):
         ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), compression="int4")
 
 
-def test_grad_scaler_after_synchronize(comm):
+def _module(stage: int, model: torch.nn.Module) -> dict:
+    """ZeroOptimizer's arguments for the model at this stage (stage 3 gathers its units)."""
+    return {"stage": stage, **({"module": model} if stage == 3 else {})}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grad_scaler_after_synchronize(comm, stage):
     """GradScaler unscales the pieces' reduced gradients (synchronize first, then step
     inside skip_synchronize), as a plain optimizer's with one process."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), **_module(stage, model))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0), \
         torch.amp.GradScaler("cpu", init_scale=1024.0)
     for step in range(3):
         scaled_step(comm, model, opt, ref, ref_opt, (scaler, ref_scaler), step, torch.float32)
-        assert max_diff(model, ref) <= 1e-5, f"step {step}"
+        with opt.gathered():
+            assert max_diff(model, ref) <= 1e-5, f"step {step}"
     assert scaler.get_scale() == ref_scaler.get_scale()
 
 
@@ -248,18 +256,31 @@ class _TwoDtypes(torch.nn.Module):
             + (x[:, :7] * self.b).sin().sum()
 
 
-def test_several_dtypes_and_an_lr_scheduler(comm):
+class _TwoDtypeUnits(torch.nn.Module):
+    """A float32 layer and a float64 layer, each a unit of stage 3, odd sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(5, 3)
+        self.b = torch.nn.Linear(3, 7).double()
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x[:, :5].float()).tanh().double()).sin().sum()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_several_dtypes_and_an_lr_scheduler(comm, stage):
     n, r = comm.Get_size(), comm.Get_rank()
     torch.manual_seed(0)
-    model = _TwoDtypes()
+    model = _TwoDtypes() if stage == 2 else _TwoDtypeUnits()
     ref = copy.deepcopy(model)
-    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), **_module(stage, model))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
     assert {b.flat.dtype for b in opt._buckets} == {torch.float32, torch.float64}
     for step in range(5):
-        x = torch.randn(4 * n, 8, dtype=torch.float64,
+        x = torch.randn(4 * n, 8 if stage == 2 else 5, dtype=torch.float64,
                         generator=torch.Generator().manual_seed(step))
         model.loss(x[4 * r:4 * r + 4]).backward()
         opt.step()
@@ -269,8 +290,10 @@ def test_several_dtypes_and_an_lr_scheduler(comm):
         ref_opt.zero_grad()
         sched.step()
         ref_sched.step()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert (p - q).abs().max().item() <= (1e-5 if p.dtype == torch.float32 else TOL)
+        with opt.gathered():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                assert (p - q).abs().max().item() <= (1e-5 if p.dtype == torch.float32
+                                                      else TOL)
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.01 * 0.25
 
 

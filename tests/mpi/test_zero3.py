@@ -15,7 +15,7 @@ import pytest
 import torch
 from collectives.optim import ZeroOptimizer
 from conftest import assert_same_on_all_ranks
-from test_optimizer import Net, batch, flat_params, scaled_step, shard_loss
+from test_optimizer import Net, batch, flat_params, shard_loss
 from test_zero import OPTIMIZERS, TOL, _make, _ref_step
 
 import collectives as C
@@ -194,60 +194,6 @@ def test_parameters_gathered_quantized(comm, quantized):
     bound = {"fp16": 1e-3, "int8": masters.abs().max().item() / 127}[quantized]
     assert 0 < error <= bound
     assert diff <= 0.05
-
-
-def test_grad_scaler_after_synchronize(comm):
-    torch.manual_seed(0)
-    model = Net()
-    ref = copy.deepcopy(model)
-    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), stage=3, module=model)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0), \
-        torch.amp.GradScaler("cpu", init_scale=1024.0)
-    for step in range(3):
-        scaled_step(comm, model, opt, ref, ref_opt, (scaler, ref_scaler), step, torch.float32)
-        assert _diff(model, opt, ref) <= 1e-5, f"step {step}"
-    assert scaler.get_scale() == ref_scaler.get_scale()
-
-
-class _TwoDtypeUnits(torch.nn.Module):
-    """A float32 layer and a float64 layer, each its own unit, odd sizes."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(5, 3)
-        self.b = torch.nn.Linear(3, 7).double()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x.float()).tanh().double()).sin()
-
-
-def test_two_dtypes_and_an_lr_scheduler(comm):
-    n, r = comm.Get_size(), comm.Get_rank()
-    torch.manual_seed(0)
-    model = _TwoDtypeUnits()
-    ref = copy.deepcopy(model)
-    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), stage=3, module=model)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
-    assert {b.flat.dtype for b in opt._buckets} == {torch.float32, torch.float64}
-    for step in range(5):
-        x = torch.randn(4 * n, 5, dtype=torch.float64,
-                        generator=torch.Generator().manual_seed(step))
-        model(x[4 * r:4 * r + 4]).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        (sum(ref(x[4 * s:4 * s + 4]).sum() for s in range(n)) / n).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        sched.step()
-        ref_sched.step()
-        with opt.gathered():
-            for p, q in zip(model.parameters(), ref.parameters()):
-                assert (p - q).abs().max().item() <= (1e-5 if p.dtype == torch.float32
-                                                      else TOL)
-    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.01 * 0.25
 
 
 def test_hpz_keeps_node_pieces_for_the_backward(comm):
