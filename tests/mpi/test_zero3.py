@@ -16,7 +16,7 @@ import torch
 from collectives.optim import ZeroOptimizer
 from conftest import assert_same_on_all_ranks
 from test_optimizer import Net, batch, flat_params, shard_loss
-from test_zero import OPTIMIZERS, TOL, _make, _ref_step
+from test_zero import OPTIMIZERS, TOL, _make, _ref_step, _step
 
 import collectives as C
 
@@ -33,14 +33,6 @@ def _twins(opt_name: str = "adam", groups: bool = False, frozen: bool = False,
     chosen = None if units is None else units(model)
     return model, ZeroOptimizer(make(model), stage=3, module=model, units=chosen,
                                 **kwargs), ref, make(ref)
-
-
-def _step(comm, model, opt, step: int, passes: int = 1) -> None:
-    for micro in range(passes):
-        x, y = batch(comm.Get_size(), step, micro)
-        shard_loss(model, x, y, comm.Get_rank()).backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def _diff(model, opt, ref) -> float:
