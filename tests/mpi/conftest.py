@@ -94,6 +94,17 @@ def reference_reduce(inputs: list[np.ndarray], op, dtype: str, n: int) -> np.nda
     return cast_like(ref, dtype)
 
 
+def skip_unrunnable(algo: str) -> None:
+    """Skip the test where algo cannot run on this job's layout (algorithms.check)."""
+    from collectives import algorithms
+    from collectives.runtime import topology
+
+    try:
+        algorithms.check(algo, topology.get())
+    except ValueError:
+        pytest.skip(f"{algo} cannot run on this layout")
+
+
 def assert_same_on_all_ranks(comm: MPI.Comm, result: np.ndarray, what: str) -> None:
     """Every rank's result is bit-identical (digest of the raw bytes)."""
     digest = hashlib.sha256(np.ascontiguousarray(result).tobytes()).hexdigest()

@@ -10,11 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_equal, assert_same_on_all_ranks
+from conftest import assert_equal, assert_same_on_all_ranks, skip_unrunnable
 
 import collectives as C
-from collectives import algorithms
-from collectives.runtime import topology
 
 pytestmark = pytest.mark.mpi
 
@@ -47,10 +45,7 @@ def _divided(total: np.ndarray, n: int) -> np.ndarray:
 @pytest.mark.parametrize("algorithm", ALGOS)
 def test_average_is_the_sum_divided_once(comm, algorithm, dtype):
     n, r = comm.Get_size(), comm.Get_rank()
-    try:
-        algorithms.check(algorithm, topology.get())
-    except ValueError:
-        pytest.skip(f"{algorithm} cannot run on this layout")
+    skip_unrunnable(algorithm)
     for count in counts(n):
         for framework in ("numpy", "torch"):
             for inplace in (False, True):

@@ -13,6 +13,7 @@ from conftest import (
     assert_same_on_all_ranks,
     make_input,
     reference_reduce,
+    skip_unrunnable,
     to_framework,
     to_numpy,
 )
@@ -95,21 +96,11 @@ def test_mixed_and_non_contiguous_groups(comm):
     assert_equal(xs[0], expected[0], "in place, non-contiguous")
 
 
-def _skip_unrunnable(algo: str) -> None:
-    from collectives import algorithms
-    from collectives.runtime import topology
-
-    try:
-        algorithms.check(algo, topology.get())
-    except ValueError:
-        pytest.skip(f"{algo} cannot run on this layout")
-
-
 @pytest.mark.parametrize("algo", list(C.ALGORITHMS))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int64"])
 def test_grouped_allgather_matches_per_tensor_allgathers(comm, algo, dtype):
     """Every tensor's dim 0 differs per rank (0 rows included); one call gathers all."""
-    _skip_unrunnable(algo)
+    skip_unrunnable(algo)
     r, n = comm.Get_rank(), comm.Get_size()
     row_shapes = [(), (3,), (2, 2), (0,)]
     data = [make_input(dtype, ((r + k) % 3,) + s, seed=17 * r + k)
@@ -129,7 +120,7 @@ def test_grouped_allgather_matches_per_tensor_allgathers(comm, algo, dtype):
 @pytest.mark.parametrize("algo", list(C.ALGORITHMS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
 def test_grouped_reducescatter_matches_per_tensor_reducescatters(comm, algo, dtype):
-    _skip_unrunnable(algo)
+    skip_unrunnable(algo)
     r, n = comm.Get_rank(), comm.Get_size()
     shapes = [(2 * n + 1, 3), (n,), (1,), (0, 4), (5 * n - 1,)]
     for op in (C.Sum, C.Average, C.Min):

@@ -10,12 +10,17 @@ import numpy as np
 import pytest
 import torch
 from collectives.optim import DistributedOptimizer, broadcast_parameters
-from conftest import assert_equal, assert_same_on_all_ranks, cast_like, make_input, reference_reduce
+from conftest import (
+    assert_equal,
+    assert_same_on_all_ranks,
+    cast_like,
+    make_input,
+    reference_reduce,
+    skip_unrunnable,
+)
 
 import collectives as C
 import collectives.horovod as hvd
-from collectives import algorithms
-from collectives.runtime import topology
 
 
 def _steps(r: int) -> int:
@@ -31,10 +36,7 @@ def _active(step: int, n: int) -> list[int]:
 @pytest.mark.parametrize("count", [0, 1, 5, 3000, 70000])
 def test_uneven_allreduces_then_join(comm, algo, count):
     r, n = comm.Get_rank(), comm.Get_size()
-    try:
-        algorithms.check(algo, topology.get())
-    except ValueError:
-        pytest.skip(f"{algo} cannot run on this layout")
+    skip_unrunnable(algo)
     for step in range(_steps(r)):
         active = _active(step, n)
         for op in (C.Sum, C.Average, C.Max):
