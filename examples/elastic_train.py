@@ -8,7 +8,10 @@ survivor raises RanksFailedError within a second; collectives.elastic.run puts b
 last commit (model, optimizer, the sampler's place in the epoch, epoch and step, committed
 every --commit-every steps), shrinks the job to the survivors, rescales the learning rate
 in a reset callback, and trains on: the survivors share what is left of the epoch
-(ElasticSampler) and finish every epoch. Without `--with-ft ulfm` the same script trains
+(ElasticSampler) and finish every epoch. With --grow the job grows back to its launch
+size instead: a replacement started after the first failure joins at a later commit (kill
+once, or far apart: a rank that dies while a replacement starts ends the job with this
+Open MPI, README.md "When a rank dies"). Without `--with-ft ulfm` the same script trains
 normally, and a failure ends the job.
 """
 
@@ -36,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--commit-every", type=int, default=1, help="steps between commits")
     ap.add_argument("--kill-at", default="",
                     help="steps at which the last rank dies, comma-separated (none: '')")
+    ap.add_argument("--grow", action="store_true",
+                    help="replace the first dead rank (default: the job only shrinks)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -55,16 +60,18 @@ def main() -> None:
     failed_at: list[float] = []
 
     def on_reset() -> None:
-        """The job shrank: the learning rate follows the global batch."""
+        """The job changed size: the learning rate follows the global batch."""
         for group in opt.param_groups:
             group["lr"] = args.lr * C.size()
         if C.rank() == 0:
-            print(f"job shrank to {C.size()} ranks, {time.monotonic() - failed_at[-1]:.3f} s "
-                  f"after the failure was seen; going on from step {state.step}", flush=True)
+            since = f"{time.monotonic() - failed_at[-1]:.3f} s after the failure was seen" \
+                if failed_at else "replacing a dead rank"
+            print(f"job is {C.size()} ranks, {since}; going on from step {state.step}",
+                  flush=True)
 
     state.register_reset_callbacks([on_reset])
 
-    @elastic.run
+    @elastic.run(max_size=None if args.grow else 1)
     def train(state: elastic.TorchState) -> None:
         while state.epoch < args.epochs:
             model.train()

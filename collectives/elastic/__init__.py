@@ -30,33 +30,52 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from collectives.elastic import membership
+from collectives.elastic.membership import HostsUpdatedInterrupt
 from collectives.elastic.state import ObjectState, State
 from collectives.runtime import faults, topology
 from collectives.runtime.faults import RanksFailedError
 
-__all__ = ["ElasticSampler", "ObjectState", "RanksFailedError", "State", "TorchState", "run"]
+__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "RanksFailedError",
+           "State", "TorchState", "run"]
 
 
-def run(func: Callable[..., Any] | None = None, *, min_size: int = 1) -> Any:
+def run(func: Callable[..., Any] | None = None, *, min_size: int = 1,
+        max_size: int | None = None) -> Any:
     """Decorate func(state, *args, **kwargs) so that a failure of ranks restores `state`'s
     last commit, shrinks the job to the survivors and calls func again (on every survivor;
     Horovod's hvd.elastic.run). func starts after state is synced from rank 0. With fewer
     than min_size survivors the job ends instead (SystemExit naming the dead ranks, on every
-    survivor): `@run(min_size=4)`."""
+    survivor): `@run(min_size=4)`.
+
+    The job grows back to max_size ranks (default: Config.elastic_max_size, else the size
+    it was launched with): after a shrink rank 0 starts replacements, which join at a later
+    commit (elastic/membership.py). In a replacement, run first waits for the job to take
+    it in, then syncs state from rank 0 and calls the reset callbacks like every rank."""
     if func is None:
-        return functools.partial(run, min_size=min_size)
+        return functools.partial(run, min_size=min_size, max_size=max_size)
     if not isinstance(min_size, int) or min_size < 1:
         raise ValueError(f"min_size: expected an int >= 1, got {min_size!r}")
+    if max_size is not None and (not isinstance(max_size, int) or max_size < min_size):
+        raise ValueError(f"max_size: expected None or an int >= min_size={min_size}, "
+                         f"got {max_size!r}")
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, State):
             raise TypeError(f"state: expected a collectives.elastic State, got "
                             f"{type(state).__name__}")
+        membership.set_target(max_size)
+        if membership.is_replacement():
+            membership.join()
+            state.on_reset()
         while True:
             try:
                 state.sync()
                 return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt:
+                membership.grow()
+                state.on_reset()
             except Exception as exc:
                 if not _failed(exc):
                     raise
@@ -69,6 +88,7 @@ def run(func: Callable[..., Any] | None = None, *, min_size: int = 1) -> Any:
                         f"left, fewer than min_size={min_size}; ending the job. Its commits "
                         f"were in memory: go on from your last checkpoint on disk.") from exc
                 state.on_reset()
+                membership.replace_missing()
 
     return wrapper
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from collectives.api.gather import broadcast_object
+from collectives.elastic import membership
 
 
 class State:
@@ -39,12 +40,16 @@ class State:
             cb()
 
     def commit(self) -> None:
-        """Keep the current state in memory: a failure from here on restores it."""
+        """Keep the current state in memory: a failure from here on restores it. Where
+        replacements wait to join, raises HostsUpdatedInterrupt (on every rank) after
+        saving, for run to take them in."""
         self.save()
+        self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Horovod's check for hosts that joined. Ranks never join a running job here (the
-        job only shrinks), so there is nothing to check."""
+        """Horovod's check for ranks that join: raise HostsUpdatedInterrupt on every rank if
+        replacements are ready (collective while the job is below its target size)."""
+        membership.check()
 
     def save(self) -> None:
         raise NotImplementedError

@@ -14,6 +14,7 @@ from collectives.api import process_sets as _process_sets
 from collectives.api.process_sets import (
     global_process_set,
 )
+from collectives.elastic import membership
 from collectives.ops import ReduceOp
 from collectives.runtime import meet as _meet
 from collectives.runtime import topology as _topology
@@ -29,9 +30,8 @@ Adasum = "Adasum"
 HorovodInternalError = _C.StallError
 
 
-class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's interrupt for hosts that joined an elastic job. Ranks never join a running
-    job here (it only shrinks), so nothing raises it, but scripts that catch it import it."""
+#: Raised by an elastic commit at which replacement ranks join (collectives.elastic).
+HostsUpdatedInterrupt = membership.HostsUpdatedInterrupt
 
 
 # -------------------------------------------------------------------------- arguments

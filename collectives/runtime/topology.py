@@ -182,7 +182,6 @@ def shrink() -> Topology:
     RanksFailedError (fault-tolerant mode; collectives.elastic does). Everything the old one
     kept goes with it (nodes, windows, agreement channel, described calls, process sets,
     `auto`'s trials); the new one runs init's hooks again, with its `generation` one up."""
-    global _topology
     old = get()
     if not old.config.fault_tolerant:
         raise RuntimeError("shrink: the job is not fault-tolerant (run it under "
@@ -192,18 +191,31 @@ def shrink() -> Topology:
             c.Revoke()
         except MPI.Exception:
             pass
-    survivors = old.comm.Shrink()
+    return replace(old.comm.Shrink(), old.generation + 1)
+
+
+def replace(comm: MPI.Comm, generation: int) -> Topology:
+    """Make the job's Topology one over comm (collective over comm), with `generation`, free
+    the old one's windows and upper layers' state and run init's hooks: a shrink's
+    survivors, or the job grown by replacements (collectives.elastic). comm is the caller's
+    to free.
+
+    In fault-tolerant mode the old communicators are not freed: Open MPI 5.0.11 fails every
+    later MPI_Comm_spawn ("PRTE ERROR: Not found" in its launcher) once a freed
+    communicator's id has been taken by a new one, and the elastic job spawns its
+    replacements after this; a handful of communicators per change of size is the cost."""
+    global _topology
+    old = get()
+    new = Topology(comm, old.config, Watchdog(comm, old.config.stall_warning_s), generation)
     old.watchdog.stop()
     try:
         old.free()
     except MPI.Exception:
         pass  # what MPI cannot free after the failure is the dead ranks' loss, not ours
-    _topology = Topology(survivors, old.config, Watchdog(survivors, old.config.stall_warning_s),
-                         old.generation + 1)
-    survivors.Free()
+    _topology = new
     for fn in _on_init:
-        fn(_topology)
-    return _topology
+        fn(new)
+    return new
 
 
 def on_init(fn: Callable[[Topology], None]) -> None:

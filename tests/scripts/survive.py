@@ -9,12 +9,16 @@
 
 The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
 rank) die at step DIE_AT; with SECOND_AT set, the last rank of the shrunk job dies at that
-step too; MIN_SIZE is the elastic run's min_size. A victim writes the time of its death to
+step too; MIN_SIZE and MAX_SIZE are the elastic run's min_size and max_size (MAX_SIZE=1:
+the job only shrinks). With GROW=1 training goes on past its steps, at STEP_S seconds a
+step after the first failure, until the job has run 3 steps at its launch size again:
+replacements take the dead ranks' places. A victim writes the time of its death to
 KILLFILE first, so survivors can say how long they took to notice (raise) or to recover
 (train)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -118,6 +122,8 @@ def train_scenario(killfile: str, api: str) -> None:
     import torch
 
     steps, dim, batch, lr = 2 * DIE_AT, 8, 24, 0.02
+    grow, pace = os.environ.get("GROW") == "1", float(os.environ.get("STEP_S", 0))
+    full = 3  # steps at the launch size that end a GROW run
 
     dtype = torch.float32 if api == "onebit" else torch.float64  # OnebitAdam: float32 only
 
@@ -157,12 +163,20 @@ def train_scenario(killfile: str, api: str) -> None:
 
     state.register_reset_callbacks([on_reset])
     recovered: list[float] = []
+    regrown: list[float] = []
     dying = victims(C.size())
     second_at = int(os.environ.get("SECOND_AT", -1))
 
-    @el.run(min_size=int(os.environ.get("MIN_SIZE", 1)))
+    max_size = int(os.environ["MAX_SIZE"]) if "MAX_SIZE" in os.environ else None
+
+    def going(state: elastic.TorchState) -> bool:
+        if state.step < steps:
+            return True  # then, with GROW, until 3 steps ran at the launch size again
+        return grow and state.step < 20 * steps and state.sizes[-full:] != state.sizes[:1] * full
+
+    @el.run(min_size=int(os.environ.get("MIN_SIZE", 1)), max_size=max_size)
     def train(state: elastic.TorchState) -> None:
-        while state.step < steps:
+        while going(state):
             if state.step == DIE_AT and not resets and C.rank() in dying \
                     or state.step == second_at and len(resets) == 1 \
                     and C.rank() == C.size() - 1:
@@ -174,8 +188,12 @@ def train_scenario(killfile: str, api: str) -> None:
             loss = ((forward[0](x[lo:hi]).squeeze(1) - y[lo:hi]) ** 2).sum() * n / batch
             loss.backward()
             opt.step()
-            if resets and not recovered:
+            if resets and not recovered and resets[0] < state.sizes[0]:  # a survivor
                 recovered.append(since(killfile))
+            if resets and resets[-1] == state.sizes[0] and not regrown:
+                regrown.append(since(killfile))
+            if resets:
+                time.sleep(pace)
             state.sizes = state.sizes + [n]
             state.step += 1
             if state.step % COMMIT_EVERY == 0:
@@ -194,11 +212,13 @@ def train_scenario(killfile: str, api: str) -> None:
         (((ref(x).squeeze(1) - y) ** 2).sum() / batch).backward()
         ref_opt.step()
     err = (model.weight - ref.weight).abs().max().item()
-    digest = float(model.weight.sum())
+    digest = float(model.weight.detach().sum())
     at = {n: state.sizes.count(n) for n in sorted(set(state.sizes), reverse=True)}
+    runs = [(n, len(list(g))) for n, g in itertools.groupby(state.sizes)]
     print(f"rank {C.rank()}: trained {state.step} steps, steps at each size {at}, "
           f"resets {resets}, recovered {recovered[0] if recovered else -1:.3f} s after the "
-          f"kill, max error {err:.2e}, digest {digest!r}", flush=True)
+          f"kill, max error {err:.2e}, digest {digest!r}; sizes in order {runs}, back to "
+          f"full size {regrown[0] if regrown else -1:.3f} s after the kill", flush=True)
 
 
 def main() -> None:

@@ -91,7 +91,7 @@ def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dy
         sizes, resets = {np_: 18, after: 9, after - 1: 13}, [after, after - 1]
     else:
         sizes, resets = {np_: 18, after: 22}, [after]
-    out = survive(layout, tmp_path, api, str(tmp_path / "killed"), **env)
+    out = survive(layout, tmp_path, api, str(tmp_path / "killed"), MAX_SIZE="1", **env)
     found = re.findall(r"rank (\d+): trained 40 steps, steps at each size (\{.*?\}), "
                        r"resets (\[.*?\]), recovered ([\d.]+) s after the kill, max error "
                        r"(\S+), digest (\S+)", out)
@@ -102,6 +102,37 @@ def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dy
         assert float(recovered) < 1.0, out
         assert api == "onebit" or float(err) < 1e-12, out  # 1-bit: no exact replay
     assert len({f[-1] for f in found}) == 1, out  # the survivors' parameters are alike
+
+
+@pytest.mark.parametrize("layout,api,dying", [
+    ("1node", "train", ""),         # the last rank
+    ("1node", "train", "0"),        # the first: the survivors sync from a new rank 0
+    ("2nodes", "train", "1"),       # a middle rank
+    ("2nodes", "ddp", ""),          # DDP on the backend, the default group remade
+    ("2nodes", "train", "0,2"),     # two at once, one on each node
+])
+def test_dead_ranks_are_replaced(tmp_path, layout, api, dying):
+    """By default the job grows back to its launch size: replacements spawned after the
+    shrink join at a later commit, the job runs at full size again, and every rank (the
+    replacements too) ends with the replay's parameters. (Only the job's first failure is
+    replaced, and a rank that dies while a replacement is inside MPI_Init ends the job:
+    README.md, "When a rank dies", says why.)"""
+    np_ = LAYOUTS[layout][0]
+    dead = [int(r) for r in dying.split(",")] if dying else [np_ - 1]
+    env = {"VICTIMS": ",".join(map(str, dead)), "GROW": "1", "STEP_S": "0.05"}
+    out = survive(layout, tmp_path, api, str(tmp_path / "killed"), **env)
+    found = re.findall(r"rank (\d+): trained (\d+) steps, .*?resets (\[.*?\]), .*max error "
+                       r"(\S+), digest (\S+); sizes in order (\[.*?\]), back to full size "
+                       r"([\d.-]+) s after the kill", out)
+    assert sorted(int(f[0]) for f in found) == list(range(np_)), out
+    after = np_ - len(dead)
+    for _, steps, resets, err, _, runs, back in found:
+        runs = ast.literal_eval(runs)
+        assert runs[0] == (np_, 18) and [n for n, _ in runs[1:-1]] == [after], out
+        assert runs[-1][0] == np_ and runs[-1][1] >= 3 and int(steps) >= 40, out
+        assert ast.literal_eval(resets)[-1] == np_, out
+        assert float(err) < 1e-12 and 0 < float(back) < 15, out
+    assert len({f[4] for f in found}) == 1, out  # every rank's parameters are alike
 
 
 def test_too_few_survivors_end_the_job_saying_why(tmp_path):

@@ -1,0 +1,159 @@
+"""Replacement processes: started by the job's rank 0 after ranks died, taken in at a
+point every rank reaches (collectives.elastic's commit).
+
+A batch is the processes of one MPI_Comm_spawn of the job's own program (the same
+interpreter and arguments) over MPI_COMM_SELF, on a thread of rank 0, so no rank waits for
+the new processes to start or import: spawning returns once they have initialized MPI
+(about 1.1 s for a bare interpreter here, plus whatever the program imports first). Only
+rank 0 takes part, so ranks that die meanwhile do not disturb it. The batch is a world of
+its own (its MPI_COMM_WORLD) until it joins.
+
+    the job (rank 0's thread)                  each process of a batch
+    start(n): Spawn → intercommunicator        runs the program to elastic.run
+              wait for "ready"            ←──  join_job(): its rank 0 says it is there
+    ready(): rank 0 knows the batch is there
+    join(): rank 0 sends "join" and a port ──→ waits for "join" (or "abandon")
+            every rank: Accept on the port ←─→ Connect (every process of the batch)
+            Merge (the job's ranks first)  ←─→ Merge → the communicator of the grown job
+
+MPI_Comm_accept/connect, not the spawn's own intercommunicator, joins the batch to every
+rank: the spawn made only rank 0 known to it. Costs: the spawning thread makes MPI calls
+beside the job's work (MPI_THREAD_MULTIPLE); the join is a message, an accept/connect and
+a Merge, milliseconds. A spawn that fails (no free slot, the launcher refuses) leaves a
+warning and no batch. A batch that never joined is told to exit at the job's end; one whose
+rank 0 died finds it by an MPI error and exits."""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import warnings
+
+from mpi4py import MPI
+
+#: Tags of the messages between the job's rank 0 and a batch's rank 0.
+_READY, _DECIDE = 3141, 3142
+
+
+class Batch:
+    """Processes spawned together by rank 0: `size` of them, `inter` (the
+    intercommunicator to them) once spawned, `done` once they said they are ready (or
+    spawning failed: `error`)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.inter: MPI.Comm | None = None
+        self.error: str | None = None
+        self.abandoned = False
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._spawn, name="collectives-spawn",
+                                       daemon=True)
+
+    def _spawn(self) -> None:
+        try:
+            info = MPI.Info.Create()
+            info.Set("mpi_initial_errhandler", "mpi_errors_return")
+            inter = MPI.COMM_SELF.Spawn(sys.executable, sys.orig_argv[1:], info=info,
+                                        maxprocs=self.size)
+            inter.Set_errhandler(MPI.ERRORS_RETURN)
+            self.inter = inter
+            inter.recv(source=0, tag=_READY)
+            if self.abandoned:  # the job ended while it started
+                self.tell(("abandon", None))
+        except Exception as exc:  # noqa: BLE001 (any failure leaves the job as it is)
+            self.error = f"{type(exc).__name__}: {exc}"
+        self.done.set()
+
+    def tell(self, what: tuple[str, str | None]) -> None:
+        """Send the batch ("join", port) or ("abandon", None)."""
+        try:
+            self.inter.send(what, dest=0, tag=_DECIDE)
+        except MPI.Exception:
+            pass  # the batch is gone already
+
+
+_batches: list[Batch] = []  # rank 0's batches, oldest first
+_port: list[str] = []  # rank 0's port for batches to connect to, opened once
+
+
+def start(n: int) -> None:
+    """Rank 0: spawn n copies of this program on a thread (nothing waits for them)."""
+    if not _batches:
+        atexit.register(abandon)
+    batch = Batch(n)
+    _batches.append(batch)
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        batch.thread.start()
+    else:
+        batch._spawn()  # MPI allows no other thread: rank 0 waits for them
+
+
+def pending() -> int:
+    """Rank 0: processes spawned that have not joined (nor failed to start) yet."""
+    return sum(b.size for b in _batches if b.error is None)
+
+
+def ready() -> Batch | None:
+    """Rank 0: the oldest batch that is there to join (None: none yet); warns of and
+    forgets the batches that could not start."""
+    for b in [b for b in _batches if b.done.is_set() and b.error is not None]:
+        _batches.remove(b)
+        warnings.warn(f"collectives.elastic: {b.size} replacement process(es) could not start "
+                      f"({b.error}); the job goes on with the ranks it has", stacklevel=3)
+    return next((b for b in _batches if b.done.is_set()), None)
+
+
+def join(comm: MPI.Comm, batch: Batch | None) -> MPI.Comm:
+    """Every rank of comm (the job; batch: rank 0's ready batch, None elsewhere): take the
+    batch in. Returns the grown job's communicator, comm's ranks first in their order."""
+    port = None
+    if batch is not None:
+        _batches.remove(batch)
+        if not _port:
+            _port.append(MPI.Open_port())
+        port = _port[0]
+        batch.tell(("join", port))
+    return comm.Accept(port, root=0).Merge(high=False)
+
+
+#: Seconds rank 0 waits at the job's end for a batch still starting, to tell it to exit
+#: (a process left inside MPI_Init or waiting to join would keep the job from ending).
+ABANDON_WAIT_S = 60.0
+
+
+def abandon() -> None:
+    """Rank 0, at the job's end: tell every batch that has not joined to exit, waiting up
+    to ABANDON_WAIT_S for one still starting."""
+    for b in _batches:
+        b.abandoned = True  # its thread tells it once it is there
+        if b.done.is_set():
+            if b.error is None:
+                b.tell(("abandon", None))
+        else:
+            b.done.wait(ABANDON_WAIT_S)
+    _batches.clear()
+
+
+def parent() -> MPI.Comm | None:
+    """The intercommunicator to the job that spawned this process (None: a process the
+    launcher started)."""
+    found = MPI.Comm.Get_parent()
+    return None if found == MPI.COMM_NULL else found
+
+
+def join_job(world: MPI.Comm, job: MPI.Comm) -> MPI.Comm | None:
+    """Every process of a batch (world: its own communicator; job: the intercommunicator
+    to the rank that spawned it): say the batch is there once all of it is, wait for the
+    job to take it in (the job's next commit) and return the grown job's communicator;
+    None if the job abandoned the batch."""
+    job.Set_errhandler(MPI.ERRORS_RETURN)
+    world.Barrier()
+    what = None
+    if world.Get_rank() == 0:
+        job.send(None, dest=0, tag=_READY)
+        what = job.recv(source=0, tag=_DECIDE)
+    what, port = world.bcast(what, root=0)
+    if what != "join":
+        return None
+    return world.Connect(port, root=0).Merge(high=True)
