@@ -32,7 +32,6 @@ class HostsUpdatedInterrupt(RuntimeError):
 
 
 _target: int | None = None  # the size the job grows back to (set by run)
-_batch: spawn.Batch | None = None  # rank 0: the batch this commit takes in
 _joined = False  # a replacement: whether it is in the job yet
 
 
@@ -70,21 +69,18 @@ def replace_missing() -> None:
 def check() -> None:
     """At a commit: raise HostsUpdatedInterrupt on every rank if rank 0 has a batch of
     replacements ready (collective while the job is below its target)."""
-    global _batch
     topo = topology.get()
     if _target is None or topo.size >= _target or not topo.config.fault_tolerant:
         return
-    _batch = spawn.ready() if topo.rank == 0 else None
-    if broadcast_object(_batch is not None, 0):
+    if broadcast_object(topo.rank == 0 and spawn.ready() is not None, 0):
         raise HostsUpdatedInterrupt()
 
 
 def grow() -> None:
-    """Every rank of the job, after HostsUpdatedInterrupt: take the ready batch in."""
-    global _batch
+    """Every rank of the job, after HostsUpdatedInterrupt: take a ready batch in (rank 0
+    found one at the commit, and a batch stays ready until it joins)."""
     topo = topology.get()
-    comm = spawn.join(topo.comm, _batch)
-    _batch = None
+    comm = spawn.join(topo.comm, spawn.ready() if topo.rank == 0 else None)
     comm.bcast((topo.generation + 1, _target), root=0)
     topology.replace(comm, topo.generation + 1)
 

@@ -45,7 +45,6 @@ class Batch:
         self.size = size
         self.inter: MPI.Comm | None = None
         self.error: str | None = None
-        self.abandoned = False
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._spawn, name="collectives-spawn",
                                        daemon=True)
@@ -59,8 +58,6 @@ class Batch:
             inter.Set_errhandler(MPI.ERRORS_RETURN)
             self.inter = inter
             inter.recv(source=0, tag=_READY)
-            if self.abandoned:  # the job ended while it started
-                self.tell(("abandon", None))
         except Exception as exc:  # noqa: BLE001 (any failure leaves the job as it is)
             self.error = f"{type(exc).__name__}: {exc}"
         self.done.set()
@@ -74,12 +71,12 @@ class Batch:
 
 
 _batches: list[Batch] = []  # rank 0's batches, oldest first
-_port: list[str] = []  # rank 0's port for batches to connect to, opened once
+_port: str | None = None  # rank 0's port for batches to connect to, opened once
 
 
 def start(n: int) -> None:
     """Rank 0: spawn n copies of this program on a thread (nothing waits for them)."""
-    if not _batches:
+    if not _batches:  # registered after init's exit hook, so it runs before that one
         atexit.register(abandon)
     batch = Batch(n)
     _batches.append(batch)
@@ -107,14 +104,13 @@ def ready() -> Batch | None:
 def join(comm: MPI.Comm, batch: Batch | None) -> MPI.Comm:
     """Every rank of comm (the job; batch: rank 0's ready batch, None elsewhere): take the
     batch in. Returns the grown job's communicator, comm's ranks first in their order."""
-    port = None
+    global _port
     if batch is not None:
         _batches.remove(batch)
-        if not _port:
-            _port.append(MPI.Open_port())
-        port = _port[0]
-        batch.tell(("join", port))
-    return comm.Accept(port, root=0).Merge(high=False)
+        if _port is None:
+            _port = MPI.Open_port()
+        batch.tell(("join", _port))
+    return comm.Accept(_port, root=0).Merge(high=False)
 
 
 #: Seconds rank 0 waits at the job's end for a batch still starting, to tell it to exit
@@ -126,12 +122,8 @@ def abandon() -> None:
     """Rank 0, at the job's end: tell every batch that has not joined to exit, waiting up
     to ABANDON_WAIT_S for one still starting."""
     for b in _batches:
-        b.abandoned = True  # its thread tells it once it is there
-        if b.done.is_set():
-            if b.error is None:
-                b.tell(("abandon", None))
-        else:
-            b.done.wait(ABANDON_WAIT_S)
+        if b.done.wait(ABANDON_WAIT_S) and b.error is None:
+            b.tell(("abandon", None))
     _batches.clear()
 
 

@@ -197,8 +197,8 @@ def shrink() -> Topology:
 def replace(comm: MPI.Comm, generation: int) -> Topology:
     """Make the job's Topology one over comm (collective over comm), with `generation`, free
     the old one's windows and upper layers' state and run init's hooks: a shrink's
-    survivors, or the job grown by replacements (collectives.elastic). comm is the caller's
-    to free.
+    survivors, or the job grown by replacements (collectives.elastic). comm itself is left
+    as it is (the Topology works on a duplicate), unfreed by its callers.
 
     In fault-tolerant mode the old communicators are not freed: Open MPI 5.0.11 fails every
     later MPI_Comm_spawn ("PRTE ERROR: Not found" in its launcher) once a freed
