@@ -55,8 +55,8 @@ class Config:
     #: Fault-tolerant mode: seconds between the detector's heartbeats.
     failure_detector_period_s: float = 0.5
     #: The number of ranks an elastic job grows back to after ranks died (replacements
-    #: spawned by rank 0 join at a commit: collectives/elastic/membership.py); None = the
-    #: size it was launched with. collectives.elastic.run's max_size overrides it.
+    #: spawned by rank 0 join at a commit: collectives/elastic/membership.py); None = it
+    #: only shrinks. collectives.elastic.run's max_size overrides it.
     elastic_max_size: int | None = None
 
 

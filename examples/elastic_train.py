@@ -8,8 +8,8 @@ survivor raises RanksFailedError within a second; collectives.elastic.run puts b
 last commit (model, optimizer, the sampler's place in the epoch, epoch and step, committed
 every --commit-every steps), shrinks the job to the survivors, rescales the learning rate
 in a reset callback, and trains on: the survivors share what is left of the epoch
-(ElasticSampler) and finish every epoch. With --grow the job grows back to its launch
-size instead: a replacement started after the first failure joins at a later commit (kill
+(ElasticSampler) and finish every epoch. With --max-size N the job grows back to N ranks
+instead: a replacement started after the first failure joins at a later commit (kill
 once, or far apart: a rank that dies while a replacement starts ends the job with this
 Open MPI, README.md "When a rank dies"). Without `--with-ft ulfm` the same script trains
 normally, and a failure ends the job.
@@ -39,8 +39,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--commit-every", type=int, default=1, help="steps between commits")
     ap.add_argument("--kill-at", default="",
                     help="steps at which the last rank dies, comma-separated (none: '')")
-    ap.add_argument("--grow", action="store_true",
-                    help="replace the first dead rank (default: the job only shrinks)")
+    ap.add_argument("--max-size", type=int, default=None,
+                    help="grow back to this many ranks after the first failure (default: "
+                         "the job only shrinks)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -71,7 +72,7 @@ def main() -> None:
 
     state.register_reset_callbacks([on_reset])
 
-    @elastic.run(max_size=None if args.grow else 1)
+    @elastic.run(max_size=args.max_size)
     def train(state: elastic.TorchState) -> None:
         while state.epoch < args.epochs:
             model.train()

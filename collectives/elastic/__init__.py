@@ -48,9 +48,9 @@ def run(func: Callable[..., Any] | None = None, *, min_size: int = 1,
     than min_size survivors the job ends instead (SystemExit naming the dead ranks, on every
     survivor): `@run(min_size=4)`.
 
-    The job grows back to max_size ranks (default: Config.elastic_max_size, else the size
-    it was launched with): after a shrink rank 0 starts replacements, which join at a later
-    commit (elastic/membership.py). In a replacement, run first waits for the job to take
+    With max_size (or Config.elastic_max_size) the job grows back to that many ranks: after
+    a shrink rank 0 starts replacements, which join at a later commit
+    (elastic/membership.py); without, it only shrinks. In a replacement, run first waits for the job to take
     it in, then syncs state from rank 0 and calls the reset callbacks like every rank."""
     if func is None:
         return functools.partial(run, min_size=min_size, max_size=max_size)

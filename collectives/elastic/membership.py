@@ -1,7 +1,8 @@
 """How many ranks an elastic job is meant to have, and how it gets back there.
 
-The target is `run`'s max_size, else Config.elastic_max_size, else the size the job was
-launched with. After ranks died and the survivors shrank, rank 0 starts replacements for the
+The target is `run`'s max_size, else Config.elastic_max_size; without one the job only
+shrinks (growth is opted into: across hosts a join can hang, README.md says why). After
+ranks died and the survivors shrank, rank 0 starts replacements for the
 missing ranks (runtime/spawn.py: on a thread, nothing waits for them). At every commit of a
 job smaller than its target, rank 0 tells every rank whether a batch of replacements is
 ready (one small broadcast; a job at its target pays nothing); if one is, every rank raises
@@ -36,15 +37,13 @@ _joined = False  # a replacement: whether it is in the job yet
 
 
 def set_target(max_size: int | None) -> None:
-    """At the start of run: the size to grow back to (a replacement learns the job's when
-    it joins)."""
+    """At the start of run: the size to grow back to, if any (a replacement learns the
+    job's when it joins)."""
     global _target
     if max_size is None:
         max_size = _config.get().elastic_max_size
     if max_size is not None:
         _target = max_size
-    elif _target is None and not is_replacement():
-        _target = topology.size()  # the launch size: run is entered before any failure
 
 
 def is_replacement() -> bool:

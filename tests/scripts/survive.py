@@ -9,9 +9,9 @@
 
 The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
 rank) die at step DIE_AT; with SECOND_AT set, the last rank of the shrunk job dies at that
-step too; MIN_SIZE and MAX_SIZE are the elastic run's min_size and max_size (MAX_SIZE=1:
-the job only shrinks). With GROW=1 training goes on past its steps, at STEP_S seconds a
-step after the first failure, until the job has run 3 steps at its launch size again:
+step too; MIN_SIZE and MAX_SIZE are the elastic run's min_size and max_size (unset:
+the job only shrinks). With GROW=1 and MAX_SIZE training goes on past its steps, at STEP_S a
+step from the first failure, until the job has run 3 steps at its launch size again:
 replacements take the dead ranks' places. A victim writes the time of its death to
 KILLFILE first, so survivors can say how long they took to notice (raise) or to recover
 (train)."""

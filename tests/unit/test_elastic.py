@@ -91,7 +91,7 @@ def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dy
         sizes, resets = {np_: 18, after: 9, after - 1: 13}, [after, after - 1]
     else:
         sizes, resets = {np_: 18, after: 22}, [after]
-    out = survive(layout, tmp_path, api, str(tmp_path / "killed"), MAX_SIZE="1", **env)
+    out = survive(layout, tmp_path, api, str(tmp_path / "killed"), **env)
     found = re.findall(r"rank (\d+): trained 40 steps, steps at each size (\{.*?\}), "
                        r"resets (\[.*?\]), recovered ([\d.]+) s after the kill, max error "
                        r"(\S+), digest (\S+)", out)
@@ -112,14 +112,15 @@ def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dy
     ("2nodes", "train", "0,2"),     # two at once, one on each node
 ])
 def test_dead_ranks_are_replaced(tmp_path, layout, api, dying):
-    """By default the job grows back to its launch size: replacements spawned after the
+    """With max_size the job grows back to its launch size: replacements spawned after the
     shrink join at a later commit, the job runs at full size again, and every rank (the
     replacements too) ends with the replay's parameters. (Only the job's first failure is
     replaced, and a rank that dies while a replacement is inside MPI_Init ends the job:
     README.md, "When a rank dies", says why.)"""
     np_ = LAYOUTS[layout][0]
     dead = [int(r) for r in dying.split(",")] if dying else [np_ - 1]
-    env = {"VICTIMS": ",".join(map(str, dead)), "GROW": "1", "STEP_S": "0.05"}
+    env = {"VICTIMS": ",".join(map(str, dead)), "GROW": "1", "STEP_S": "0.05",
+           "MAX_SIZE": str(np_)}
     out = survive(layout, tmp_path, api, str(tmp_path / "killed"), **env)
     found = re.findall(r"rank (\d+): trained (\d+) steps, .*?resets (\[.*?\]), .*max error "
                        r"(\S+), digest (\S+); sizes in order (\[.*?\]), back to full size "
