@@ -14,9 +14,10 @@ How it works.
   broadcast      root -> its node leader -> all leaders -> every rank of each node.
 Uneven nodes (e.g. 2 + 1 ranks) work: a smaller node's ranks own more shards.
 
-Each level runs the registered flat algorithm that is cheapest there for its step's size
-(`plan`, which both the collectives below and cost() call, so the price is what runs); the
-node level is priced as the largest node (L ranks), the cross-node level as N single ranks.
+Each level runs the flat algorithm that is cheapest there for its step's size (`plan`,
+which both the collectives below and cost() call, so the price is what runs): the node
+level one of our own (flat.ours()), priced as the largest node (L ranks); the cross-node level
+any flat one, MPI's included, priced as N single ranks.
 
 Cost (N nodes of at most L ranks, m bytes): the sum of plan's steps, each the chosen
 algorithm's cost() on its level; the point-to-point hand-offs (reducescatter's rows, a
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import queue
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -46,7 +49,7 @@ from mpi4py import MPI
 from collectives import kernels
 from collectives.algorithms import costmodel
 from collectives.algorithms.costmodel import Layout, Params
-from collectives.algorithms.flat import FLAT, cheapest
+from collectives.algorithms.flat import FLAT, cheapest, ours
 from collectives.ops import ReduceOp
 from collectives.runtime.p2p import even_bounds, irecv, isend, offsets
 from collectives.runtime.topology import Topology
@@ -59,6 +62,27 @@ TAKES_TOPOLOGY = True
 #: allreduce takes divisor= and divides, inside its own reduction, what each rank reduces
 #: (algorithms.reduce folds an Average in that way).
 FOLDS_AVERAGE = True
+
+#: A pipelined allreduce's chunk: the buffer bytes that go through the three steps together.
+#: Small enough that a 4 MiB call already pipelines, and that the cross-node messages (a
+#: chunk's shard) stay at most a few MiB, which the rig's TCP links carried at their rate
+#: where a message of tens of MiB in flight ran at 0.5-0.7x of it in one call of two.
+CHUNK_BYTES = 1 << 20
+#: At most this many chunks: past it they grow, so the per-chunk hand-offs stay few.
+MAX_CHUNKS = 64
+
+
+def chunks(nbytes: int) -> int:
+    """How many chunks an allreduce of nbytes is cut into."""
+    return max(1, min(nbytes // CHUNK_BYTES, MAX_CHUNKS))
+
+
+def overlaps() -> bool:
+    """Whether a chunk's cross-node step runs beside the node steps of its neighbours: on a
+    thread of its own, which takes MPI_THREAD_MULTIPLE (mpi4py's default); assumed where MPI
+    is not running (the scale model prices a job to come)."""
+    return not MPI.Is_initialized() or MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
 
 def _steps(collective: str, m: int, L: int, N: int) -> dict[str, tuple[str, str, int]]:
     """Each level step of a call of m bytes over N nodes of at most L ranks:
@@ -84,11 +108,14 @@ def plan(collective: str, nbytes: int, layout: Layout,
     algorithm is decided; it depends only on values every rank shares, so all ranks of a
     level run the same algorithm."""
     levels = {"intra": layout.intra(), "inter": layout.inter()}
+    if collective == "allreduce":  # each step runs on one chunk at a time
+        nbytes //= chunks(nbytes)
     steps = {}
     for step, (flat, level, m) in _steps(collective, nbytes, max(layout.max_local, 1),
                                          max(layout.nodes, 1)).items():
-        steps[step] = (flat, levels[level], m,
-                       cheapest(flat, m, levels[level], _level_params(levels[level], layout, p)))
+        among = ours() if level == "intra" else tuple(FLAT)
+        steps[step] = (flat, levels[level], m, cheapest(
+            flat, m, levels[level], _level_params(levels[level], layout, p), among))
     return steps
 
 
@@ -105,8 +132,15 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     """Predicted seconds of one call on layout: the sum of plan's steps."""
     if layout.nodes <= 1 or layout.max_local <= 1:
         return math.inf
-    return sum(FLAT[algo].cost(flat, m, where, _level_params(where, layout, p))
-               for flat, where, m, algo in plan(collective, nbytes, layout, p).values())
+    t = {step: FLAT[algo].cost(flat, m, where, _level_params(where, layout, p))
+         for step, (flat, where, m, algo) in plan(collective, nbytes, layout, p).items()}
+    if collective != "allreduce":
+        return sum(t.values())
+    k = chunks(nbytes)
+    node, cross = t["intra_rs"] + t["intra_ag"], t["inter_ar"]
+    if k == 1 or not overlaps():
+        return k * (node + cross)
+    return node + cross + (k - 1) * max(node, cross)
 
 
 def _levels(collective: str, nbytes: int, topo: Topology) -> dict[str, Callable]:
@@ -124,26 +158,80 @@ def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
               dtype: str, divisor: int = 1) -> None:
     """recv = reduction of every rank's send (send may be recv), divided by divisor (an
     Average: each rank divides the part it owns, 1/local_size of the buffer, before the
-    intra-node allgather spreads it)."""
+    intra-node allgather spreads it). Past one chunk, pipelined (see the module docstring)."""
+    k = chunks(recv.nbytes)
     level = _levels("allreduce", recv.nbytes, topo)
-    shards = even_bounds(recv.size, topo.max_local_size)
-    owned = [s for s in range(topo.max_local_size) if topo.shard_owner(s) == topo.local_rank]
-    local_counts = [0] * topo.local_size
-    for s in range(topo.max_local_size):
-        local_counts[topo.shard_owner(s)] += shards[s + 1] - shards[s]
-    lo, hi = shards[owned[0]], shards[owned[-1] + 1]
-    # 1. intra-node reduce-scatter into this rank's own part of recv
-    level["intra_rs"](topo.node_comm, send, recv[lo:hi], local_counts, op, dtype)
-    # 2. inter-node allreduce of each owned shard
-    for s in owned:
-        comm = topo.shard_comm(s)
-        piece = recv[shards[s]:shards[s + 1]]
-        if comm.Get_size() > 1 and piece.size:
-            level["inter_ar"](comm, piece, piece, op, dtype)
-    if divisor > 1:
-        kernels.divide(recv[lo:hi], dtype, divisor)
-    # 3. intra-node allgather of the reduced parts
-    level["intra_ag"](topo.node_comm, recv[lo:hi].copy(), recv, local_counts)
+    topo.shard_comm(0)  # made collectively here, before a thread of ours uses them
+    parts = [_Chunk(topo, send, recv, lo, hi) for lo, hi in
+             zip(even_bounds(recv.size, k), even_bounds(recv.size, k)[1:])]
+    if k == 1 or not overlaps():
+        for part in parts:
+            part.node_reduce(level, op, dtype)
+            part.cross(level, op, dtype, divisor)
+            part.node_spread(level)
+        return
+    # the cross-node steps run on a thread of their own, a chunk behind the node steps
+    reduced: queue.SimpleQueue = queue.SimpleQueue()  # chunks reduced on the node; None: stop
+    crossed: queue.SimpleQueue = queue.SimpleQueue()  # chunks reduced across, or the error
+
+    def across() -> None:
+        try:
+            while (part := reduced.get()) is not None:
+                part.cross(level, op, dtype, divisor)
+                crossed.put(part)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            crossed.put(error)
+
+    worker = threading.Thread(target=across, name="collectives-hierarchical", daemon=True)
+    worker.start()
+    try:
+        parts[0].node_reduce(level, op, dtype)
+        reduced.put(parts[0])
+        for i, part in enumerate(parts):
+            if i + 1 < k:
+                parts[i + 1].node_reduce(level, op, dtype)
+                reduced.put(parts[i + 1])
+            done = crossed.get()
+            if isinstance(done, BaseException):
+                raise done
+            part.node_spread(level)
+    finally:
+        reduced.put(None)
+        worker.join()
+
+
+class _Chunk:
+    """One chunk [lo, hi) of an allreduce: its shards, this rank's part of them (the shards
+    it owns), and the three steps that reduce it."""
+
+    def __init__(self, topo: Topology, send: np.ndarray, recv: np.ndarray, lo: int, hi: int):
+        self.topo, self.send, self.recv = topo, send[lo:hi], recv[lo:hi]
+        self.shards = even_bounds(hi - lo, topo.max_local_size)
+        self.owned = [s for s in range(topo.max_local_size)
+                      if topo.shard_owner(s) == topo.local_rank]
+        self.counts = [0] * topo.local_size
+        for s in range(topo.max_local_size):
+            self.counts[topo.shard_owner(s)] += self.shards[s + 1] - self.shards[s]
+        self.mine = self.recv[self.shards[self.owned[0]]:self.shards[self.owned[-1] + 1]]
+
+    def node_reduce(self, level: dict[str, Callable], op: ReduceOp, dtype: str) -> None:
+        """1. intra-node reduce-scatter into this rank's part of recv."""
+        level["intra_rs"](self.topo.node_comm, self.send, self.mine, self.counts, op, dtype)
+
+    def cross(self, level: dict[str, Callable], op: ReduceOp, dtype: str,
+              divisor: int) -> None:
+        """2. inter-node allreduce of each owned shard, then an Average's division of it."""
+        for s in self.owned:
+            comm = self.topo.shard_comm(s)
+            piece = self.recv[self.shards[s]:self.shards[s + 1]]
+            if comm.Get_size() > 1 and piece.size:
+                level["inter_ar"](comm, piece, piece, op, dtype)
+        if divisor > 1:
+            kernels.divide(self.mine, dtype, divisor)
+
+    def node_spread(self, level: dict[str, Callable]) -> None:
+        """3. intra-node allgather of the reduced parts."""
+        level["intra_ag"](self.topo.node_comm, self.mine.copy(), self.recv, self.counts)
 
 
 def allgather(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:

@@ -47,9 +47,12 @@ folds run at memory speed; waits overlap work across the pipeline):
   allgather      copy in 2 m/L (window and own block), copy out (L-1)/L m (m = gathered).
   broadcast      root copies m in, the others m out; 2 w per chunk.
 cost() prices a call as 3 (alpha + o) per chunk of SLOT_BYTES (at least one) plus passes x m
-x gamma, passes = 3 for allreduce and 2 for the others (each pass moves memory about as fast
-as our kernels reduce); math.inf on a group that spans several nodes. An allreduce riding
-in the agreement is priced by select.agreement_cost.
+x gamma, where passes counts what one rank copies or folds, in buffers of m (a copy of a
+byte moves memory about as fast as our kernels reduce one): allreduce 3 (L-1)/L (copy in,
+fold, copy out), reducescatter 2 (L-1)/L (copy in, fold), allgather (L+1)/L (copy in 2/L,
+copy out (L-1)/L), broadcast 1 (in on the root, out on the others, at once); math.inf on a
+group that spans several nodes. An allreduce riding in the agreement is priced by
+select.agreement_cost.
 """
 
 from __future__ import annotations
@@ -165,7 +168,9 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
     if layout.size <= 1:
         return 0.0
     step, _ = layout.message(p)
-    passes = 3 if collective == "allreduce" else 2
+    L = layout.size
+    passes = {"allreduce": 3 * (L - 1) / L, "reducescatter": 2 * (L - 1) / L,
+              "allgather": (L + 1) / L, "broadcast": 1.0}[collective]
     chunks = max(1, nbytes // SLOT_BYTES)
     return 3 * chunks * step + passes * nbytes * p.gamma
 

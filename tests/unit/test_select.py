@@ -12,6 +12,7 @@ from fake_topology import FakeTopology
 from collectives import algorithms, config
 from collectives.algorithms import flat as flat_algorithms
 from collectives.algorithms import hierarchical, shm, tree
+from collectives.algorithms import mpi as mpi_algorithm
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.auto import select
 from collectives.runtime.agreement import PIGGYBACK_BYTES, SHARED_BYTES
@@ -127,6 +128,33 @@ def test_a_registered_algorithm_with_the_lowest_cost_is_chosen(monkeypatch):
     assert {algo for *_, algo in steps.values()} == {"fake"}
 
 
+def test_hierarchical_node_level_never_runs_the_libraries_own(monkeypatch):
+    """MPI's one-node reduce_scatter is far slower than its price says: the node level takes
+    our own algorithms even where `mpi` is priced cheapest; the cross-node level may take it."""
+    monkeypatch.setattr(mpi_algorithm, "cost", lambda *args: 1e-12)
+    for c in COLLECTIVES:
+        for step, (_, where, _, algo) in hierarchical.plan(c, 64 << 20, Layout((2, 2)),
+                                                           Params()).items():
+            assert (algo == "mpi") == (where.nodes > 1), (c, step, algo)
+
+
+def test_hierarchical_allreduce_is_priced_as_its_pipeline():
+    """Past one chunk, the node steps of a chunk overlap the cross-node step of another:
+    the price is one chunk's steps plus the slower side for every other chunk."""
+    layout, p, m = Layout((2, 2)), Params(), 64 << 20
+    k = hierarchical.chunks(m)
+    assert k > 1
+    steps = hierarchical.plan("allreduce", m, layout, p)
+    t = {step: flat_algorithms.FLAT[algo].cost(flat, size, where,
+                                               hierarchical._level_params(where, layout, p))
+         for step, (flat, where, size, algo) in steps.items()}
+    assert all(size <= m // k for _, _, size, _ in steps.values())
+    node, cross = t["intra_rs"] + t["intra_ag"], t["inter_ar"]
+    expected = node + cross + (k - 1) * max(node, cross)
+    assert hierarchical.cost("allreduce", m, layout, p) == pytest.approx(expected)
+    assert expected < k * (node + cross)
+
+
 def test_an_algorithm_that_cannot_run_is_never_chosen(monkeypatch):
     monkeypatch.setitem(algorithms.REGISTRY, "never", fake_algorithm(math.inf))
     assert "never" not in select.candidates(FakeTopology(4))
@@ -134,6 +162,8 @@ def test_an_algorithm_that_cannot_run_is_never_chosen(monkeypatch):
 
 
 def test_hierarchical_price_is_the_sum_of_its_level_choices():
+    """Each level runs its cheapest algorithm (our own on the node); a call of one chunk
+    costs the sum of its steps (a chunked allreduce: the test above)."""
     p = Params()
     for sizes in [(2, 2), (4, 4, 4, 4), (2, 1), (8, 8)]:
         layout = Layout(sizes)
@@ -147,16 +177,20 @@ def test_hierarchical_price_is_the_sum_of_its_level_choices():
                     seen = p if where.nodes == 1 else dataclasses.replace(
                         p, beta_inter=p.beta_inter * max(sizes))
                     costs = algorithms.costs(flat, nbytes, where, seen)
+                    if where.nodes == 1:
+                        costs = {a: t for a, t in costs.items() if a in flat_algorithms.ours()}
                     assert algo == min(costs, key=costs.get)  # each level: the cheapest
                     total += costs[algo]
-                assert hierarchical.cost(c, m, layout, p) == pytest.approx(total)
+                if c != "allreduce" or hierarchical.chunks(m) == 1:
+                    assert hierarchical.cost(c, m, layout, p) == pytest.approx(total)
 
 
 def test_hierarchical_runs_the_levels_it_prices():
     topo = FakeTopology(4, 4)
     steps = hierarchical.plan("allreduce", 4 << 20, Layout((4, 4)), Params())
     assert set(steps) == {"intra_rs", "inter_ar", "intra_ag"}
-    assert steps["inter_ar"][2] == (4 << 20) // 4  # a 1/L shard crosses nodes
+    # a 1/L shard of each chunk crosses nodes
+    assert steps["inter_ar"][2] == (4 << 20) // hierarchical.chunks(4 << 20) // 4
     run = hierarchical._levels("allreduce", 4 << 20, topo)
     assert run == {step: algorithms.function(algo, flat)
                    for step, (flat, _, _, algo) in steps.items()}

@@ -1,0 +1,77 @@
+"""The two-level allreduce cut into chunks (algorithms/hierarchical.py): every chunk through
+the node and cross-node steps, the cross-node steps on a thread of their own. Chunks are
+made small here (CHUNK_BYTES patched) so that a few KiB already take many of them, with
+counts that leave uneven chunks and shards; the results must be those of the independent
+reference, bit-identical on every rank and equal, bit for bit, to the same chunks run one
+after another on the caller's thread."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from conftest import (
+    assert_equal,
+    assert_same_on_all_ranks,
+    make_input,
+    reference_reduce,
+    run_case,
+)
+
+import collectives as C
+from collectives.algorithms import hierarchical
+
+pytestmark = pytest.mark.mpi
+
+DTYPES = ["float32", "float64", "int32", "int8", "float16"]
+OPS = [C.Sum, C.Average, C.Max, C.Product]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 1 KiB, at most 9 of them (so a large call has chunks larger than that)."""
+    monkeypatch.setattr(hierarchical, "CHUNK_BYTES", 1 << 10)
+    monkeypatch.setattr(hierarchical, "MAX_CHUNKS", 9)
+
+
+def _counts(itemsize: int) -> list[int]:
+    per_chunk = (1 << 10) // itemsize
+    return [per_chunk - 1, 2 * per_chunk + 3, 9 * per_chunk + 7, 40 * per_chunk + 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out", "in"])
+def test_chunked_allreduce_matches_the_reference(comm, small_chunks, dtype, op, inplace):
+    n, r = comm.Get_size(), comm.Get_rank()
+    for count in _counts(np.dtype(dtype).itemsize):
+        x = make_input(dtype, (count,), seed=100 + r)
+        what = f"hierarchical {op.name} {dtype} x{count} {'in' if inplace else 'out'}"
+        fn = C.allreduce_ if inplace else C.allreduce
+        before, got = run_case(lambda t: fn(t, op=op, algorithm="hierarchical"), x,  # noqa: B023
+                               inplace, what)
+        expected = reference_reduce(comm.allgather(before), op, dtype, n)
+        assert_equal(got, expected, what)
+        assert_same_on_all_ranks(comm, got, what)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_pipelined_is_bitwise_the_chunks_in_sequence(comm, small_chunks, monkeypatch, dtype):
+    """Random floats, whose sums round: the thread changes when each step runs, not what it
+    computes. The pipelined run must have used the cross-node thread where MPI allows it."""
+    rng = np.random.default_rng(7 + comm.Get_rank())
+    x = (rng.standard_normal(30 * (1 << 10) // np.dtype(dtype).itemsize + 5) * 1e3).astype(dtype)
+    threads = []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start",
+                        lambda self: (threads.append(self.name), start(self))[1])
+    for op in (C.Sum, C.Average):
+        pipelined = C.allreduce(x, op=op, algorithm="hierarchical")
+        with monkeypatch.context() as sequential:
+            sequential.setattr(hierarchical, "overlaps", lambda: False)
+            in_sequence = C.allreduce(x, op=op, algorithm="hierarchical")
+        assert_equal(pipelined, in_sequence, f"{op.name} {dtype} pipelined vs in sequence")
+        assert_same_on_all_ranks(comm, pipelined, f"{op.name} {dtype}")
+    if hierarchical.overlaps():
+        assert "collectives-hierarchical" in threads
