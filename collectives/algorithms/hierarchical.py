@@ -63,18 +63,19 @@ TAKES_TOPOLOGY = True
 #: (algorithms.reduce folds an Average in that way).
 FOLDS_AVERAGE = True
 
-#: A pipelined allreduce's chunk: the buffer bytes that go through the three steps together.
-#: Small enough that a 4 MiB call already pipelines, and that the cross-node messages (a
-#: chunk's shard) stay at most a few MiB, which the rig's TCP links carried at their rate
-#: where a message of tens of MiB in flight ran at 0.5-0.7x of it in one call of two.
-CHUNK_BYTES = 1 << 20
+#: A pipelined allreduce cuts its buffer into chunks of one shard of this size per local
+#: rank, so each cross-node message is about this size: large enough that a message's fixed
+#: cost is small beside its transfer, small enough that the rig's 1 Gbit/s TCP links carried
+#: it at their rate (in 2 MiB messages they ran at 0.5-0.7x of it, every other call).
+SHARD_BYTES = 1 << 20
 #: At most this many chunks: past it they grow, so the per-chunk hand-offs stay few.
-MAX_CHUNKS = 64
+MAX_CHUNKS = 256
 
 
-def chunks(nbytes: int) -> int:
-    """How many chunks an allreduce of nbytes is cut into."""
-    return max(1, min(nbytes // CHUNK_BYTES, MAX_CHUNKS))
+def chunks(nbytes: int, local: int) -> int:
+    """How many chunks an allreduce of nbytes is cut into, over nodes of at most `local`
+    ranks."""
+    return max(1, min(nbytes // (SHARD_BYTES * max(local, 1)), MAX_CHUNKS))
 
 
 def overlaps() -> bool:
@@ -109,7 +110,7 @@ def plan(collective: str, nbytes: int, layout: Layout,
     level run the same algorithm."""
     levels = {"intra": layout.intra(), "inter": layout.inter()}
     if collective == "allreduce":  # each step runs on one chunk at a time
-        nbytes //= chunks(nbytes)
+        nbytes //= chunks(nbytes, layout.max_local)
     steps = {}
     for step, (flat, level, m) in _steps(collective, nbytes, max(layout.max_local, 1),
                                          max(layout.nodes, 1)).items():
@@ -136,7 +137,7 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
          for step, (flat, where, m, algo) in plan(collective, nbytes, layout, p).items()}
     if collective != "allreduce":
         return sum(t.values())
-    k = chunks(nbytes)
+    k = chunks(nbytes, layout.max_local)
     node, cross = t["intra_rs"] + t["intra_ag"], t["inter_ar"]
     if k == 1 or not overlaps():
         return k * (node + cross)
@@ -159,7 +160,7 @@ def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     """recv = reduction of every rank's send (send may be recv), divided by divisor (an
     Average: each rank divides the part it owns, 1/local_size of the buffer, before the
     intra-node allgather spreads it). Past one chunk, pipelined (see the module docstring)."""
-    k = chunks(recv.nbytes)
+    k = chunks(recv.nbytes, topo.max_local_size)
     level = _levels("allreduce", recv.nbytes, topo)
     topo.shard_comm(0)  # made collectively here, before a thread of ours uses them
     parts = [_Chunk(topo, send, recv, lo, hi) for lo, hi in

@@ -1,6 +1,6 @@
 """The two-level allreduce cut into chunks (algorithms/hierarchical.py): every chunk through
 the node and cross-node steps, the cross-node steps on a thread of their own. Chunks are
-made small here (CHUNK_BYTES patched) so that a few KiB already take many of them, with
+made small here (SHARD_BYTES patched) so that a few KiB already take many of them, with
 counts that leave uneven chunks and shards; the results must be those of the independent
 reference, bit-identical on every rank and equal, bit for bit, to the same chunks run one
 after another on the caller's thread."""
@@ -30,13 +30,13 @@ OPS = [C.Sum, C.Average, C.Max, C.Product]
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of 1 KiB, at most 9 of them (so a large call has chunks larger than that)."""
-    monkeypatch.setattr(hierarchical, "CHUNK_BYTES", 1 << 10)
+    """Shards of 512 bytes, at most 9 chunks (so a large call has larger shards)."""
+    monkeypatch.setattr(hierarchical, "SHARD_BYTES", 512)
     monkeypatch.setattr(hierarchical, "MAX_CHUNKS", 9)
 
 
 def _counts(itemsize: int) -> list[int]:
-    per_chunk = (1 << 10) // itemsize
+    per_chunk = 512 // itemsize
     return [per_chunk - 1, 2 * per_chunk + 3, 9 * per_chunk + 7, 40 * per_chunk + 1]
 
 
@@ -61,7 +61,7 @@ def test_pipelined_is_bitwise_the_chunks_in_sequence(comm, small_chunks, monkeyp
     """Random floats, whose sums round: the thread changes when each step runs, not what it
     computes. The pipelined run must have used the cross-node thread where MPI allows it."""
     rng = np.random.default_rng(7 + comm.Get_rank())
-    x = (rng.standard_normal(30 * (1 << 10) // np.dtype(dtype).itemsize + 5) * 1e3).astype(dtype)
+    x = (rng.standard_normal(30 * 512 // np.dtype(dtype).itemsize + 5) * 1e3).astype(dtype)
     threads = []
     start = threading.Thread.start
     monkeypatch.setattr(threading.Thread, "start",

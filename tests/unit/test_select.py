@@ -142,7 +142,7 @@ def test_hierarchical_allreduce_is_priced_as_its_pipeline():
     """Past one chunk, the node steps of a chunk overlap the cross-node step of another:
     the price is one chunk's steps plus the slower side for every other chunk."""
     layout, p, m = Layout((2, 2)), Params(), 64 << 20
-    k = hierarchical.chunks(m)
+    k = hierarchical.chunks(m, 2)
     assert k > 1
     steps = hierarchical.plan("allreduce", m, layout, p)
     t = {step: flat_algorithms.FLAT[algo].cost(flat, size, where,
@@ -181,7 +181,7 @@ def test_hierarchical_price_is_the_sum_of_its_level_choices():
                         costs = {a: t for a, t in costs.items() if a in flat_algorithms.ours()}
                     assert algo == min(costs, key=costs.get)  # each level: the cheapest
                     total += costs[algo]
-                if c != "allreduce" or hierarchical.chunks(m) == 1:
+                if c != "allreduce" or hierarchical.chunks(m, max(sizes)) == 1:
                     assert hierarchical.cost(c, m, layout, p) == pytest.approx(total)
 
 
@@ -190,7 +190,7 @@ def test_hierarchical_runs_the_levels_it_prices():
     steps = hierarchical.plan("allreduce", 4 << 20, Layout((4, 4)), Params())
     assert set(steps) == {"intra_rs", "inter_ar", "intra_ag"}
     # a 1/L shard of each chunk crosses nodes
-    assert steps["inter_ar"][2] == (4 << 20) // hierarchical.chunks(4 << 20) // 4
+    assert steps["inter_ar"][2] == (4 << 20) // hierarchical.chunks(4 << 20, 4) // 4
     run = hierarchical._levels("allreduce", 4 << 20, topo)
     assert run == {step: algorithms.function(algo, flat)
                    for step, (flat, _, _, algo) in steps.items()}
