@@ -7,6 +7,14 @@ How it works.
                     its node; 2. inter-node allreduce of each shard among the ranks owning
                     it on every node; 3. intra-node allgather. Every node sends one buffer's
                     worth across nodes in total, spread over all its ranks.
+                 Pipelined: the buffer is first cut into k chunks (chunks(): one shard of
+                 SHARD_BYTES per local rank, at most MAX_CHUNKS) that go through the three
+                 steps one after another. A thread of the call's own runs step 2 of each
+                 chunk while the caller's thread runs steps 1 and 3 of its neighbours
+                 (chunk i+1 reduced, chunk i-1 spread), so the link stays busy while the
+                 node works. Each thread calls its steps in chunk order, the same on every
+                 rank, and the two use different communicators (node, shard), which takes
+                 MPI_THREAD_MULTIPLE; below it the chunks run in sequence.
   allgather      1. intra-node allgather of the node's rows; 2. node leaders (local rank 0)
                  allgather the node blocks; 3. leaders broadcast the result in their node.
   reducescatter  1. intra-node reduce to the leader; 2. leaders reduce-scatter node-sized
@@ -16,18 +24,21 @@ Uneven nodes (e.g. 2 + 1 ranks) work: a smaller node's ranks own more shards.
 
 Each level runs the flat algorithm that is cheapest there for its step's size (`plan`,
 which both the collectives below and cost() call, so the price is what runs): the node
-level one of our own (flat.ours()), priced as the largest node (L ranks); the cross-node level
-any flat one, MPI's included, priced as N single ranks.
+level one of our own (flat.ours()), priced as the largest node (L ranks); the cross-node
+level any flat one, MPI's included, priced as N single ranks.
 
 Cost (N nodes of at most L ranks, m bytes): the sum of plan's steps, each the chosen
 algorithm's cost() on its level; the point-to-point hand-offs (reducescatter's rows, a
 broadcast root's hop to its leader) are left out. The steps:
-  allreduce      reducescatter of m on the node + allreduce of m/L across + allgather of m
-                 on the node; with ring at both levels: 2(L-1) alpha_i + 2(L-1)/L m beta_i
-                 + 2(N-1) alpha_x + 2(N-1)/N m/L (L beta_x): each rank sends 1/L of a
-                 flat ring's bytes across, but the L groups share each node's one link
-                 (priced as L beta_x), so the link carries what a node-ordered ring's
-                 does; the gain is in steps (N-1 across instead of NL-1)
+  allreduce      per chunk of c = m/k: reducescatter of c on the node (t_rs) + allreduce of
+                 c/L across (t_x) + allgather of c on the node (t_ag); pipelined,
+                   t_rs + t_x + t_ag + (k-1) max(t_rs + t_ag, t_x)
+                 (k (t_rs + t_x + t_ag) in sequence): one chunk's steps plus, for every
+                 other, its slower side. With ring across: 2(N-1) alpha_x + 2(N-1)/N c/L
+                 (L beta_x) a chunk: each rank sends 1/L of a flat ring's bytes across, but
+                 the L groups share each node's one link (priced as L beta_x), so the link
+                 carries what a node-ordered ring's does; the gain is in steps (N-1 across
+                 instead of NL-1) and in the node's work hidden behind the link
   allgather      allgather of m/N on the node + allgather of m across + broadcast of m
   reducescatter  reduce of m to the leader (a reducescatter) + reducescatter of m across
   broadcast      broadcast of m across + broadcast of m on the node
