@@ -14,7 +14,8 @@ How it works.
                  (chunk i+1 reduced, chunk i-1 spread), so the link stays busy while the
                  node works. Each thread calls its steps in chunk order, the same on every
                  rank, and the two use different communicators (node, shard), which takes
-                 MPI_THREAD_MULTIPLE; below it the chunks run in sequence.
+                 MPI_THREAD_MULTIPLE. Below it, or below MIN_PIPELINED chunks, the chunks
+                 run in sequence (still in messages of about SHARD_BYTES).
   allgather      1. intra-node allgather of the node's rows; 2. node leaders (local rank 0)
                  allgather the node blocks; 3. leaders broadcast the result in their node.
   reducescatter  1. intra-node reduce to the leader; 2. leaders reduce-scatter node-sized
@@ -33,12 +34,13 @@ broadcast root's hop to its leader) are left out. The steps:
   allreduce      per chunk of c = m/k: reducescatter of c on the node (t_rs) + allreduce of
                  c/L across (t_x) + allgather of c on the node (t_ag); pipelined,
                    t_rs + t_x + t_ag + (k-1) max(t_rs + t_ag, t_x)
-                 (k (t_rs + t_x + t_ag) in sequence): one chunk's steps plus, for every
-                 other, its slower side. With ring across: 2(N-1) alpha_x + 2(N-1)/N c/L
-                 (L beta_x) a chunk: each rank sends 1/L of a flat ring's bytes across, but
-                 the L groups share each node's one link (priced as L beta_x), so the link
-                 carries what a node-ordered ring's does; the gain is in steps (N-1 across
-                 instead of NL-1) and in the node's work hidden behind the link
+                 (one chunk's steps plus, for every other, its slower side), below
+                 MIN_PIPELINED chunks k (t_rs + t_x + t_ag). With ring across: 2(N-1)
+                 alpha_x + 2(N-1)/N c/L (L beta_x) a chunk: each rank sends 1/L of a flat
+                 ring's bytes across, but the L groups share each node's one link (priced
+                 as L beta_x), so the link carries what a node-ordered ring's does; the
+                 gain is in steps (N-1 across instead of NL-1) and in the node's work
+                 hidden behind the link
   allgather      allgather of m/N on the node + allgather of m across + broadcast of m
   reducescatter  reduce of m to the leader (a reducescatter) + reducescatter of m across
   broadcast      broadcast of m across + broadcast of m on the node
@@ -89,11 +91,23 @@ def chunks(nbytes: int, local: int) -> int:
     return max(1, min(nbytes // (SHARD_BYTES * max(local, 1)), MAX_CHUNKS))
 
 
+#: Fewest chunks that run pipelined: with fewer, the thread costs more than the overlap
+#: saves (rig, 2 hosts x 2 ranks, 1 Gbit/s, alternating in one job: 4 MiB, 2 chunks, 42.9
+#: ms pipelined against 37.4 in sequence; 16 MiB, 8 chunks, 148 against 156; 64 MiB 590
+#: against 633).
+MIN_PIPELINED = 4
+
+
 def overlaps() -> bool:
-    """Whether a chunk's cross-node step runs beside the node steps of its neighbours: on a
-    thread of its own, which takes MPI_THREAD_MULTIPLE (mpi4py's default); assumed where MPI
-    is not running (the scale model prices a job to come)."""
+    """Whether a chunk's cross-node step can run beside the node steps of its neighbours:
+    on a thread of its own, which takes MPI_THREAD_MULTIPLE (mpi4py's default); assumed
+    where MPI is not running (the scale model prices a job to come)."""
     return not MPI.Is_initialized() or MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def pipelined(k: int) -> bool:
+    """Whether an allreduce of k chunks runs pipelined (else its chunks run in sequence)."""
+    return k >= MIN_PIPELINED and overlaps()
 
 
 def _steps(collective: str, m: int, L: int, N: int) -> dict[str, tuple[str, str, int]]:
@@ -150,7 +164,7 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
         return sum(t.values())
     k = chunks(nbytes, layout.max_local)
     node, cross = t["intra_rs"] + t["intra_ag"], t["inter_ar"]
-    if k == 1 or not overlaps():
+    if not pipelined(k):
         return k * (node + cross)
     return node + cross + (k - 1) * max(node, cross)
 
@@ -176,7 +190,7 @@ def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     topo.shard_comm(0)  # made collectively here, before a thread of ours uses them
     parts = [_Chunk(topo, send, recv, lo, hi) for lo, hi in
              zip(even_bounds(recv.size, k), even_bounds(recv.size, k)[1:])]
-    if k == 1 or not overlaps():
+    if not pipelined(k):
         for part in parts:
             part.node_reduce(level, op, dtype)
             part.cross(level, op, dtype, divisor)

@@ -143,7 +143,7 @@ def test_hierarchical_allreduce_is_priced_as_its_pipeline():
     the price is one chunk's steps plus the slower side for every other chunk."""
     layout, p, m = Layout((2, 2)), Params(), 64 << 20
     k = hierarchical.chunks(m, 2)
-    assert k > 1
+    assert hierarchical.pipelined(k)
     steps = hierarchical.plan("allreduce", m, layout, p)
     t = {step: flat_algorithms.FLAT[algo].cost(flat, size, where,
                                                hierarchical._level_params(where, layout, p))
@@ -162,8 +162,9 @@ def test_an_algorithm_that_cannot_run_is_never_chosen(monkeypatch):
 
 
 def test_hierarchical_price_is_the_sum_of_its_level_choices():
-    """Each level runs its cheapest algorithm (our own on the node); a call of one chunk
-    costs the sum of its steps (a chunked allreduce: the test above)."""
+    """Each level runs its cheapest algorithm (our own on the node); a call costs the sum of
+    its steps, once per chunk where the chunks run in sequence (pipelined: the test
+    above)."""
     p = Params()
     for sizes in [(2, 2), (4, 4, 4, 4), (2, 1), (8, 8)]:
         layout = Layout(sizes)
@@ -181,8 +182,9 @@ def test_hierarchical_price_is_the_sum_of_its_level_choices():
                         costs = {a: t for a, t in costs.items() if a in flat_algorithms.ours()}
                     assert algo == min(costs, key=costs.get)  # each level: the cheapest
                     total += costs[algo]
-                if c != "allreduce" or hierarchical.chunks(m, max(sizes)) == 1:
-                    assert hierarchical.cost(c, m, layout, p) == pytest.approx(total)
+                k = hierarchical.chunks(m, max(sizes)) if c == "allreduce" else 1
+                if not hierarchical.pipelined(k):  # its chunks in sequence
+                    assert hierarchical.cost(c, m, layout, p) == pytest.approx(k * total)
 
 
 def test_hierarchical_runs_the_levels_it_prices():
