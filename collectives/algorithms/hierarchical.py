@@ -7,8 +7,8 @@ How it works.
                     its node; 2. inter-node allreduce of each shard among the ranks owning
                     it on every node; 3. intra-node allgather. Every node sends one buffer's
                     worth across nodes in total, spread over all its ranks.
-                 Pipelined: the buffer is first cut into k chunks (chunks(): one shard of
-                 SHARD_BYTES per local rank, at most MAX_CHUNKS) that go through the three
+                 Pipelined: the buffer is first cut into k chunks (chunks(): the count
+                 priced cheapest, shards of at least SHARD_BYTES) that go through the three
                  steps one after another. A thread of the call's own runs step 2 of each
                  chunk while the caller's thread runs steps 1 and 3 of its neighbours
                  (chunk i+1 reduced, chunk i-1 spread), so the link stays busy while the
@@ -76,19 +76,30 @@ TAKES_TOPOLOGY = True
 #: (algorithms.reduce folds an Average in that way).
 FOLDS_AVERAGE = True
 
-#: A pipelined allreduce cuts its buffer into chunks of one shard of this size per local
-#: rank, so each cross-node message is about this size: large enough that a message's fixed
-#: cost is small beside its transfer, small enough that the rig's 1 Gbit/s TCP links carried
-#: it at their rate (in 2 MiB messages they ran at 0.5-0.7x of it, every other call).
+#: An allreduce cuts its buffer into chunks of at least one shard of this size per local
+#: rank, so each cross-node message is about this size or larger: large enough that a
+#: message's fixed cost is small beside its transfer, small enough that the rig's 1 Gbit/s
+#: TCP links carried it at their rate (in 2 MiB messages they ran at 0.5-0.7x of it, every
+#: other call).
 SHARD_BYTES = 1 << 20
 #: At most this many chunks: past it they grow, so the per-chunk hand-offs stay few.
 MAX_CHUNKS = 256
+#: chunks() takes the most chunks priced within this fraction of the cheapest count.
+NEAR = 0.01
 
 
-def chunks(nbytes: int, local: int) -> int:
-    """How many chunks an allreduce of nbytes is cut into, over nodes of at most `local`
-    ranks."""
-    return max(1, min(nbytes // (SHARD_BYTES * max(local, 1)), MAX_CHUNKS))
+def chunks(nbytes: int, layout: Layout, p: Params) -> int:
+    """How many chunks an allreduce of nbytes is cut into on layout: of the powers of two up
+    to one SHARD_BYTES shard per local rank (and MAX_CHUNKS), the most priced within NEAR
+    of the cheapest. The price counts each chunk's fixed costs (across hundreds of nodes,
+    a chunk's latencies outweigh what pipelining saves, and few chunks win) but not what a
+    message's size does to a TCP flow, which on the rig favoured the most chunks: near-ties
+    go to more."""
+    most = max(1, min(nbytes // (SHARD_BYTES * max(layout.max_local, 1)), MAX_CHUNKS))
+    options = {1 << i for i in range(most.bit_length())} | {most}
+    priced = {k: _allreduce_cost(nbytes, layout, p, k) for k in options}
+    best = min(priced.values())
+    return max(k for k, t in priced.items() if t <= best * (1 + NEAR))
 
 
 #: Fewest chunks that run pipelined: with fewer, the thread costs more than the overlap
@@ -130,12 +141,17 @@ def _steps(collective: str, m: int, L: int, N: int) -> dict[str, tuple[str, str,
 def plan(collective: str, nbytes: int, layout: Layout,
          p: Params) -> dict[str, tuple[str, Layout, int, str]]:
     """Each step of a hierarchical call of nbytes on layout: step -> (flat collective,
-    level layout, bytes, the flat algorithm cheapest there). The one place a level's
-    algorithm is decided; it depends only on values every rank shares, so all ranks of a
-    level run the same algorithm."""
+    level layout, bytes, the flat algorithm cheapest there); an allreduce's steps are its
+    chunks' (chunks()). The one place a level's algorithm is decided; it depends only on
+    values every rank shares, so all ranks of a level run the same algorithm."""
+    if collective == "allreduce":
+        nbytes //= chunks(nbytes, layout, p)
+    return _plan(collective, nbytes, layout, p)
+
+
+def _plan(collective: str, nbytes: int, layout: Layout,
+          p: Params) -> dict[str, tuple[str, Layout, int, str]]:
     levels = {"intra": layout.intra(), "inter": layout.inter()}
-    if collective == "allreduce":  # each step runs on one chunk at a time
-        nbytes //= chunks(nbytes, layout.max_local)
     steps = {}
     for step, (flat, level, m) in _steps(collective, nbytes, max(layout.max_local, 1),
                                          max(layout.nodes, 1)).items():
@@ -143,6 +159,13 @@ def plan(collective: str, nbytes: int, layout: Layout,
         steps[step] = (flat, levels[level], m, cheapest(
             flat, m, levels[level], _level_params(levels[level], layout, p), among))
     return steps
+
+
+def _priced(steps: dict[str, tuple[str, Layout, int, str]], layout: Layout,
+            p: Params) -> dict[str, float]:
+    """step -> predicted seconds of plan's steps."""
+    return {step: FLAT[algo].cost(flat, m, where, _level_params(where, layout, p))
+            for step, (flat, where, m, algo) in steps.items()}
 
 
 def _level_params(where: Layout, layout: Layout, p: Params) -> Params:
@@ -155,14 +178,17 @@ def _level_params(where: Layout, layout: Layout, p: Params) -> Params:
 
 
 def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
-    """Predicted seconds of one call on layout: the sum of plan's steps."""
+    """Predicted seconds of one call on layout: plan's steps (see the module docstring)."""
     if layout.nodes <= 1 or layout.max_local <= 1:
         return math.inf
-    t = {step: FLAT[algo].cost(flat, m, where, _level_params(where, layout, p))
-         for step, (flat, where, m, algo) in plan(collective, nbytes, layout, p).items()}
-    if collective != "allreduce":
-        return sum(t.values())
-    k = chunks(nbytes, layout.max_local)
+    if collective == "allreduce":
+        return _allreduce_cost(nbytes, layout, p, chunks(nbytes, layout, p))
+    return sum(_priced(_plan(collective, nbytes, layout, p), layout, p).values())
+
+
+def _allreduce_cost(nbytes: int, layout: Layout, p: Params, k: int) -> float:
+    """An allreduce of nbytes in k chunks: pipelined or in sequence (module docstring)."""
+    t = _priced(_plan("allreduce", nbytes // k, layout, p), layout, p)
     node, cross = t["intra_rs"] + t["intra_ag"], t["inter_ar"]
     if not pipelined(k):
         return k * (node + cross)
@@ -185,8 +211,10 @@ def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     """recv = reduction of every rank's send (send may be recv), divided by divisor (an
     Average: each rank divides the part it owns, 1/local_size of the buffer, before the
     intra-node allgather spreads it). Past one chunk, pipelined (see the module docstring)."""
-    k = chunks(recv.nbytes, topo.max_local_size)
-    level = _levels("allreduce", recv.nbytes, topo)
+    layout, p = Layout.of(topo), costmodel.params()
+    k = chunks(recv.nbytes, layout, p)
+    level = {step: getattr(FLAT[algo], flat) for step, (flat, _, _, algo)
+             in _plan("allreduce", recv.nbytes // k, layout, p).items()}
     topo.shard_comm(0)  # made collectively here, before a thread of ours uses them
     parts = [_Chunk(topo, send, recv, lo, hi) for lo, hi in
              zip(even_bounds(recv.size, k), even_bounds(recv.size, k)[1:])]

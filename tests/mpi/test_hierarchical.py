@@ -1,6 +1,6 @@
 """The two-level allreduce cut into chunks (algorithms/hierarchical.py): every chunk through
 the node and cross-node steps, the cross-node steps on a thread of their own. Chunks are
-made small here (SHARD_BYTES patched) so that a few KiB already take many of them, with
+made small here (chunks() patched) so that a few KiB already take many of them, with
 counts that leave uneven chunks and shards; the results must be those of the independent
 reference, bit-identical on every rank and equal, bit for bit, to the same chunks run one
 after another on the caller's thread."""
@@ -30,9 +30,10 @@ OPS = [C.Sum, C.Average, C.Max, C.Product]
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Shards of 512 bytes, at most 9 chunks (so a large call has larger shards)."""
-    monkeypatch.setattr(hierarchical, "SHARD_BYTES", 512)
-    monkeypatch.setattr(hierarchical, "MAX_CHUNKS", 9)
+    """Shards of 512 bytes, at most 9 chunks (so a large call has larger shards), whatever
+    the price says of so many small chunks."""
+    monkeypatch.setattr(hierarchical, "chunks", lambda nbytes, layout, p: max(
+        1, min(nbytes // (512 * layout.max_local), 9)))
 
 
 def _counts(itemsize: int) -> list[int]:

@@ -142,7 +142,7 @@ def test_hierarchical_allreduce_is_priced_as_its_pipeline():
     """Past one chunk, the node steps of a chunk overlap the cross-node step of another:
     the price is one chunk's steps plus the slower side for every other chunk."""
     layout, p, m = Layout((2, 2)), Params(), 64 << 20
-    k = hierarchical.chunks(m, 2)
+    k = hierarchical.chunks(m, layout, p)
     assert hierarchical.pipelined(k)
     steps = hierarchical.plan("allreduce", m, layout, p)
     t = {step: flat_algorithms.FLAT[algo].cost(flat, size, where,
@@ -159,6 +159,23 @@ def test_an_algorithm_that_cannot_run_is_never_chosen(monkeypatch):
     monkeypatch.setitem(algorithms.REGISTRY, "never", fake_algorithm(math.inf))
     assert "never" not in select.candidates(FakeTopology(4))
     assert select.choose("allgather", 1 << 20, FakeTopology(4)) != "never"
+
+
+def test_hierarchical_chunks_are_the_most_priced_near_the_cheapest():
+    """Of the powers of two up to a 1 MiB shard per local rank, the most chunks whose price
+    is within NEAR of the cheapest: on the rig's layout, all of them."""
+    p = Params()
+    fast = dataclasses.replace(p, alpha_inter=5e-6, beta_inter=8e-11)  # 100 Gbit/s
+    assert hierarchical.chunks(64 << 20, Layout((2, 2)), p) == 32
+    assert hierarchical.chunks(1 << 20, Layout((2, 2)), p) == 1
+    for layout, params in [(Layout((2, 2)), p), (Layout((8,) * 512), fast),
+                           (Layout((4, 4, 3)), fast)]:
+        for m in (3 << 20, 64 << 20, 256 << 20):
+            most = max(1, m // (hierarchical.SHARD_BYTES * layout.max_local))
+            priced = {k: hierarchical._allreduce_cost(m, layout, params, k)
+                      for k in [1 << i for i in range(most.bit_length())] + [most]}
+            near = [k for k, t in priced.items() if t <= min(priced.values()) * 1.01]
+            assert hierarchical.chunks(m, layout, params) == max(near), (layout, m)
 
 
 def test_hierarchical_price_is_the_sum_of_its_level_choices():
@@ -182,7 +199,7 @@ def test_hierarchical_price_is_the_sum_of_its_level_choices():
                         costs = {a: t for a, t in costs.items() if a in flat_algorithms.ours()}
                     assert algo == min(costs, key=costs.get)  # each level: the cheapest
                     total += costs[algo]
-                k = hierarchical.chunks(m, max(sizes)) if c == "allreduce" else 1
+                k = hierarchical.chunks(m, layout, p) if c == "allreduce" else 1
                 if not hierarchical.pipelined(k):  # its chunks in sequence
                     assert hierarchical.cost(c, m, layout, p) == pytest.approx(k * total)
 
@@ -192,7 +209,7 @@ def test_hierarchical_runs_the_levels_it_prices():
     steps = hierarchical.plan("allreduce", 4 << 20, Layout((4, 4)), Params())
     assert set(steps) == {"intra_rs", "inter_ar", "intra_ag"}
     # a 1/L shard of each chunk crosses nodes
-    assert steps["inter_ar"][2] == (4 << 20) // hierarchical.chunks(4 << 20, 4) // 4
+    assert steps["inter_ar"][2] == (4 << 20) // hierarchical.chunks(4 << 20, Layout((4, 4)), Params()) // 4
     run = hierarchical._levels("allreduce", 4 << 20, topo)
     assert run == {step: algorithms.function(algo, flat)
                    for step, (flat, _, _, algo) in steps.items()}
