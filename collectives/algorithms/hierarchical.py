@@ -284,8 +284,9 @@ class _Chunk:
             kernels.divide(self.mine, dtype, divisor)
 
     def node_spread(self, level: dict[str, Callable]) -> None:
-        """3. intra-node allgather of the reduced parts."""
-        level["intra_ag"](self.topo.node_comm, self.mine.copy(), self.recv, self.counts)
+        """3. intra-node allgather of the reduced parts (in place: our node algorithms
+        take this rank's own block of recv as its input)."""
+        level["intra_ag"](self.topo.node_comm, self.mine, self.recv, self.counts)
 
 
 def allgather(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:

@@ -299,7 +299,8 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
 # ------------------------------------------------------------------------ pure copies
 
 def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[int]) -> None:
-    """recv = every rank's send concatenated in rank order (counts[i] elements from rank i)."""
+    """recv = every rank's send concatenated in rank order (counts[i] elements from rank i);
+    send may be this rank's own block of recv (in place: hierarchical's node level)."""
     count(comm, send.nbytes, recv.nbytes - send.nbytes)
     if _nothing_to_move(comm, send, recv, recv.size):
         return

@@ -111,6 +111,13 @@ def check_allgather(comm, x: np.ndarray, what: str) -> None:
     shm.allgather(comm, x, recv, [i.size for i in inputs])
     assert_equal(recv, np.concatenate(inputs), what)
     assert_same_on_all_ranks(comm, recv, what)
+    # in place: the input is this rank's own block of recv
+    start = sum(i.size for i in inputs[:comm.Get_rank()])
+    inplace = np.zeros_like(recv)
+    own = inplace[start:start + x.size]
+    own[...] = x
+    shm.allgather(comm, own, inplace, [i.size for i in inputs])
+    assert_equal(inplace, np.concatenate(inputs), f"{what} in place")
 
 
 def check_broadcast(comm, x: np.ndarray, root: int, what: str) -> None:
