@@ -249,9 +249,13 @@ def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
             if isinstance(done, BaseException):
                 raise done
             part.node_spread(level)
-    finally:
+    except BaseException:
+        # the thread stops before its next chunk; one stuck in a cross-node step whose
+        # peers failed stays there (a daemon) rather than holding the error back
         reduced.put(None)
-        worker.join()
+        raise
+    reduced.put(None)
+    worker.join()
 
 
 class _Chunk:

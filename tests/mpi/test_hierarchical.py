@@ -76,3 +76,24 @@ def test_pipelined_is_bitwise_the_chunks_in_sequence(comm, small_chunks, monkeyp
         assert_same_on_all_ranks(comm, pipelined, f"{op.name} {dtype}")
     if hierarchical.overlaps():
         assert "collectives-hierarchical" in threads
+
+
+def test_an_error_on_the_cross_node_thread_reaches_the_caller(comm, small_chunks, monkeypatch):
+    """Every rank's thread fails at its third chunk: the call raises that error on every
+    rank instead of waiting, and the next call runs."""
+    cross = hierarchical._Chunk.cross
+    seen = []
+
+    def failing(self, *args):
+        seen.append(self)
+        if len(seen) == 3:
+            raise RuntimeError("cross-node step failed")
+        cross(self, *args)
+
+    x = np.arange(40 * 512 // 4, dtype=np.float32)
+    with monkeypatch.context() as patched:
+        patched.setattr(hierarchical._Chunk, "cross", failing)
+        with pytest.raises(RuntimeError, match="cross-node step failed"):
+            C.allreduce(x, op=C.Sum, algorithm="hierarchical")
+    assert_equal(C.allreduce(x, op=C.Sum, algorithm="hierarchical"), x * comm.Get_size(),
+                 "the call after the error")
