@@ -8,7 +8,10 @@ Rank 0 prints the median step time without the commit and the median commit time
 copies of the parameters and the optimizer state it makes in memory). At step --kill-at the
 last rank dies (SIGKILL); rank 0 then prints how long the survivors took, from the kill, to
 raise RanksFailedError, to have restored the commit and shrunk the job (the reset callback
-runs), and to finish their first step on the smaller job (sync from rank 0 included)."""
+runs), and to finish their first step on the smaller job (sync from rank 0 included).
+With --max-size the job grows back (collectives.elastic.run's max_size): rank 0 also prints
+when the replacement had joined (the reset callbacks run at full size again) and when the
+first step on the full job was done, from the kill."""
 
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ def main() -> None:
     ap.add_argument("--killfile", default=os.path.join(tempfile.gettempdir(), "elastic-kill"),
                     help="where the dying rank writes the time of its death (a path every "
                          "rank reads)")
+    ap.add_argument("--max-size", type=int, default=None,
+                    help="grow back to this many ranks after the failure (default: shrink only)")
     args = ap.parse_args()
     C.init()
     first_size = C.size()
@@ -48,9 +53,15 @@ def main() -> None:
     steps: list[float] = []
     commits: list[float] = []
     marks: dict[str, float] = {}
-    state.register_reset_callbacks([lambda: marks.setdefault("reset", time.time())])
 
-    @elastic.run
+    def on_reset() -> None:
+        key = "grown" if "reset" in marks and C.size() == first_size else "reset"
+        marks.setdefault(key, time.time())
+        marks.setdefault(f"{key}_size", C.size())
+
+    state.register_reset_callbacks([on_reset])
+
+    @elastic.run(max_size=args.max_size)
     def train(state: elastic.TorchState) -> None:
         while state.step < args.steps:
             if state.step == args.kill_at and C.size() == first_size \
@@ -68,6 +79,8 @@ def main() -> None:
                 raise
             if "reset" in marks and "stepped" not in marks:
                 marks["stepped"] = time.time()
+            if "grown" in marks and "grown_stepped" not in marks:
+                marks["grown_stepped"] = time.time()
             steps.append(time.perf_counter() - start)
             start = time.perf_counter()
             state.step += 1
@@ -86,8 +99,11 @@ def main() -> None:
             killed = float(f.read())
         os.unlink(killfile)
         print(f"from the kill: raised {marks['raised'] - killed:.3f} s, restored and shrunk "
-              f"to {C.size()} ranks {marks['reset'] - killed:.3f} s, first step done "
+              f"to {marks['reset_size']} ranks {marks['reset'] - killed:.3f} s, first step done "
               f"{marks['stepped'] - killed:.3f} s")
+        if "grown" in marks:
+            print(f"back to {first_size} ranks {marks['grown'] - killed:.3f} s after the kill, "
+                  f"first step on them done {marks['grown_stepped'] - killed:.3f} s")
 
 
 if __name__ == "__main__":
