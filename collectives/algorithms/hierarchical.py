@@ -197,7 +197,11 @@ def _allreduce_cost(nbytes: int, layout: Layout, p: Params, k: int) -> float:
 
 def _levels(collective: str, nbytes: int, topo: Topology) -> dict[str, Callable]:
     """step -> the flat function plan chose for it on topo."""
-    steps = plan(collective, nbytes, Layout.of(topo), costmodel.params())
+    return _functions(plan(collective, nbytes, Layout.of(topo), costmodel.params()))
+
+
+def _functions(steps: dict[str, tuple[str, Layout, int, str]]) -> dict[str, Callable]:
+    """step -> the flat function that runs it."""
     return {step: getattr(FLAT[algo], flat) for step, (flat, _, _, algo) in steps.items()}
 
 
@@ -213,11 +217,10 @@ def allreduce(topo: Topology, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     intra-node allgather spreads it). Past one chunk, pipelined (see the module docstring)."""
     layout, p = Layout.of(topo), costmodel.params()
     k = chunks(recv.nbytes, layout, p)
-    level = {step: getattr(FLAT[algo], flat) for step, (flat, _, _, algo)
-             in _plan("allreduce", recv.nbytes // k, layout, p).items()}
+    level = _functions(_plan("allreduce", recv.nbytes // k, layout, p))
     topo.shard_comm(0)  # made collectively here, before a thread of ours uses them
-    parts = [_Chunk(topo, send, recv, lo, hi) for lo, hi in
-             zip(even_bounds(recv.size, k), even_bounds(recv.size, k)[1:])]
+    bounds = even_bounds(recv.size, k)
+    parts = [_Chunk(topo, send, recv, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
     if not pipelined(k):
         for part in parts:
             part.node_reduce(level, op, dtype)
