@@ -15,11 +15,10 @@ FLAT: dict[str, ModuleType] = {"ring": ring, "tree": tree, "shm": shm, "mpi": mp
 
 
 def ours() -> tuple[str, ...]:
-    """The flat algorithms of our own (every one but `mpi`), whose prices are measured on a
-    node: hierarchical's node level runs one of these. MPI's own one-node collectives are
-    left out there: Open MPI 5.0.11's reduce_scatter on a node took 3-11x our ring's time
-    from 4 to 64 MiB (np 2 and 4, benchmarks/bandwidth.py --op reducescatter), which
-    mpi.cost, pricing the library at ring's bandwidth terms, does not show."""
+    """The flat algorithms of our own (every one but `mpi`): hierarchical's node level runs
+    one of these. MPI's own one-node collectives are left out there because mpi.cost
+    prices them at ring's bandwidth terms, which Open MPI's one-node reduce_scatter is
+    far from (benchmarks/README.md, "Two-level allreduce against the link")."""
     return tuple(name for name in FLAT if name != "mpi")
 
 

@@ -78,9 +78,9 @@ FOLDS_AVERAGE = True
 
 #: An allreduce cuts its buffer into chunks of at least one shard of this size per local
 #: rank, so each cross-node message is about this size or larger: large enough that a
-#: message's fixed cost is small beside its transfer, small enough that the rig's 1 Gbit/s
-#: TCP links carried it at their rate (in 2 MiB messages they ran at 0.5-0.7x of it, every
-#: other call).
+#: message's fixed cost is small beside its transfer, small enough that a TCP link keeps
+#: its rate (messages of several MiB in flight lose it on shaped links: benchmarks/
+#: README.md, "Two-level allreduce against the link").
 SHARD_BYTES = 1 << 20
 #: At most this many chunks: past it they grow, so the per-chunk hand-offs stay few.
 MAX_CHUNKS = 256
@@ -103,9 +103,7 @@ def chunks(nbytes: int, layout: Layout, p: Params) -> int:
 
 
 #: Fewest chunks that run pipelined: with fewer, the thread costs more than the overlap
-#: saves (rig, 2 hosts x 2 ranks, 1 Gbit/s, alternating in one job: 4 MiB, 2 chunks, 42.9
-#: ms pipelined against 37.4 in sequence; 16 MiB, 8 chunks, 148 against 156; 64 MiB 590
-#: against 633).
+#: saves (benchmarks/README.md, "Two-level allreduce against the link").
 MIN_PIPELINED = 4
 
 
