@@ -3,9 +3,11 @@
     mpirun --with-ft ulfm -np 4 --oversubscribe python benchmarks/elastic.py --width 2048 --depth 4
 
 An MLP (depth layers of width x width, float32) trained with Adam through
-DistributedOptimizer under collectives.elastic.run, a TorchState committed every step.
-Rank 0 prints the median step time without the commit and the median commit time (the
-copies of the parameters and the optimizer state it makes in memory). At step --kill-at the
+DistributedOptimizer (or ZeroOptimizer: --optimizer zero1|zero2) under
+collectives.elastic.run, a TorchState committed every step. Rank 0 prints the median step
+time without the commit and the median commit time (the copies of the parameters and the
+optimizer state it makes in memory; with a ZeroOptimizer, its shard and the buddy copy it
+swaps with another rank). At step --kill-at the
 last rank dies (SIGKILL); rank 0 then prints how long the survivors took, from the kill, to
 raise RanksFailedError, to have restored the commit and shrunk the job (the reset callback
 runs), and to finish their first step on the smaller job (sync from rank 0 included).
@@ -23,7 +25,7 @@ import tempfile
 import time
 
 import torch
-from collectives.optim import DistributedOptimizer
+from collectives.optim import DistributedOptimizer, ZeroOptimizer
 
 import collectives as C
 from collectives import elastic
@@ -41,6 +43,8 @@ def main() -> None:
                          "rank reads)")
     ap.add_argument("--max-size", type=int, default=None,
                     help="grow back to this many ranks after the failure (default: shrink only)")
+    ap.add_argument("--optimizer", choices=["distributed", "zero1", "zero2"],
+                    default="distributed")
     args = ap.parse_args()
     C.init()
     first_size = C.size()
@@ -48,7 +52,9 @@ def main() -> None:
     torch.manual_seed(0)
     layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.depth)]
     model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.ReLU())])
-    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
+    adam = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = DistributedOptimizer(adam) if args.optimizer == "distributed" \
+        else ZeroOptimizer(adam, stage=int(args.optimizer[-1]))
     state = elastic.TorchState(model=model, optimizer=opt, step=0)
     steps: list[float] = []
     commits: list[float] = []
@@ -92,7 +98,7 @@ def main() -> None:
         return
     params = sum(p.numel() for p in model.parameters())
     print(f"{first_size} ranks, {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB), "
-          f"Adam: step {statistics.median(steps) * 1e3:.1f} ms, commit "
+          f"Adam, {args.optimizer}: step {statistics.median(steps) * 1e3:.1f} ms, commit "
           f"{statistics.median(commits) * 1e3:.1f} ms (medians of {len(steps)})")
     if "raised" in marks:
         with open(killfile) as f:

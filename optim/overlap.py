@@ -93,6 +93,13 @@ class Overlapped(WrappedOptimizer):
                 self._hooks.append(p.register_post_accumulate_grad_hook(_hook(owner, bucket)))
         self._buckets.extend(buckets)
 
+    def _unwatch(self) -> None:
+        """Drop every bucket and its parameters' hooks (before laying them out again)."""
+        _remove_hooks(self._hooks)
+        self._hooks.clear()
+        self._buckets = []
+        self._counts.clear()
+
     def _check_idle(self, what: str) -> None:
         if self._next:
             raise RuntimeError(f"{what} called while gradients are being reduced (after "

@@ -126,9 +126,7 @@ class ZeroOptimizer(Overlapped):
         self._compression = compression
         self._block_size = onebit_block_size
         self._set = process_set
-        threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
-        self._rank = rank = C.rank() if process_set is None else process_set.rank()
-        self._size = C.size() if process_set is None else process_set.size()
+        self._threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
         # every group's parameters as given (frozen ones too): the consolidated numbering
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         trainable = [p for g in self._groups for p in g if p.requires_grad]
@@ -138,14 +136,26 @@ class ZeroOptimizer(Overlapped):
                                 f"supported; expected one of {[str(d) for d in _GRAD_DTYPES]}")
         if len({id(p) for p in trainable}) != len(trainable):
             raise ValueError("optimizer: a parameter is in more than one param group")
-        onebit = compression == ONEBIT
         self._sharded: zero3.ShardedBuckets | None = None
+        self._units = (module, units, reshard_after_forward, prefetch,
+                       parameter_compression, hpz)
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """Buckets, this rank's pieces and their hooks for the process set's rank and size
+        now; the wrapped optimizer's groups become the pieces."""
+        self._rank = rank = C.rank() if self._set is None else self._set.rank()
+        self._size = C.size() if self._set is None else self._set.size()
+        trainable = [p for g in self._groups for p in g if p.requires_grad]
+        onebit = self._compression == ONEBIT
         whole = trainable
         buckets: list[Bucket] = []
-        if stage == 3:
+        if self.stage == 3:
+            module, units, reshard_after_forward, prefetch, parameter_compression, hpz = \
+                self._units
             chosen = zero3.check_units(module, units, trainable)
-            per_unit, whole = zero3.assign(module, chosen, trainable, threshold)
-            self._sharded = zero3.ShardedBuckets(module, chosen, process_set,
+            per_unit, whole = zero3.assign(module, chosen, trainable, self._threshold)
+            self._sharded = zero3.ShardedBuckets(module, chosen, self._set,
                                                  bool(reshard_after_forward), bool(prefetch),
                                                  zero3.node_group() if hpz else None)
             for i in reversed(range(len(chosen))):  # backward reaches the last unit first
@@ -157,7 +167,7 @@ class ZeroOptimizer(Overlapped):
             self._sharded.hook()
             weakref.finalize(self, self._sharded.remove_hooks)
         self._watch(buckets + [Bucket(ps, rank, self._size, onebit)
-                               for ps in bucketed(list(reversed(whole)), threshold)])
+                               for ps in bucketed(list(reversed(whole)), self._threshold)])
         group_of = {id(p): k for k, g in enumerate(self._groups) for p in g}
         pieces: list[list[torch.Tensor]] = [[] for _ in self._groups]
         self._placement: list[list[tuple[int, int, int]]] = [[] for _ in self._groups]
@@ -167,14 +177,37 @@ class ZeroOptimizer(Overlapped):
                 pieces[k].append(piece)
                 self._placement[k].append((_index(self._groups[k], p), offset, piece.numel()))
         self._pieces = pieces
-        for group, mine in zip(optimizer.param_groups, pieces):
+        for group, mine in zip(self.optimizer.param_groups, pieces):
             group["params"] = mine
+
+    def reshard(self, shards: list[dict[str, Any]]) -> None:
+        """Lay this optimizer out again for its process set's size now (after the job
+        shrank or grew: collectives.elastic) and load every rank's shards as saved at the
+        old size (state_dict() of each, in rank order). Stages 1 and 2: every rank holds
+        the whole model, which the buckets take over as it is."""
+        if self.stage == 3:
+            raise NotImplementedError("reshard(): stage 3 keeps only pieces of the "
+                                      "parameters; save its shards and load them into a new "
+                                      "ZeroOptimizer instead")
+        self._check_idle("reshard()")
+        self._abandon()
+        self._unwatch()
+        for group, params in zip(self.optimizer.param_groups, self._groups):
+            group["params"] = list(params)
+        self.optimizer.state.clear()
+        self._lay_out()
+        self.load_state_dict(shards)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._wrapping:
             return
         raise NotImplementedError("ZeroOptimizer: add_param_group after wrapping is not "
                                   "supported; give the wrapped optimizer every group first")
+
+    @property
+    def process_set(self) -> C.ProcessSet | None:
+        """The process set the shards are spread over (None: the whole job)."""
+        return self._set
 
     # ---- a step
     def zero_grad(self, set_to_none: bool = True) -> None:

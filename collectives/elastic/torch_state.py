@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from collectives.elastic.buddies import Buddies
 from collectives.elastic.state import ObjectState
 from collectives.optim import ZeroOptimizer, broadcast_optimizer_state, broadcast_parameters
 from collectives.runtime import topology
@@ -70,13 +71,23 @@ class TorchState(ObjectState):
     """model's state_dict, optimizer's state_dict (OnebitAdam's with its 1-bit error
     buffers), every ElasticSampler among kwargs and the other kwargs' values, as one
     elastic state: commit copies them in memory, restore loads the copies, sync broadcasts
-    rank 0's parameters, optimizer state, samplers' positions and values."""
+    rank 0's parameters, optimizer state, samplers' positions and values.
+
+    A ZeroOptimizer (stage 1 or 2, over the whole job) is kept differently, as each rank
+    holds only its shard: at a commit (collective) every rank's shard is also copied to
+    another rank (elastic/buddies.py), and after the job shrank or grew the optimizer is
+    resharded to the new size from those copies."""
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, **kwargs: Any):
+        self._buddies: Buddies | None = None
         if isinstance(optimizer, ZeroOptimizer):
-            raise ValueError("optimizer: a ZeroOptimizer's shards die with their ranks, so it "
-                             "cannot be restored after a failure; use DistributedOptimizer")
+            if optimizer.stage == 3 or optimizer.process_set is not None:
+                raise ValueError("optimizer: a ZeroOptimizer in an elastic state must be of "
+                                 "stage 1 or 2 over the whole job (process_set=None): stage 3 "
+                                 "shards the parameters too, which a replacement cannot "
+                                 "rebuild from the copies yet")
+            self._buddies = Buddies(optimizer)
         self.model, self.optimizer = model, optimizer
         self._samplers = {k: v for k, v in kwargs.items() if isinstance(v, ElasticSampler)}
         for k, sampler in self._samplers.items():
@@ -86,12 +97,14 @@ class TorchState(ObjectState):
         self.save()
 
     def save(self) -> None:
+        if self._buddies is not None:
+            self._buddies.commit()  # first: every rank commits, or none does
         saved: dict[str, Any] = {"samplers": {k: s.state_dict()
                                               for k, s in self._samplers.items()}}
         last = self._saved_torch
         if self.model is not None:
             saved["model"] = _copy(self.model.state_dict(), last.get("model"))
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._buddies is None:
             saved["optimizer"] = _copy(self.optimizer.state_dict(), last.get("optimizer"))
         self._saved_torch = saved
         super().save()
@@ -100,7 +113,7 @@ class TorchState(ObjectState):
         saved = self._saved_torch
         if self.model is not None:
             self.model.load_state_dict(saved["model"])
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._buddies is None:  # else: reset reshards it
             self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
         for k, s in self._samplers.items():
             s.load_state_dict(saved["samplers"][k])
@@ -109,7 +122,7 @@ class TorchState(ObjectState):
     def sync(self) -> None:
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=0)
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._buddies is None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
         for s in self._samplers.values():
             s.load_state_dict(self._bcast_object(s.state_dict(), 0))
@@ -117,6 +130,8 @@ class TorchState(ObjectState):
         self.save()
 
     def reset(self) -> None:
+        if self._buddies is not None:
+            self.optimizer.reshard(self._buddies.shards())
         for s in self._samplers.values():
             s.reset()
 

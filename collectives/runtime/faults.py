@@ -182,3 +182,14 @@ def check(topo: Topology) -> None:
     ranks = topo.state(Failures).lost
     if ranks is not None:
         raise RanksFailedError(ranks, "seen by an earlier call")
+
+
+def agree(topo: Topology, ok: bool) -> bool:
+    """Whether every rank of topo passed ok=True, decided alike on every survivor (ULFM's
+    MPI_Comm_agree, which works on a revoked communicator too): if ranks died, every
+    survivor raises RanksFailedError, whether or not its own last call saw them. For a step
+    that must take effect on every rank or on none (an elastic commit)."""
+    try:
+        return bool(topo.comm.Agree(int(ok)))
+    except MPI.Exception as exc:
+        reraise(topo, exc)

@@ -347,3 +347,9 @@ def test_bad_arguments(comm):
     opt = ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), stage=2)
     with pytest.raises(RuntimeError, match="model_state_dict\\(\\): for stage=3"):
         opt.model_state_dict()
+    from collectives.elastic import TorchState
+    three = Net().double()
+    opt = ZeroOptimizer(torch.optim.SGD(three.parameters(), lr=0.1), stage=3, module=three)
+    with pytest.raises(ValueError, match="optimizer: a ZeroOptimizer in an elastic state must "
+                                         "be of stage 1 or 2"):
+        TorchState(model=three, optimizer=opt)

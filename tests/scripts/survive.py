@@ -6,6 +6,9 @@
     survive.py horovod KILLFILE       the same, written with Horovod's names
     survive.py ddp KILLFILE           the same, with DDP on the "collectives" backend
     survive.py onebit KILLFILE        the same with OnebitAdam (1-bit error buffers)
+    survive.py zero KILLFILE          the same with ZeroOptimizer stage 2 (zero1: stage 1;
+                                      zero-onebit: 1-bit gradients), whose dead ranks' shards
+                                      come back from their buddies
 
 The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
 rank) die at step DIE_AT; with SECOND_AT set, the last rank of the shrunk job dies at that
@@ -125,7 +128,7 @@ def train_scenario(killfile: str, api: str) -> None:
     grow, pace = os.environ.get("GROW") == "1", float(os.environ.get("STEP_S", 0))
     full = 3  # steps at the launch size that end a GROW run
 
-    dtype = torch.float32 if api == "onebit" else torch.float64  # OnebitAdam: float32 only
+    dtype = torch.float32 if api.endswith("onebit") else torch.float64  # 1-bit: float32 only
 
     def data(step: int, dtype: torch.dtype = dtype) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(step)
@@ -149,6 +152,10 @@ def train_scenario(killfile: str, api: str) -> None:
     elif api == "onebit":  # compressed from step 5: error buffers in the state
         opt = C.optim.OnebitAdam(model.parameters(), lr=lr * C.size(), freeze_step=5)
         el = elastic
+    elif api in ("zero", "zero1"):
+        opt, el = C.optim.ZeroOptimizer(sgd, stage=1 if api == "zero1" else 2), elastic
+    elif api == "zero-onebit":  # 1-bit gradients: error buffers in the shards
+        opt, el = C.optim.ZeroOptimizer(sgd, compression="onebit"), elastic
     else:
         opt, el = C.optim.DistributedOptimizer(sgd), elastic
     state = el.TorchState(model=model, optimizer=opt, step=0, sizes=[])
@@ -212,6 +219,12 @@ def train_scenario(killfile: str, api: str) -> None:
         (((ref(x).squeeze(1) - y) ** 2).sum() / batch).backward()
         ref_opt.step()
     err = (model.weight - ref.weight).abs().max().item()
+    if api.startswith("zero"):  # the momentum, put together from every rank's shard
+        whole = opt.consolidated_state_dict()
+        if whole is not None:
+            momentum = whole["state"][0]["momentum_buffer"]
+            err = max(err, (momentum - ref_opt.state[ref.weight]["momentum_buffer"]).abs()
+                      .max().item())
     digest = float(model.weight.detach().sum())
     at = {n: state.sizes.count(n) for n in sorted(set(state.sizes), reverse=True)}
     runs = [(n, len(list(g))) for n, g in itertools.groupby(state.sizes)]

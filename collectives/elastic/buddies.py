@@ -1,0 +1,225 @@
+"""Buddy copies of a ZeroOptimizer's shards, so that an elastic job loses no optimizer state
+when ranks die (TorchState keeps one of these for a ZeroOptimizer).
+
+At each commit every rank packs its shard (ZeroOptimizer.state_dict()) into one flat
+buffer, sends it to its buddy and receives the shard of the rank it backs up. Buddies
+follow an order that takes one rank of each node in turn, so a rank's buddy is on another
+node wherever the job spans nodes of equal size (one dead node loses no shard), and is the
+next rank on a single node. The commit ends with MPI's fault-tolerant agreement
+(faults.agree): every survivor keeps the new copies, or, if a rank died during the commit,
+none does and all of them go back to the previous commit together, whose copies are
+intact. After the job shrank or grew, every old rank's shard is taken from its owner or,
+if the owner died, from its buddy, broadcast to every rank, and the optimizer is laid out
+again for the new size (ZeroOptimizer.reshard). A rank and its buddy that die together
+take that shard with them: the job then ends on every rank, saying so.
+
+Cost of a commit: one shard packed (a copy), one sent and one received, and one agreement
+(a few microseconds on one node). Memory: four shards per rank (this rank's and the one it
+backs up, each as committed and as being committed), 4/N of the optimizer state with N
+ranks. After a change of size every rank briefly holds the whole optimizer state (the
+resharding reads every old shard). Only in fault-tolerant mode: elsewhere a failure ends
+the job, and a commit costs nothing here."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+import torch
+
+from collectives import api as C
+from collectives.elastic import membership
+from collectives.optim import ZeroOptimizer
+from collectives.runtime import faults, p2p, topology
+
+#: Tag of the commit's messages on the job's communicator.
+_TAG = 41
+#: Alignment of each tensor in a packed shard (any dtype can view it).
+_ALIGN = 64
+
+
+class _Slot:
+    """Where a tensor of a packed shard lies in its buffer."""
+
+    __slots__ = ("offset", "dtype", "shape")
+
+    def __init__(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.offset, self.dtype, self.shape = offset, dtype, shape
+
+    def __getstate__(self) -> tuple:
+        return self.offset, str(self.dtype).removeprefix("torch."), self.shape
+
+    def __setstate__(self, state: tuple) -> None:
+        self.offset, dtype, self.shape = state
+        self.dtype = getattr(torch, dtype)
+
+
+class Packed:
+    """A shard as one byte buffer and a skeleton (the shard with each tensor replaced by
+    its _Slot), pickled."""
+
+    def __init__(self) -> None:
+        self.skeleton = b""
+        self.buffer = np.empty(0, np.uint8)
+
+    def pack(self, shard: dict[str, Any]) -> None:
+        """Copy shard in (into the same buffer as last time where the size is the same)."""
+        tensors: list[tuple[_Slot, torch.Tensor]] = []
+        end = [0]
+
+        def strip(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                t = obj.detach().cpu().contiguous()
+                slot = _Slot(end[0], t.dtype, tuple(t.shape))
+                end[0] += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+                tensors.append((slot, t))
+                return slot
+            if isinstance(obj, dict):
+                return {k: strip(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(strip(v) for v in obj)
+            return obj
+
+        self.skeleton = pickle.dumps(strip(shard))
+        if self.buffer.nbytes != end[0]:
+            self.buffer = np.empty(end[0], np.uint8)
+        whole = torch.from_numpy(self.buffer)
+        for slot, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            whole[slot.offset:slot.offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+
+    def unpack(self, copy: bool = True) -> dict[str, Any]:
+        """The shard, each tensor a copy of its bytes (copy=False: a view of the buffer,
+        for a buffer that is not reused)."""
+        whole = torch.from_numpy(self.buffer)
+
+        def fill(obj: Any) -> Any:
+            if isinstance(obj, _Slot):
+                nbytes = int(np.prod(obj.shape, dtype=np.int64)) * obj.dtype.itemsize
+                raw = whole[obj.offset:obj.offset + nbytes]
+                return (raw.clone() if copy else raw).view(obj.dtype).reshape(obj.shape)
+            if isinstance(obj, dict):
+                return {k: fill(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(fill(v) for v in obj)
+            return obj
+
+        return fill(pickle.loads(self.skeleton))
+
+
+def buddy_order(nodes: list[list[int]]) -> list[int]:
+    """The job's ranks taking one of each node in turn (each node's first, then each one's
+    second, ...): each rank's buddy is the next in this order, the last's the first."""
+    order: list[int] = []
+    for i in range(max(len(node) for node in nodes)):
+        order.extend(node[i] for node in nodes if i < len(node))
+    return order
+
+
+class Buddies:
+    """A ZeroOptimizer's shards at the last commit: this rank's and the one of the rank it
+    backs up (see the module's docstring)."""
+
+    def __init__(self, optimizer: ZeroOptimizer):
+        self.optimizer = optimizer
+        self.own, self.held = Packed(), Packed()
+        self._next_own, self._next_held = Packed(), Packed()
+        # the last commit's job (generation, size), this rank's rank there and whose
+        # shard `held` is
+        self.job: tuple[int, int] | None = None
+        self.rank: int | None = None
+        self.held_from: int | None = None
+
+    def commit(self) -> None:
+        """Collective: pack this rank's shard, swap copies with the buddies, then keep both
+        if every rank did (else RanksFailedError on every survivor, the last commit kept)."""
+        topo = topology.get()
+        if not topo.config.fault_tolerant or membership.is_replacement():
+            return  # a failure ends the job; a replacement has no shard of the job's yet
+        if topo.size == 1:
+            self.own.pack(self._shard())
+            self.job, self.rank, self.held_from = (topo.generation, 1), 0, None
+            return
+        order = buddy_order(topo.nodes)
+        at = order.index(topo.rank)
+        buddy, backed = order[(at + 1) % topo.size], order[at - 1]
+        error = None
+        try:
+            self._next_own.pack(self._shard())
+            self._swap(topo, buddy, backed)
+        except Exception as exc:  # to the agreement first: every rank must learn of it
+            error = exc
+        if not faults.agree(topo, error is None):  # raises if ranks died
+            if error is not None:
+                raise error
+            raise RuntimeError("collectives.elastic: a commit failed on another rank, which "
+                               "raised its error; this rank keeps the last commit")
+        self.own, self._next_own = self._next_own, self.own
+        self.held, self._next_held = self._next_held, self.held
+        self.job, self.rank, self.held_from = (topo.generation, topo.size), topo.rank, backed
+
+    def _shard(self) -> dict[str, Any]:
+        """This rank's shard less the parameters' pieces: stages 1 and 2 hold the whole
+        model, which TorchState commits and syncs itself."""
+        shard = self.optimizer.state_dict()
+        del shard["parameters"]
+        return shard
+
+    def _swap(self, topo: topology.Topology, buddy: int, backed: int) -> None:
+        """Send the packed shard to buddy, receive backed's into the next held copy."""
+        mine = self._next_own
+        nbytes = mine.buffer.nbytes
+        try:
+            skeleton, theirs = topo.comm.sendrecv((mine.skeleton, nbytes), dest=buddy,
+                                                  sendtag=_TAG, source=backed, recvtag=_TAG)
+            held = self._next_held
+            held.skeleton = skeleton
+            if held.buffer.nbytes != theirs:
+                held.buffer = np.empty(theirs, np.uint8)
+            recv = p2p.irecv(topo.comm, held.buffer, backed, _TAG)
+            send = p2p.isend(topo.comm, mine.buffer, buddy, _TAG)
+            recv.Wait()
+            send.Wait()
+        except Exception as exc:
+            faults.reraise(topo, exc)
+
+    def shards(self) -> list[dict[str, Any]]:
+        """Collective over the job as it is now (after a shrink or a growth): every rank of
+        the job of the last commit's shard, in its rank order, from its owner or its buddy.
+        A rank that was not in that job (a replacement yet to commit) contributes none.
+        RuntimeError on every rank if a shard is lost."""
+        topo = topology.get()
+        seen = C.allgather_object((self.job, self.rank, self.held_from))
+        jobs = {job for job, _, _ in seen if job is not None}
+        if len(jobs) != 1:  # every commit is agreed, so the survivors' last one is the same
+            raise RuntimeError(f"collectives.elastic: the ranks' last commits were made in "
+                               f"different jobs {sorted(jobs)}; cannot rebuild the "
+                               f"ZeroOptimizer's shards")
+        old_size = jobs.pop()[1]
+        owner = {rank: r for r, (job, rank, _) in enumerate(seen) if job is not None}
+        holder = {held: r for r, (job, _, held) in enumerate(seen)
+                  if job is not None and held is not None}
+        lost = [d for d in range(old_size) if d not in owner and d not in holder]
+        if lost:
+            raise RuntimeError(
+                f"collectives.elastic: the ZeroOptimizer shards of ranks {lost} died with "
+                f"the ranks that kept their copies; go on from your last checkpoint on disk")
+        out = []
+        for d in range(old_size):
+            root = owner.get(d, holder.get(d))
+            copy = self.own if root == topo.rank and d in owner else self.held
+            out.append(_broadcast(copy, root, topo.rank))
+        return out
+
+
+def _broadcast(copy: Packed, root: int, rank: int) -> dict[str, Any]:
+    """root's packed shard, unpacked on every rank."""
+    skeleton, nbytes = C.broadcast_object((copy.skeleton, copy.buffer.nbytes) if rank == root
+                                          else None, root)
+    got = Packed()
+    got.skeleton = skeleton
+    got.buffer = copy.buffer if rank == root else np.empty(nbytes, np.uint8)
+    if nbytes:
+        C.broadcast_(got.buffer, root_rank=root)
+    return got.unpack(copy=rank == root)
