@@ -11,8 +11,10 @@ in a reset callback, and trains on: the survivors share what is left of the epoc
 (ElasticSampler) and finish every epoch. With --max-size N the job grows back to N ranks
 instead: a replacement started after the first failure joins at a later commit (kill
 once, or far apart: a rank that dies while a replacement starts ends the job with this
-Open MPI, README.md "When a rank dies"). Without `--with-ft ulfm` the same script trains
-normally, and a failure ends the job.
+Open MPI, README.md "When a rank dies"). --zero 1|2 trains with ZeroOptimizer instead of
+DistributedOptimizer: each rank's shard of the optimizer state is copied to a buddy rank
+at every commit, and the survivors reshard it. Without `--with-ft ulfm` the same script
+trains normally, and a failure ends the job.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from collectives.optim import DistributedOptimizer
+from collectives.optim import DistributedOptimizer, ZeroOptimizer
 from train import evaluate, load_data, make_model
 
 import collectives as C
@@ -42,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-size", type=int, default=None,
                     help="grow back to this many ranks after the first failure (default: "
                          "the job only shrinks)")
+    ap.add_argument("--zero", type=int, choices=[1, 2], default=None,
+                    help="ZeroOptimizer of this stage (default: DistributedOptimizer)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -54,8 +58,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     x, y, x_test, y_test = load_data()
     model = make_model()
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr * C.size(),
-                                               momentum=0.9))
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr * C.size(), momentum=0.9)
+    opt = DistributedOptimizer(sgd) if args.zero is None else ZeroOptimizer(sgd, stage=args.zero)
     sampler = elastic.ElasticSampler(range(len(x)), shuffle=True, seed=args.seed)
     state = elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0)
     failed_at: list[float] = []

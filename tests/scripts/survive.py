@@ -11,12 +11,14 @@
                                       come back from their buddies
 
 The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
-rank) die at step DIE_AT; with SECOND_AT set, the last rank of the shrunk job dies at that
-step too; MIN_SIZE and MAX_SIZE are the elastic run's min_size and max_size (unset:
-the job only shrinks). With GROW=1 and MAX_SIZE training goes on past its steps, at STEP_S a
-step from the first failure, until the job has run 3 steps at its launch size again:
-replacements take the dead ranks' places. A victim writes the time of its death to
-KILLFILE first, so survivors can say how long they took to notice (raise) or to recover
+rank) die at step DIE_AT (with IN_COMMIT=1, at the next commit, step 21, as the others enter
+it; IN_COMMIT=exchange: within that commit's exchange of ZeroOptimizer copies, once the
+copies' descriptions went out, before their data); with SECOND_AT set, the last rank of the
+shrunk job dies at that step too; MIN_SIZE and MAX_SIZE are the elastic run's min_size and
+max_size (unset: the job only shrinks). With GROW=1 and MAX_SIZE training goes on past its
+steps, at STEP_S a step from the first failure, until the job has run 3 steps at its launch
+size again: replacements take the dead ranks' places. A victim writes the time of its death
+to KILLFILE first, so survivors can say how long they took to notice (raise) or to recover
 (train)."""
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import os
 import signal
 import sys
 import time
+import types
 
 import collectives.optim  # noqa: F401 (C.optim)
 import numpy as np
 
 import collectives as C
 from collectives import elastic
+from collectives.elastic import buddies
 from collectives.runtime import topology
 
 DIE_AT = 20  # the victim dies at this step
@@ -173,6 +177,7 @@ def train_scenario(killfile: str, api: str) -> None:
     regrown: list[float] = []
     dying = victims(C.size())
     second_at = int(os.environ.get("SECOND_AT", -1))
+    in_commit = os.environ.get("IN_COMMIT", "")
 
     max_size = int(os.environ["MAX_SIZE"]) if "MAX_SIZE" in os.environ else None
 
@@ -184,7 +189,7 @@ def train_scenario(killfile: str, api: str) -> None:
     @el.run(min_size=int(os.environ.get("MIN_SIZE", 1)), max_size=max_size)
     def train(state: elastic.TorchState) -> None:
         while going(state):
-            if state.step == DIE_AT and not resets and C.rank() in dying \
+            if state.step == DIE_AT and not resets and C.rank() in dying and not in_commit \
                     or state.step == second_at and len(resets) == 1 \
                     and C.rank() == C.size() - 1:
                 die(killfile)
@@ -204,6 +209,12 @@ def train_scenario(killfile: str, api: str) -> None:
             state.sizes = state.sizes + [n]
             state.step += 1
             if state.step % COMMIT_EVERY == 0:
+                if in_commit and state.step == DIE_AT + 1 and not resets and C.rank() in dying:
+                    if in_commit == "exchange":  # within it: its data's first message
+                        buddies.p2p = types.SimpleNamespace(
+                            irecv=lambda *a: die(killfile), isend=buddies.p2p.isend)
+                    else:
+                        die(killfile)  # the others enter the commit
                 state.commit()
 
     train(state)

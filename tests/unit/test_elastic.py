@@ -81,10 +81,15 @@ def test_every_survivor_raises_naming_the_dead_rank(tmp_path, layout, call, dyin
     ("2nodes", "zero", "2,3", "kill"),      # a whole node: its shards' copies are on the other
     ("2nodes", "zero", "1", "twice"),
     ("2nodes", "zero-onebit", "", "kill"),  # 1-bit error buffers in the shards
+    ("2nodes", "zero", "", "in-commit"),    # dead at a commit's exchange: all go back to 18
+    ("2nodes", "zero", "", "exchange"),     # within it: some ranks finished their part
+    ("1node", "train", "", "in-commit"),    # a commit without exchange: the others keep 21
 ])
 def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dying, how):
     """The victims die at step 20, the last commit being step 18; a second failure at step
-    28 goes back to step 27. Every survivor ends with the replay's parameters. (A stopped
+    28 goes back to step 27. Victims that die at the commit of step 21 leave a
+    ZeroOptimizer's survivors at step 18 (the commit's exchange fails on every rank), the
+    others at 21 (their commit is their own). Every survivor ends with the replay's parameters. (A stopped
     rank, with Open MPI's detector on, is not run here: the detector crashes survivors of
     about 1 job in 15; by hand: STOP=1 COLLECTIVES_FAILURE_DETECTOR_TIMEOUT_S=3.)"""
     np_ = LAYOUTS[layout][0]
@@ -94,7 +99,11 @@ def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dy
     if how == "twice":
         env["SECOND_AT"] = "28"
         sizes, resets = {np_: 18, after: 9, after - 1: 13}, [after, after - 1]
+    elif how == "in-commit" and not api.startswith("zero"):
+        env["IN_COMMIT"] = "1"
+        sizes, resets = {np_: 21, after: 19}, [after]
     else:
+        env["IN_COMMIT"] = {"in-commit": "1", "exchange": "exchange"}.get(how, "")
         sizes, resets = {np_: 18, after: 22}, [after]
     out = survive(layout, tmp_path, api, str(tmp_path / "killed"), **env)
     found = re.findall(r"rank (\d+): trained 40 steps, steps at each size (\{.*?\}), "
