@@ -16,6 +16,7 @@ when it has one (shm's pipeline on one node)."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 import traceback
@@ -122,6 +123,7 @@ class Engine:
         self.native = _C.Engine()
         self._start = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._last: Handle | None = None  # the call submitted last
 
     def run(self, topo: Communicator, call: Described, job: Job) -> Any:
         """Run the call after everything submitted before and return its result."""
@@ -147,8 +149,18 @@ class Engine:
                     self._thread = threading.Thread(target=self._loop, name="collectives-engine",
                                                     daemon=True)
                     self._thread.start()
+                    atexit.register(self._drain)  # before MPI is finalized (LIFO)
+        self._last = handle
         native.push((handle, topo, call, job))
         return handle
+
+    def _drain(self) -> None:
+        """At exit: let the calls still queued finish (or fail, within the stall timeout),
+        as nobody synchronized them. Python ends a daemon thread that takes the GIL back
+        during interpreter shutdown, and this one would be inside C++ then: the process
+        would abort ("terminate called without an active exception")."""
+        if self._last is not None:
+            self._last._done.wait()
 
     def _loop(self) -> None:
         native = self.native

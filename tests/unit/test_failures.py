@@ -64,3 +64,14 @@ def test_a_torch_groups_timeout_ends_a_barrier_a_rank_skips(group):
     assert found, out
     assert 1.0 <= float(found.group(1)) < 5, out
     assert "Timed out waiting" in found.group(2) and "torch's pattern matches: True" in out, out
+
+
+def test_calls_in_flight_at_exit_finish_and_the_job_exits_cleanly():
+    """Before the engine drained at exit, its thread was ended inside C++ while the
+    interpreter shut down and every rank aborted ("terminate called without an active
+    exception")."""
+    for _ in range(2):
+        code, out, elapsed = mpirun(4, "exit_in_flight.py")
+        assert code == 0, out
+        assert sorted(re.findall(r"rank (\d): submitted 2 calls", out)) == list("0123"), out
+        assert "terminate called" not in out and elapsed < 30, out
