@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from collectives import api as C
@@ -84,13 +85,36 @@ class Bucket:
         self.grad, self.handle, self.ready = None, None, 0
 
 
+#: torch dtypes whose memory a NumPy array can view (bfloat16 has no NumPy twin).
+_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32,
+                 torch.float64: np.float64}
+
+
+class _Memory:
+    """t's memory as NumPy sees it through __array_interface__, with t kept alive: an
+    async gather writing into it outlives nothing it writes to, even if the bucket goes."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.numel(),),
+                                    "typestr": np.dtype(_NUMPY_DTYPES[t.dtype]).str,
+                                    "version": 3}
+
+
+def _unpinned_view(t: torch.Tensor) -> np.ndarray:
+    """A NumPy array over t's memory that leaves t's storage resizable (torch's own
+    .numpy() fixes the storage's size for good): valid only until the storage is resized,
+    which ShardedBucket.free() does after the gather that writes through it is finished."""
+    return np.asarray(_Memory(t))
+
+
 class ShardedBucket(Bucket):
     """A stage-3 bucket: this rank's piece in its own tensor (`shard`, which the pieces
     view and the optimizer steps); the flat buffer, which the parameters view, holds memory
     only while gathered (optim/zero3.py says when)."""
 
     __slots__ = ("shard", "nbytes", "gathered", "pending", "owner", "quantized", "secondary",
-                 "node_bounds")
+                 "node_bounds", "direct")
 
     def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool,
                  quantized: Any = None):
@@ -103,6 +127,9 @@ class ShardedBucket(Bucket):
                        for p, offset, piece, start in self.pieces]
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.gathered, self.pending, self.owner = True, None, None
+        # whether the gather writes straight into the flat buffer (not decoded first, and
+        # of a dtype NumPy has)
+        self.direct = self.quantized is None and self.flat.dtype in _NUMPY_DTYPES
         # hpZ: this rank's piece of the unit among its node's ranks, kept from the forward
         # to the backward (None: none kept); node_bounds: the node's pieces
         self.secondary: torch.Tensor | None = None
@@ -120,12 +147,18 @@ class ShardedBucket(Bucket):
     def start(self) -> None:
         """Start the allgather of every rank's shard (quantized: its float16 or int8 values
         and int8's scales), or, with a secondary piece kept (hpZ), of the node's secondary
-        pieces over the node alone; unless gathered or started."""
+        pieces over the node alone; unless gathered or started. Unquantized, it writes into
+        the flat buffer's memory, allocated now."""
         if self.gathered or self.pending is not None:
             return
         ps = self.owner.process_set
+        out = None
+        if self.direct:
+            self._allocate()
+            out = _unpinned_view(self.flat)
         if self.secondary is not None:
-            self.pending = (C.allgather_async(self.secondary, process_set=self.owner.node_set),)
+            self.pending = (C.allgather_async(self.secondary, out=out,
+                                              process_set=self.owner.node_set),)
         elif self.quantized is C.Compression.int8:
             q, scales = _kernels.quantize_int8(self.shard)
             self.pending = (C.allgather_async(q, process_set=ps),
@@ -134,7 +167,7 @@ class ShardedBucket(Bucket):
             self.pending = (C.allgather_async(_kernels.quantize_fp16(self.shard),
                                               process_set=ps),)
         else:
-            self.pending = (C.allgather_async(self.shard, process_set=ps),)
+            self.pending = (C.allgather_async(self.shard, out=out, process_set=ps),)
         self.owner.held(self.nbytes)
 
     def gather(self) -> None:
@@ -146,19 +179,22 @@ class ShardedBucket(Bucket):
         self.start()
         parts = [C.synchronize(h) for h in self.pending]
         self.pending = None
-        if self.secondary is not None:
-            full = parts[0]
-        elif self.quantized is C.Compression.int8:
-            full = self._dequantize(*parts)
-        elif self.quantized is C.Compression.fp16:
-            full = _kernels.dequantize_fp16(parts[0])
-        else:
-            full = parts[0]
+        if not self.direct:
+            if self.quantized is C.Compression.int8:
+                full = self._dequantize(*parts)
+            elif self.quantized is C.Compression.fp16:
+                full = _kernels.dequantize_fp16(parts[0])
+            else:
+                full = parts[0]
+            self._allocate()
+            with torch.no_grad():
+                self.flat.copy_(full)
+        self.gathered = True
+
+    def _allocate(self) -> None:
+        """Memory for the flat buffer again, which free() gave back."""
         self.flat.untyped_storage().resize_(self.nbytes)
         _kernels.advise_huge_pages(self.flat)  # fresh memory: fault it in by 2 MiB pages
-        with torch.no_grad():
-            self.flat.copy_(full)
-        self.gathered = True
 
     def _dequantize(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Every rank's int8 piece decoded with its own scales (blocks restart per piece)."""

@@ -24,7 +24,7 @@ from collectives.dtypes import CODES, STORAGE
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
 from collectives.runtime.agreement import PIGGYBACK_BYTES
-from collectives.runtime.buffers import wrap
+from collectives.runtime.buffers import Buffer, wrap
 from collectives.runtime.engine import ENGINE, Handle, Job
 
 try:
@@ -74,32 +74,59 @@ def _prepared(topo: topology.Topology, name: str | None, collective: str,
     return p
 
 
-def _allgather(topo: topology.Topology, x: Any, algorithm: Any) -> tuple[Call, Job]:
+def _allgather(topo: topology.Topology, x: Any, algorithm: Any,
+               out: Any = None) -> tuple[Call, Job]:
     check_algorithm(algorithm)
     buf = wrap(x, "x")
     need_dim0(buf, "x")
-    fields = (("dtype", buf.dtype), ("row_shape", buf.shape[1:]), ("algorithm", algorithm))
+    into = None if out is None else _check_out(out, buf)
+    fields = (("dtype", buf.dtype), ("row_shape", buf.shape[1:]), ("algorithm", algorithm)) \
+        + (() if into is None else (("out", True),))
     call = calls.describe(topo, "allgather", fields, algorithm)
-    rows = _FromEveryRank(topo, [buf.shape[0]])  # every rank's dim 0
+    # every rank's dim 0, and with out, its dim 0 (checked alike on every rank)
+    rows = _FromEveryRank(topo, [buf.shape[0]] + ([] if into is None else [into.shape[0]]))
 
     def move() -> Any:
-        everyone = rows.values()[:, 0].tolist()
+        table = rows.values()
+        everyone = table[:, 0].tolist()
         elems = row_elems(buf.shape)
         counts = [r * elems for r in everyone]
-        out = buf.empty((sum(everyone),) + buf.shape[1:])
-        algo = select.concrete(topo, "allgather", algorithm, out.nbytes)
+        if into is not None and (table[:, 1] != sum(everyone)).any():
+            wrong = [(q, int(n)) for q, n in enumerate(table[:, 1]) if n != sum(everyone)]
+            raise ValueError(f"out: expected {sum(everyone)} rows (every rank's x), got "
+                             f"(rank, rows) {wrong}")
+        result = buf.empty((sum(everyone),) + buf.shape[1:]) if into is None else into
+        algo = select.concrete(topo, "allgather", algorithm, result.nbytes)
         ENGINE.native.credit(topo.stats, "allgather", algo)  # `auto` chose by the total size
-        algorithms.allgather(algo, topo, buf.flat, out.flat, counts)
-        return out.result()
+        algorithms.allgather(algo, topo, buf.flat, result.flat, counts)
+        return result.result()
 
     return call, rows.job(move)
 
 
-def allgather(x: Any, algorithm: str = "auto", *, name: str | None = None,
+def _check_out(out: Any, buf: Buffer) -> Buffer:
+    """allgather's out as a buffer written in place: host memory, C-contiguous, x's dtype
+    and row shape (its dim 0 is checked in the move, against every rank's x)."""
+    into = wrap(out, "out")
+    if into.staged or into.pinned is not None:
+        raise ValueError("out: expected a C-contiguous host array, written in place")
+    if into.dtype != buf.dtype or len(into.shape) == 0 or into.shape[1:] != buf.shape[1:]:
+        raise ValueError(f"out: expected dtype {buf.dtype} and rows of shape "
+                         f"{buf.shape[1:]} (as x), got dtype {into.dtype} and shape "
+                         f"{into.shape}")
+    if np.shares_memory(into.flat, buf.flat):
+        raise ValueError("out: must not overlap x")
+    return into
+
+
+def allgather(x: Any, algorithm: str = "auto", *, out: Any = None, name: str | None = None,
               comm: Any = None, process_set: Any = None) -> Any:
-    """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank)."""
+    """Every rank's x concatenated on dim 0 in rank order (dim 0 may differ per rank).
+    out: where to write it (a C-contiguous host array or tensor of x's dtype, its dim 0
+    every rank's rows together), returned instead of a new array (as torch's
+    all_gather_into_tensor)."""
     topo = process_sets.resolve(comm, process_set)
-    return _prepared(topo, name, "allgather", _allgather, x, algorithm).run()
+    return _prepared(topo, name, "allgather", _allgather, x, algorithm, out).run()
 
 
 def _grouped_allgather(topo: topology.Topology, tensors: Any,
@@ -145,22 +172,23 @@ def grouped_allgather(tensors: list, algorithm: str = "auto", *, name: str | Non
     return _prepared(topo, name, "grouped_allgather", _grouped_allgather, tensors, algorithm).run()
 
 
-def _queued_gather(collective: str, make: Callable[..., tuple[Call, Job]]) -> Callable[..., Handle]:
-    """allgather's (or grouped_allgather's) async variant: the same arguments (the data
-    positional), the call queued on the engine; a Handle at once, whose
+def allgather_async(x: Any, /, algorithm: str = "auto", *, out: Any = None,
+                    name: str | None = None, comm: Any = None,
+                    process_set: Any = None) -> Handle:
+    """allgather queued on the engine: a Handle at once, whose synchronize(handle) is the
+    result (out, if given, must stay untouched until then)."""
+    topo = process_sets.resolve(comm, process_set)
+    return _prepared(topo, name, "allgather", _allgather, x, algorithm, out).submit()
+
+
+def grouped_allgather_async(tensors: list, /, algorithm: str = "auto", *,
+                            name: str | None = None, comm: Any = None,
+                            process_set: Any = None) -> Handle:
+    """grouped_allgather queued on the engine: a Handle at once, whose
     synchronize(handle) is the result."""
-
-    def queued(data: Any, /, algorithm: str = "auto", *, name: str | None = None,
-               comm: Any = None, process_set: Any = None) -> Handle:
-        topo = process_sets.resolve(comm, process_set)
-        return _prepared(topo, name, collective, make, data, algorithm).submit()
-
-    queued.__name__ = queued.__qualname__ = f"{collective}_async"
-    return queued
-
-
-allgather_async = _queued_gather("allgather", _allgather)
-grouped_allgather_async = _queued_gather("grouped_allgather", _grouped_allgather)
+    topo = process_sets.resolve(comm, process_set)
+    return _prepared(topo, name, "grouped_allgather", _grouped_allgather, tensors,
+                     algorithm).submit()
 
 
 # ----------------------------------------------------------------------------- broadcast

@@ -44,6 +44,12 @@ CASES = {
                          ValueError, "dimension"),
     "reducescatter op": (lambda bad: C.reducescatter(np.ones((4, 2)), op=None if bad else C.Sum),
                          ValueError, "op"),
+    "allgather out dtype": (lambda bad: C.allgather(
+        np.ones((1, 2)), out=np.empty((C.size(), 2), np.float32 if bad else np.float64)),
+        ValueError, "out"),
+    "allgather out strided": (lambda bad: C.allgather(
+        np.ones((1, 2)), out=np.empty((C.size(), 4))[:, ::2] if bad
+        else np.empty((C.size(), 2))), ValueError, "out"),
     "broadcast root": (lambda bad: C.broadcast(GOOD, root_rank=C.size() if bad else 0),
                        ValueError, "root_rank"),
     "broadcast_ dtype": (lambda bad: C.broadcast_(np.zeros(2, np.complex64) if bad
@@ -107,6 +113,20 @@ def test_two_bad_ranks_with_different_errors(comm):
         with pytest.raises(C.MismatchError, match="rank 1 passed.*complex64.*rank 2 passed.*op"):
             C.allreduce(GOOD)
     assert C.allreduce(np.ones(2), op=C.Sum).tolist() == [float(n)] * 2
+
+
+def test_allgather_out_of_the_wrong_length_on_one_rank_raises_on_every_rank(comm):
+    """out's dim 0 is known right only once every rank's is: it rides in the agreement, so
+    every rank names the bad one; out on some ranks only is a mismatch."""
+    r, n = comm.Get_rank(), comm.Get_size()
+    for bad in _bad_ranks(n):
+        out = np.empty((n + (r == bad), 2))
+        with pytest.raises(ValueError, match=rf"out: expected {n} rows .*\({bad}, {n + 1}\)"):
+            C.allgather(np.full((1, 2), r, np.float64), out=out)
+        assert C.allreduce(np.ones(3), op=C.Sum).tolist() == [float(n)] * 3
+    with pytest.raises(C.MismatchError, match="out"):
+        C.allgather(np.ones((1, 2)), out=np.empty((n, 2)) if r == n - 1 else None)
+    assert C.allreduce(np.ones(3), op=C.Sum).tolist() == [float(n)] * 3
 
 
 def test_the_same_bad_argument_everywhere_raises_it_everywhere(comm):

@@ -16,7 +16,9 @@ from conftest import (
     make_input,
     reference_reduce,
     run_case,
+    skip_unrunnable,
     to_framework,
+    to_numpy,
 )
 
 import collectives as C
@@ -98,6 +100,31 @@ def test_allgather(comm, algo, dtype):
                                        False, what)
                 assert_equal(got, np.concatenate(comm.allgather(before)), what)
                 assert_same_on_all_ranks(comm, got, what)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_allgather_into_out(comm, algo):
+    """out= receives the result in place (NumPy array or torch tensor, sync and async), and
+    is what the call returns."""
+    skip_unrunnable(algo)
+    n, r = comm.Get_size(), comm.Get_rank()
+    for dtype in ("float32", "int64", "bfloat16"):
+        for count in counts(n):
+            rows = count + r % 2  # uneven
+            total = sum(count + q % 2 for q in range(n))
+            for framework in ("numpy", "torch") if dtype != "bfloat16" else ("torch",):
+                what = f"allgather out= {algo} {dtype} ({rows},) {framework}"
+                x = to_framework(make_input(dtype, (rows,), seed_of("ago", count) * 17 + r),
+                                 dtype, framework)
+                out = to_framework(np.zeros(total, "float64" if dtype == "bfloat16" else dtype),
+                                   dtype, framework)
+                for sync in (True, False):
+                    got = C.allgather(x, algorithm=algo, out=out) if sync else \
+                        C.synchronize(C.allgather_async(x, algorithm=algo, out=out))
+                    assert got is out, what
+                    expected = np.concatenate(comm.allgather(to_numpy(x)))
+                    assert_equal(to_numpy(out), expected, what)
+                    out.fill(0) if framework == "numpy" else out.zero_()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
