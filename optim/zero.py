@@ -180,11 +180,12 @@ class ZeroOptimizer(Overlapped):
         for group, mine in zip(self.optimizer.param_groups, pieces):
             group["params"] = mine
 
-    def reshard(self, shards: list[dict[str, Any]]) -> None:
+    def reshard(self) -> None:
         """Lay this optimizer out again for its process set's size now (after the job
-        shrank or grew: collectives.elastic) and load every rank's shards as saved at the
-        old size (state_dict() of each, in rank order). Stages 1 and 2: every rank holds
-        the whole model, which the buckets take over as it is."""
+        shrank or grew: collectives.elastic), its state empty until load_state_dict()
+        loads the old size's shards, or only their parts over this rank's new pieces
+        (part_of(shard, self.placement)). Stages 1 and 2: every rank holds the whole
+        model, which the buckets take over as it is."""
         if self.stage == 3:
             raise NotImplementedError("reshard(): stage 3 keeps only pieces of the "
                                       "parameters; save its shards and load them into a new "
@@ -196,7 +197,12 @@ class ZeroOptimizer(Overlapped):
             group["params"] = list(params)
         self.optimizer.state.clear()
         self._lay_out()
-        self.load_state_dict(shards)
+
+    @property
+    def placement(self) -> list[list[tuple[int, int, int]]]:
+        """This rank's pieces, per param group: (parameter's index in its group, offset in
+        the parameter, length)."""
+        return [list(g) for g in self._placement]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._wrapping:
@@ -401,6 +407,42 @@ class ZeroOptimizer(Overlapped):
 
 
 # ------------------------------------------------------------------------ helpers
+
+def part_of(shard: dict[str, Any], placement: list[list[tuple[int, int, int]]]
+            ) -> dict[str, Any]:
+    """The part of a shard (state_dict() of one rank) over the pieces of another layout
+    (ZeroOptimizer.placement of the rank that will load it), itself a shard of the same
+    format (its tensors views of shard's): what that rank needs of it, among the shards of
+    every old rank, to load. Without the parameters' pieces and 1-bit error buffers (these
+    restart at zeros when resharded)."""
+    state = shard["optimizer"]["state"]
+    parts: list[list[tuple[int, int, int]]] = []
+    values: dict[int, dict[str, Any]] = {}
+    index = 0
+    for old, new in zip(shard["placement"], placement):
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for i, offset, length in new:
+            wanted.setdefault(i, []).append((offset, offset + length))
+        mine: list[tuple[int, int, int]] = []
+        for i, offset, length in old:
+            entry = state.get(index, {})
+            index += 1
+            for lo, hi in wanted.get(i, ()):
+                a, b = max(lo, offset), min(hi, offset + length)
+                if a >= b:
+                    continue
+                values[sum(len(g) for g in parts) + len(mine)] = {
+                    key: v[a - offset:b - offset]
+                    if isinstance(v, torch.Tensor) and v.dim() >= 1 else v
+                    for key, v in entry.items()}
+                mine.append((i, a, b - a))
+        parts.append(mine)
+    return {"format": SHARD_FORMAT, "world_size": shard["world_size"],
+            "numels": shard["numels"], "placement": parts, "errors": [],
+            "optimizer": {"state": values,
+                          "param_groups": shard["optimizer"]["param_groups"]}}
+
+
 
 def _index(params: list[torch.Tensor], p: torch.Tensor) -> int:
     return next(i for i, q in enumerate(params) if q is p)

@@ -7,18 +7,19 @@ follow an order that takes one rank of each node in turn, so a rank's buddy is o
 node wherever the job spans nodes of equal size (one dead node loses no shard), and is the
 next rank on a single node. The commit ends with MPI's fault-tolerant agreement
 (faults.agree): every survivor keeps the new copies, or, if a rank died during the commit,
-none does and all of them go back to the previous commit together, whose copies are
-intact. After the job shrank or grew, every old rank's shard is taken from its owner or,
-if the owner died, from its buddy, broadcast to every rank, and the optimizer is laid out
-again for the new size (ZeroOptimizer.reshard). A rank and its buddy that die together
-take that shard with them: the job then ends on every rank, saying so.
+none does and all of them go back to the previous commit together, whose copies are intact.
+After the job shrank or grew, the optimizer is laid out again for the new size
+(ZeroOptimizer.reshard), and every old rank's shard is cut, by its owner or, if the owner
+died, by its buddy, into the parts each rank's new pieces need, which one alltoall
+delivers. A rank and its buddy that die together take that shard with them: the job then
+ends on every rank, saying so.
 
 Cost of a commit: one shard packed (a copy), one sent and one received, and one agreement
 (a few microseconds on one node). Memory: four shards per rank (this rank's and the one it
 backs up, each as committed and as being committed), 4/N of the optimizer state with N
-ranks. After a change of size every rank briefly holds the whole optimizer state (the
-resharding reads every old shard). Only in fault-tolerant mode: elsewhere a failure ends
-the job, and a commit costs nothing here."""
+ranks; after a change of size, a rank briefly holds the parts it receives, and, for each
+parameter they touch, a whole parameter's worth of each state tensor while loading. Only in
+fault-tolerant mode: elsewhere a failure ends the job, and a commit costs nothing here."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch
 from collectives import api as C
 from collectives.elastic import membership
 from collectives.optim import ZeroOptimizer
+from collectives.optim.zero import part_of
 from collectives.runtime import faults, p2p, topology
 
 #: Tag of the commit's messages on the job's communicator.
@@ -184,42 +186,56 @@ class Buddies:
         except Exception as exc:
             faults.reraise(topo, exc)
 
-    def shards(self) -> list[dict[str, Any]]:
-        """Collective over the job as it is now (after a shrink or a growth): every rank of
-        the job of the last commit's shard, in its rank order, from its owner or its buddy.
-        A rank that was not in that job (a replacement yet to commit) contributes none.
-        RuntimeError on every rank if a shard is lost."""
+    def parts(self) -> list[dict[str, Any]]:
+        """Collective over the job as it is now (after a shrink or a growth), whose
+        optimizer has been laid out for it (ZeroOptimizer.reshard): the parts of every
+        shard of the last commit's job over this rank's new pieces, each shard sent from
+        its owner or, if the owner died, from its buddy (one alltoall: a rank receives
+        about 1/N of the optimizer state). A rank that was not in that job (a replacement
+        yet to commit) sends none. RuntimeError on every rank if a shard is lost."""
         topo = topology.get()
-        seen = C.allgather_object((self.job, self.rank, self.held_from))
-        jobs = {job for job, _, _ in seen if job is not None}
+        seen = C.allgather_object((self.job, self.rank, self.held_from,
+                                   self.optimizer.placement))
+        jobs = {job for job, _, _, _ in seen if job is not None}
         if len(jobs) != 1:  # every commit is agreed, so the survivors' last one is the same
             raise RuntimeError(f"collectives.elastic: the ranks' last commits were made in "
                                f"different jobs {sorted(jobs)}; cannot rebuild the "
                                f"ZeroOptimizer's shards")
         old_size = jobs.pop()[1]
-        owner = {rank: r for r, (job, rank, _) in enumerate(seen) if job is not None}
-        holder = {held: r for r, (job, _, held) in enumerate(seen)
+        owner = {rank: r for r, (job, rank, _, _) in enumerate(seen) if job is not None}
+        holder = {held: r for r, (job, _, held, _) in enumerate(seen)
                   if job is not None and held is not None}
         lost = [d for d in range(old_size) if d not in owner and d not in holder]
         if lost:
             raise RuntimeError(
                 f"collectives.elastic: the ZeroOptimizer shards of ranks {lost} died with "
                 f"the ranks that kept their copies; go on from your last checkpoint on disk")
-        out = []
-        for d in range(old_size):
-            root = owner.get(d, holder.get(d))
-            copy = self.own if root == topo.rank and d in owner else self.held
-            out.append(_broadcast(copy, root, topo.rank))
-        return out
+        mine = {d: (self.own if d in owner else self.held).unpack(copy=False)
+                for d in range(old_size) if owner.get(d, holder.get(d)) == topo.rank}
+        blobs = [_blob({d: part_of(shard, placement) for d, shard in mine.items()})
+                 for _, _, _, placement in seen]
+        # a one-off call: a fixed algorithm, not auto's trials
+        got, sizes = C.alltoall(np.concatenate(blobs), splits=[b.size for b in blobs],
+                                algorithm="pairwise")
+        parts: dict[int, dict[str, Any]] = {}
+        for blob in np.split(got, np.cumsum(sizes)[:-1]):
+            parts.update(_unblob(blob))
+        return [parts[d] for d in range(old_size)]
 
 
-def _broadcast(copy: Packed, root: int, rank: int) -> dict[str, Any]:
-    """root's packed shard, unpacked on every rank."""
-    skeleton, nbytes = C.broadcast_object((copy.skeleton, copy.buffer.nbytes) if rank == root
-                                          else None, root)
-    got = Packed()
-    got.skeleton = skeleton
-    got.buffer = copy.buffer if rank == root else np.empty(nbytes, np.uint8)
-    if nbytes:
-        C.broadcast_(got.buffer, root_rank=root)
-    return got.unpack(copy=rank == root)
+def _blob(shards: dict[int, dict[str, Any]]) -> np.ndarray:
+    """shards packed as one byte array: the skeleton's length (8 bytes), the skeleton,
+    the buffer."""
+    packed = Packed()
+    packed.pack(shards)
+    head = np.frombuffer(len(packed.skeleton).to_bytes(8, "little") + packed.skeleton,
+                         np.uint8)
+    return np.concatenate([head, packed.buffer])
+
+
+def _unblob(blob: np.ndarray) -> dict[int, dict[str, Any]]:
+    n = int.from_bytes(blob[:8].tobytes(), "little")
+    packed = Packed()
+    packed.skeleton = blob[8:8 + n].tobytes()
+    packed.buffer = np.ascontiguousarray(blob[8 + n:])
+    return packed.unpack(copy=False)

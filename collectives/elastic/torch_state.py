@@ -131,7 +131,8 @@ class TorchState(ObjectState):
 
     def reset(self) -> None:
         if self._buddies is not None:
-            self.optimizer.reshard(self._buddies.shards())
+            self.optimizer.reshard()
+            self.optimizer.load_state_dict(self._buddies.parts())
         for s in self._samplers.values():
             s.reset()
 

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 from collectives.optim import ZeroOptimizer
-from collectives.optim.zero import IN_FLIGHT
+from collectives.optim.zero import IN_FLIGHT, part_of
 from conftest import assert_same_on_all_ranks
 from test_optimizer import Net, batch, flat_params, max_diff, scaled_step, shard_loss
 
@@ -168,8 +168,9 @@ def test_checkpoint_shards_and_consolidated(comm, stage):
 
 @pytest.mark.mpi(min_size=3)
 def test_resharding_to_another_world_size(comm):
-    """Shards saved by every rank load into an optimizer over a process set of 2 ranks, and
-    its shards back into one over every rank: each consolidates to the same state."""
+    """Shards saved by every rank load into an optimizer over a process set of 2 ranks (or
+    only their parts over its pieces: part_of), and its shards back into one over every
+    rank: each consolidates to the same state."""
     model, opt, _, _ = _twins("adam", stage=2, fusion_threshold_bytes=300)
     for step in range(2):
         _step(comm, model, opt, step)
@@ -183,6 +184,17 @@ def test_resharding_to_another_world_size(comm):
             small_opt.load_state_dict(shards)
             small_shards = small_opt.state_dict()
             again = small_opt.consolidated_state_dict()
+            # only the parts over its pieces (what an elastic job sends each rank): the same
+            _, parted, _, _ = _twins("adam", stage=2, process_set=pair,
+                                     fusion_threshold_bytes=300)
+            parts = [part_of(shard, parted.placement) for shard in shards]
+            assert sum(len(g) for p in parts for g in p["placement"]) > len(shards)
+            parted.load_state_dict(parts)
+            mine, theirs = small_shards["optimizer"]["state"], parted.state_dict()["optimizer"]["state"]
+            assert mine.keys() == theirs.keys()
+            for index, entry in mine.items():
+                for key, value in entry.items():
+                    assert torch.equal(value, theirs[index][key]), (index, key)
         else:
             small_shards, again = None, None
         small_shards = [s for s in C.allgather_object(small_shards) if s is not None]
