@@ -2,8 +2,8 @@
 
 Owns: DistributedOptimizer (distributed.py) and ZeroOptimizer (zero.py: optimizer state,
 gradients and, in stage 3, parameters sharded, in the buckets of zero_buckets.py; zero3.py
-gathers stage 3's units around their forward and backward), on the buckets reduced during
-backward that they share (overlap.py);
+gathers stage 3's units around their forward and backward; zero_shards.py is its
+checkpoint format), on the buckets reduced during backward that they share (overlap.py);
 the broadcasts of parameters and optimizer state (broadcast.py), OnebitAdam, Adasum's
 optimizer, the argument checks (wrapped.py). (The convergence tasks that the benchmarks
 and tests/mpi/test_onebit_adam.py train are benchmarks/convergence.py: not installed.)

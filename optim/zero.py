@@ -48,12 +48,11 @@ from . import zero3
 from .overlap import Overlapped, bucketed
 from .wrapped import _COMPRESSORS, _GRAD_DTYPES, _check_int
 from .zero_buckets import ONEBIT, Bucket, ShardedBucket
+from .zero_shards import SHARD_FORMAT, full_states, is_sliced, slice_of
 
 #: Buckets reduced at once during backward: a bucket launched beyond these first waits
 #: for the oldest one (its packed gradients are then freed).
 IN_FLIGHT = 2
-#: The format tag of a shard returned by state_dict().
-SHARD_FORMAT = "collectives.zero/1"
 
 
 class ZeroOptimizer(Overlapped):
@@ -184,8 +183,8 @@ class ZeroOptimizer(Overlapped):
         """Lay this optimizer out again for its process set's size now (after the job
         shrank or grew: collectives.elastic), its state empty until load_state_dict()
         loads the old size's shards, or only their parts over this rank's new pieces
-        (part_of(shard, self.placement)). Stages 1 and 2: every rank holds the whole
-        model, which the buckets take over as it is."""
+        (zero_shards.part_of(shard, self.placement)). Stages 1 and 2: every rank holds the
+        whole model, which the buckets take over as it is."""
         if self.stage == 3:
             raise NotImplementedError("reshard(): stage 3 keeps only pieces of the "
                                       "parameters; save its shards and load them into a new "
@@ -327,14 +326,14 @@ class ZeroOptimizer(Overlapped):
     def load_state_dict(self, state_dict: Any) -> None:
         """Load a shard of this layout, the list of every rank's shards (any world size:
         resharded), or a plain state dict of the wrapped optimizer (consolidated)."""
-        full, groups = _full_states(state_dict, self._groups)
+        full, groups = full_states(state_dict, self._groups)
         state: dict[int, dict[str, Any]] = {}
         index = 0
         for k, placement in enumerate(self._placement):
             for i, offset, length in placement:
                 entry = full.get((k, i))
                 if entry is not None:
-                    state[index] = {key: _slice(value, offset, length)
+                    state[index] = {key: slice_of(value, offset, length)
                                     for key, value in entry.items()}
                 index += 1
         numbered, start = [], 0
@@ -393,14 +392,14 @@ class ZeroOptimizer(Overlapped):
         rank = C.rank() if self._set is None else self._set.rank()
         if rank != to:
             return None
-        full, groups = _full_states(shards, self._groups)
+        full, groups = full_states(shards, self._groups)
         state, numbered, index = {}, [], 0
         for k, (group, params) in enumerate(zip(groups, self._groups)):
             numbered.append({**group, "params": list(range(index, index + len(params)))})
             for i, p in enumerate(params):
                 entry = full.get((k, i))
                 if entry is not None:
-                    state[index + i] = {key: value.view(p.shape) if _sliced(value, p.numel())
+                    state[index + i] = {key: value.view(p.shape) if is_sliced(value, p.numel())
                                         else value for key, value in entry.items()}
             index += len(params)
         return {"state": state, "param_groups": numbered}
@@ -408,109 +407,5 @@ class ZeroOptimizer(Overlapped):
 
 # ------------------------------------------------------------------------ helpers
 
-def part_of(shard: dict[str, Any], placement: list[list[tuple[int, int, int]]]
-            ) -> dict[str, Any]:
-    """The part of a shard (state_dict() of one rank) over the pieces of another layout
-    (ZeroOptimizer.placement of the rank that will load it), itself a shard of the same
-    format (its tensors views of shard's): what that rank needs of it, among the shards of
-    every old rank, to load. Without the parameters' pieces and 1-bit error buffers (these
-    restart at zeros when resharded)."""
-    state = shard["optimizer"]["state"]
-    parts: list[list[tuple[int, int, int]]] = []
-    values: dict[int, dict[str, Any]] = {}
-    index = 0
-    for old, new in zip(shard["placement"], placement):
-        wanted: dict[int, list[tuple[int, int]]] = {}
-        for i, offset, length in new:
-            wanted.setdefault(i, []).append((offset, offset + length))
-        mine: list[tuple[int, int, int]] = []
-        for i, offset, length in old:
-            entry = state.get(index, {})
-            index += 1
-            for lo, hi in wanted.get(i, ()):
-                a, b = max(lo, offset), min(hi, offset + length)
-                if a >= b:
-                    continue
-                values[sum(len(g) for g in parts) + len(mine)] = {
-                    key: v[a - offset:b - offset]
-                    if isinstance(v, torch.Tensor) and v.dim() >= 1 else v
-                    for key, v in entry.items()}
-                mine.append((i, a, b - a))
-        parts.append(mine)
-    return {"format": SHARD_FORMAT, "world_size": shard["world_size"],
-            "numels": shard["numels"], "placement": parts, "errors": [],
-            "optimizer": {"state": values,
-                          "param_groups": shard["optimizer"]["param_groups"]}}
-
-
-
 def _index(params: list[torch.Tensor], p: torch.Tensor) -> int:
     return next(i for i, q in enumerate(params) if q is p)
-
-
-def _sliced(value: Any, numel: int) -> bool:
-    """Whether a state value is per element of its parameter (momentum, moments), not a
-    scalar (Adam's step)."""
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.numel() == numel
-
-
-def _slice(value: Any, offset: int, length: int) -> Any:
-    """A piece's own copy of a state value (a scalar tensor too: Adam steps it in place)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value[offset:offset + length].clone() if value.dim() >= 1 else value.clone()
-
-
-def _full_states(saved: Any, groups: list[list[torch.Tensor]]
-                 ) -> tuple[dict[tuple[int, int], dict[str, Any]], list[dict[str, Any]]]:
-    """((group, index in group) -> each state value over the whole parameter, flat), and
-    the saved groups' hyperparameters, from shards or a plain state dict."""
-    shards = [saved] if isinstance(saved, dict) and saved.get("format") == SHARD_FORMAT \
-        else saved if isinstance(saved, (list, tuple)) else None
-    if shards is None:
-        if not isinstance(saved, dict) or "state" not in saved or "param_groups" not in saved:
-            raise TypeError("state_dict: expected a ZeroOptimizer shard, a list of them, or "
-                            "an optimizer state dict")
-        return _from_plain(saved, groups)
-    numels = [[p.numel() for p in g] for g in groups]
-    full: dict[tuple[int, int], dict[str, Any]] = {}
-    for n, shard in enumerate(shards):
-        if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT:
-            raise TypeError(f"state_dict[{n}]: expected a ZeroOptimizer shard")
-        if shard["numels"] != numels:
-            raise ValueError(f"state_dict[{n}]: saved for other parameters (sizes "
-                             f"{shard['numels']}, here {numels})")
-        saved_state = shard["optimizer"]["state"]
-        index = 0
-        for k, placement in enumerate(shard["placement"]):
-            for i, offset, length in placement:
-                for key, value in saved_state.get(index, {}).items():
-                    entry = full.setdefault((k, i), {})
-                    if isinstance(value, torch.Tensor) and value.dim() >= 1:
-                        if key not in entry:
-                            entry[key] = torch.zeros(numels[k][i], dtype=value.dtype)
-                        entry[key][offset:offset + length] = value
-                    else:
-                        entry[key] = value
-                index += 1
-    return full, _hyperparameters(shards[0]["optimizer"]["param_groups"])
-
-
-def _from_plain(saved: dict[str, Any], groups: list[list[torch.Tensor]]
-                ) -> tuple[dict[tuple[int, int], dict[str, Any]], list[dict[str, Any]]]:
-    if [len(g["params"]) for g in saved["param_groups"]] != [len(g) for g in groups]:
-        raise ValueError("state_dict: its param groups do not match the optimizer's")
-    full, position = {}, {}
-    for k, g in enumerate(saved["param_groups"]):
-        for i, index in enumerate(g["params"]):
-            position[index] = (k, i)
-    for index, entry in saved["state"].items():
-        k, i = position[index]
-        full[(k, i)] = {key: value.reshape(-1) if _sliced(value, groups[k][i].numel())
-                        else value for key, value in entry.items()}
-    return full, _hyperparameters(saved["param_groups"])
-
-
-def _hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each saved group's entries but its parameters' indices."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in param_groups]

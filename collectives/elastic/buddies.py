@@ -32,7 +32,7 @@ import torch
 from collectives import api as C
 from collectives.elastic import membership
 from collectives.optim import ZeroOptimizer
-from collectives.optim.zero import part_of
+from collectives.optim.zero_shards import part_of
 from collectives.runtime import faults, p2p, topology
 
 #: Tag of the commit's messages on the job's communicator.

@@ -14,7 +14,8 @@ import copy
 import pytest
 import torch
 from collectives.optim import ZeroOptimizer
-from collectives.optim.zero import IN_FLIGHT, part_of
+from collectives.optim.zero import IN_FLIGHT
+from collectives.optim.zero_shards import part_of
 from conftest import assert_same_on_all_ranks
 from test_optimizer import Net, batch, flat_params, max_diff, scaled_step, shard_loss
 
