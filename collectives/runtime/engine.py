@@ -67,7 +67,7 @@ class Job(NamedTuple):
 class Handle:
     """An in-flight collective: pass it to synchronize() for the result, poll() to ask."""
 
-    __slots__ = ("name", "queued", "_done", "_result", "_error", "_callbacks")
+    __slots__ = ("name", "queued", "_done", "_result", "_error", "_callbacks", "_fired")
 
     def __init__(self, name: str, queued: float = -1.0):
         self.name = name
@@ -76,6 +76,7 @@ class Handle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Handle], None]] | None = []  # None once fired
+        self._fired = threading.Event()  # its callbacks have all returned
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -103,11 +104,14 @@ class Handle:
     def _fire(self) -> None:
         with _CALLBACKS:
             callbacks, self._callbacks = self._callbacks, None
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:  # the engine thread must go on; the error is still shown
-                traceback.print_exc()
+        try:
+            for fn in callbacks:
+                try:
+                    fn(self)
+                except Exception:  # the engine thread must go on; the error is still shown
+                    traceback.print_exc()
+        finally:
+            self._fired.set()
 
     def _run(self, work: Callable[[], Any]) -> None:
         try:
@@ -155,12 +159,13 @@ class Engine:
         return handle
 
     def _drain(self) -> None:
-        """At exit: let the calls still queued finish (or fail, within the stall timeout),
-        as nobody synchronized them. Python ends a daemon thread that takes the GIL back
-        during interpreter shutdown, and this one would be inside C++ then: the process
-        would abort ("terminate called without an active exception")."""
+        """At exit: let the calls still queued finish (or fail, within the stall timeout)
+        and their completion callbacks return (torch's futures are completed in them), as
+        nobody may have waited for them. Python ends a daemon thread that takes the GIL
+        back during interpreter shutdown, and this one would be inside C++ then: the
+        process would abort ("terminate called without an active exception")."""
         if self._last is not None:
-            self._last._done.wait()
+            self._last._fired.wait()
 
     def _loop(self) -> None:
         native = self.native
