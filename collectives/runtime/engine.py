@@ -111,6 +111,10 @@ class Handle:
                 except Exception:  # the engine thread must go on; the error is still shown
                     traceback.print_exc()
         finally:
+            # The callbacks are freed before the handle counts as fired: freeing one can free
+            # a torch future, whose C++ takes the GIL back, which must not happen while the
+            # interpreter shuts down (the exit handler waits for this event).
+            fn = callbacks = None
             self._fired.set()
 
     def _run(self, work: Callable[[], Any]) -> None:
