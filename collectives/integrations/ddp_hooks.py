@@ -88,10 +88,14 @@ def fp16_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     return _average(bucket, _group(state), Compression.fp16)
 
 
+#: torch 2.13's name for all_gather_into_tensor, which older torch has alone
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _gather_rows(part: torch.Tensor, group: Any) -> np.ndarray:
     """Every rank's part (1-D, the same size everywhere) as rows, over any group."""
     rows = part.new_empty((group.size(), part.numel()))
-    dist.all_gather_single(rows.view(-1), part, group=group)
+    _all_gather_single(rows.view(-1), part, group=group)
     return rows.numpy()
 
 

@@ -196,7 +196,7 @@ class ProcessGroup(dist.ProcessGroup):
         return self._reducescatter(opts, op, flat, out, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                             opts: Any = None) -> dist.Work:
+                              opts: Any = None) -> dist.Work:
         opts = options(opts, c10d.ReduceScatterOptions)
         try:
             op = reduce_op(opts)
@@ -248,7 +248,7 @@ class ProcessGroup(dist.ProcessGroup):
                          tensor.reshape(-1), self._algorithm)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                        opts: Any = None) -> dist.Work:
+                          opts: Any = None) -> dist.Work:
         opts = options(opts, c10d.AllgatherOptions)
         try:
             same_dtype([input], output.dtype, "input_tensor")
@@ -260,7 +260,7 @@ class ProcessGroup(dist.ProcessGroup):
                          input.reshape(-1), self._algorithm)
 
     def all_gather_single_coalesced(self, outputs: list, inputs: list,
-                                        opts: Any = None) -> dist.Work:
+                                    opts: Any = None) -> dist.Work:
         opts = options(opts, c10d.AllgatherOptions)
         try:
             count(inputs, len(outputs), "inputs")
@@ -354,8 +354,8 @@ class ProcessGroup(dist.ProcessGroup):
 
     # ----------------------------------------------------------------- all-to-all
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                      output_split_sizes: list, input_split_sizes: list,
-                      opts: Any = None) -> dist.Work:
+                          output_split_sizes: list, input_split_sizes: list,
+                          opts: Any = None) -> dist.Work:
         opts = options(opts, c10d.AllToAllOptions)
         try:
             same_dtype([input], output.dtype, "input")
@@ -435,6 +435,16 @@ class ProcessGroup(dist.ProcessGroup):
                        tensors, finish)
 
     # ---------------------------------------------------------------------- shared
+    # torch before 2.13 calls the single-tensor operations by their former names
+    # (all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single and the coalescing
+    # manager); its base class would send them to a per-device backend, which a group
+    # written in Python has none of.
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+    alltoall_base = all_to_all_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
     def _run(self, opts: Any, sync: Any, submit: Any, finish: Any, *args: Any) -> dist.Work:
         """sync(*args) inline and finish(result), or submit(*args) with finish on its
         future, as opts.asyncOp says."""

@@ -156,6 +156,34 @@ def test_all_to_all(comm):
     assert [o.tolist() for o in outs] == [[float(j)] * (j + 1) for j in range(n)]
 
 
+def test_the_names_torch_before_2_13_calls(comm, group):
+    """torch 2.12 and older call the single-tensor operations by these names (its
+    all_gather_into_tensor calls _allgather_base, ...); torch's base class would raise "No
+    backend type associated with device type cpu" for a group written in Python."""
+    r, n = comm.Get_rank(), comm.Get_size()
+    c10d = torch.distributed.distributed_c10d
+    x = torch.arange(3.0) + 10 * r
+    out = torch.zeros(3 * n)
+    group._allgather_base(out, x, c10d.AllgatherOptions()).wait()
+    assert out.tolist() == [10.0 * j + k for j in range(n) for k in range(3)]
+    outs = [torch.zeros(3 * n), torch.zeros(n)]
+    group.allgather_into_tensor_coalesced(outs, [x, x[:1]], c10d.AllgatherOptions()).wait()
+    assert outs[0].tolist() == out.tolist() and outs[1].tolist() == out[::3].tolist()
+    whole = torch.arange(2.0 * n) + r
+    mine = torch.zeros(2)
+    opts = c10d.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    group._reduce_scatter_base(mine, whole, opts).wait()
+    assert mine.tolist() == [n * (2.0 * r + k) + n * (n - 1) / 2 for k in range(2)]
+    mines = [torch.zeros(2), torch.zeros(1)]
+    group.reduce_scatter_tensor_coalesced(mines, [whole, whole[:n]], opts).wait()
+    assert mines[0].tolist() == mine.tolist() and mines[1].tolist() == [n * r + n * (n - 1) / 2]
+    got = torch.zeros(2 * n)
+    group.alltoall_base(got, torch.arange(2.0 * n) + 100 * r, [], [],
+                        c10d.AllToAllOptions()).wait()
+    assert got.tolist() == [100.0 * j + 2 * r + k for j in range(n) for k in range(2)]
+
+
 def test_point_to_point_and_objects(comm):
     r, n = comm.Get_rank(), comm.Get_size()
     right, left = (r + 1) % n, (r - 1) % n
