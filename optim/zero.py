@@ -136,13 +136,13 @@ class ZeroOptimizer(Overlapped):
         if len({id(p) for p in trainable}) != len(trainable):
             raise ValueError("optimizer: a parameter is in more than one param group")
         self._sharded: zero3.ShardedBuckets | None = None
-        self._units = (module, units, reshard_after_forward, prefetch,
-                       parameter_compression, hpz)
-        self._lay_out()
+        self._lay_out((module, units, reshard_after_forward, prefetch, parameter_compression,
+                       hpz))
 
-    def _lay_out(self) -> None:
+    def _lay_out(self, stage3: tuple = ()) -> None:
         """Buckets, this rank's pieces and their hooks for the process set's rank and size
-        now; the wrapped optimizer's groups become the pieces."""
+        now; the wrapped optimizer's groups become the pieces. stage3: __init__'s unit
+        arguments (only __init__ lays out stage 3)."""
         self._rank = rank = C.rank() if self._set is None else self._set.rank()
         self._size = C.size() if self._set is None else self._set.size()
         trainable = [p for g in self._groups for p in g if p.requires_grad]
@@ -150,8 +150,7 @@ class ZeroOptimizer(Overlapped):
         whole = trainable
         buckets: list[Bucket] = []
         if self.stage == 3:
-            module, units, reshard_after_forward, prefetch, parameter_compression, hpz = \
-                self._units
+            module, units, reshard_after_forward, prefetch, parameter_compression, hpz = stage3
             chosen = zero3.check_units(module, units, trainable)
             per_unit, whole = zero3.assign(module, chosen, trainable, self._threshold)
             self._sharded = zero3.ShardedBuckets(module, chosen, self._set,
@@ -316,12 +315,20 @@ class ZeroOptimizer(Overlapped):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: the wrapped optimizer's state dict (of its pieces) and each
         piece's place, (parameter index in its group, offset, length), per group."""
+        shard = self.live_shard()
+        shard["errors"] = [e.clone() for e in shard["errors"]]
+        shard["parameters"] = [[piece.detach().clone() for piece in g] for g in self._pieces]
+        return shard
+
+    def live_shard(self) -> dict[str, Any]:
+        """state_dict() less the parameters' pieces, its tensors the optimizer's own (as
+        torch's state_dict gives them), not copies: for a caller that copies it at once
+        (an elastic job's buddy copies, whose ranks hold the whole model anyway)."""
         return {"format": SHARD_FORMAT, "world_size": self._size,
                 "numels": [[p.numel() for p in g] for g in self._groups],
                 "placement": [list(g) for g in self._placement],
                 "optimizer": self.optimizer.state_dict(),
-                "errors": [b.error.clone() for b in self._buckets if b.error is not None],
-                "parameters": [[piece.detach().clone() for piece in g] for g in self._pieces]}
+                "errors": [b.error for b in self._buckets if b.error is not None]}
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Load a shard of this layout, the list of every rank's shards (any world size:

@@ -1,8 +1,9 @@
 """Buddy copies of a ZeroOptimizer's shards, so that an elastic job loses no optimizer state
 when ranks die (TorchState keeps one of these for a ZeroOptimizer).
 
-At each commit every rank packs its shard (ZeroOptimizer.state_dict()) into one flat
-buffer, sends it to its buddy and receives the shard of the rank it backs up. Buddies
+At each commit every rank packs its shard (ZeroOptimizer.live_shard(), without the
+parameters: stages 1 and 2 hold the whole model, which TorchState commits itself) into one
+flat buffer, sends it to its buddy and receives the shard of the rank it backs up. Buddies
 follow an order that takes one rank of each node in turn, so a rank's buddy is on another
 node wherever the job spans nodes of equal size (one dead node loses no shard), and is the
 next rank on a single node. The commit ends with MPI's fault-tolerant agreement
@@ -10,9 +11,9 @@ next rank on a single node. The commit ends with MPI's fault-tolerant agreement
 none does and all of them go back to the previous commit together, whose copies are intact.
 After the job shrank or grew, the optimizer is laid out again for the new size
 (ZeroOptimizer.reshard), and every old rank's shard is cut, by its owner or, if the owner
-died, by its buddy, into the parts each rank's new pieces need, which one alltoall
-delivers. A rank and its buddy that die together take that shard with them: the job then
-ends on every rank, saying so.
+died, by its buddy, into the parts each rank's new pieces need; the parts of its own
+shard stay with it, and one alltoall delivers the others. A rank and its buddy that die
+together take that shard with them: the job then ends on every rank, saying so.
 
 Cost of a commit: one shard packed (a copy), one sent and one received, and one agreement
 (a few microseconds on one node). Memory: four shards per rank (this rank's and the one it
@@ -64,18 +65,28 @@ class Packed:
     def __init__(self) -> None:
         self.skeleton = b""
         self.buffer = np.empty(0, np.uint8)
+        self.nbytes = 0  # of the shard laid out last
+        self._tensors: list[tuple[_Slot, torch.Tensor]] = []  # laid out, not yet copied
 
     def pack(self, shard: dict[str, Any]) -> None:
         """Copy shard in (into the same buffer as last time where the size is the same)."""
-        tensors: list[tuple[_Slot, torch.Tensor]] = []
-        end = [0]
+        self.lay_out(shard)
+        if self.buffer.nbytes != self.nbytes:
+            self.buffer = np.empty(self.nbytes, np.uint8)
+        self.pack_into(self.buffer)
+
+    def lay_out(self, shard: dict[str, Any]) -> None:
+        """The skeleton and each tensor's place (nbytes in all), nothing copied yet."""
+        self._tensors = []
+        end = 0
 
         def strip(obj: Any) -> Any:
+            nonlocal end
             if isinstance(obj, torch.Tensor):
                 t = obj.detach().cpu().contiguous()
-                slot = _Slot(end[0], t.dtype, tuple(t.shape))
-                end[0] += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-                tensors.append((slot, t))
+                slot = _Slot(end, t.dtype, tuple(t.shape))
+                end += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+                self._tensors.append((slot, t))
                 return slot
             if isinstance(obj, dict):
                 return {k: strip(v) for k, v in obj.items()}
@@ -84,12 +95,15 @@ class Packed:
             return obj
 
         self.skeleton = pickle.dumps(strip(shard))
-        if self.buffer.nbytes != end[0]:
-            self.buffer = np.empty(end[0], np.uint8)
-        whole = torch.from_numpy(self.buffer)
-        for slot, t in tensors:
+        self.nbytes = end
+
+    def pack_into(self, out: np.ndarray) -> None:
+        """Copy the tensors laid out last into out (nbytes bytes), the only copy made."""
+        whole = torch.from_numpy(out)
+        for slot, t in self._tensors:
             nbytes = t.numel() * t.element_size()
             whole[slot.offset:slot.offset + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+        self._tensors = []
 
     def unpack(self, copy: bool = True) -> dict[str, Any]:
         """The shard, each tensor a copy of its bytes (copy=False: a view of the buffer,
@@ -140,7 +154,7 @@ class Buddies:
         if not topo.config.fault_tolerant or membership.is_replacement():
             return  # a failure ends the job; a replacement has no shard of the job's yet
         if topo.size == 1:
-            self.own.pack(self._shard())
+            self.own.pack(self.optimizer.live_shard())
             self.job, self.rank, self.held_from = (topo.generation, 1), 0, None
             return
         order = buddy_order(topo.nodes)
@@ -148,7 +162,7 @@ class Buddies:
         buddy, backed = order[(at + 1) % topo.size], order[at - 1]
         error = None
         try:
-            self._next_own.pack(self._shard())
+            self._next_own.pack(self.optimizer.live_shard())
             self._swap(topo, buddy, backed)
         except Exception as exc:  # to the agreement first: every rank must learn of it
             error = exc
@@ -161,12 +175,6 @@ class Buddies:
         self.held, self._next_held = self._next_held, self.held
         self.job, self.rank, self.held_from = (topo.generation, topo.size), topo.rank, backed
 
-    def _shard(self) -> dict[str, Any]:
-        """This rank's shard less the parameters' pieces: stages 1 and 2 hold the whole
-        model, which TorchState commits and syncs itself."""
-        shard = self.optimizer.state_dict()
-        del shard["parameters"]
-        return shard
 
     def _swap(self, topo: topology.Topology, buddy: int, backed: int) -> None:
         """Send the packed shard to buddy, receive backed's into the next held copy."""
@@ -191,7 +199,8 @@ class Buddies:
         optimizer has been laid out for it (ZeroOptimizer.reshard): the parts of every
         shard of the last commit's job over this rank's new pieces, each shard sent from
         its owner or, if the owner died, from its buddy (one alltoall: a rank receives
-        about 1/N of the optimizer state). A rank that was not in that job (a replacement
+        at most 1/N of the optimizer state, less what its own shard already covers, which
+        stays here). A rank that was not in that job (a replacement
         yet to commit) sends none. RuntimeError on every rank if a shard is lost."""
         topo = topology.get()
         seen = C.allgather_object((self.job, self.rank, self.held_from,
@@ -212,25 +221,40 @@ class Buddies:
                 f"the ranks that kept their copies; go on from your last checkpoint on disk")
         mine = {d: (self.own if d in owner else self.held).unpack(copy=False)
                 for d in range(old_size) if owner.get(d, holder.get(d)) == topo.rank}
-        blobs = [_blob({d: part_of(shard, placement) for d, shard in mine.items()})
-                 for _, _, _, placement in seen]
+        placements = [placement for _, _, _, placement in seen]
+        outgoing = [_laid_out({d: part_of(shard, placement) for d, shard in mine.items()})
+                    if mine and r != topo.rank else None
+                    for r, placement in enumerate(placements)]
+        sizes = [0 if blob is None else _blob_size(blob) for blob in outgoing]
+        send = np.empty(sum(sizes), np.uint8)  # each part copied once, into here
+        for blob, start, size in zip(outgoing, np.cumsum([0, *sizes]), sizes):
+            if blob is not None:
+                _write_blob(blob, send[start:start + size])
         # a one-off call: a fixed algorithm, not auto's trials
-        got, sizes = C.alltoall(np.concatenate(blobs), splits=[b.size for b in blobs],
-                                algorithm="pairwise")
-        parts: dict[int, dict[str, Any]] = {}
-        for blob in np.split(got, np.cumsum(sizes)[:-1]):
-            parts.update(_unblob(blob))
+        got, counts = C.alltoall(send, splits=sizes, algorithm="pairwise")
+        # this rank's own parts stay here: most of its new pieces overlap its old ones
+        parts = {d: part_of(shard, placements[topo.rank]) for d, shard in mine.items()}
+        for blob in np.split(got, np.cumsum(counts)[:-1]):
+            if blob.size:
+                parts.update(_unblob(blob))
         return [parts[d] for d in range(old_size)]
 
 
-def _blob(shards: dict[int, dict[str, Any]]) -> np.ndarray:
-    """shards packed as one byte array: the skeleton's length (8 bytes), the skeleton,
-    the buffer."""
+def _laid_out(shards: dict[int, dict[str, Any]]) -> Packed:
     packed = Packed()
-    packed.pack(shards)
-    head = np.frombuffer(len(packed.skeleton).to_bytes(8, "little") + packed.skeleton,
-                         np.uint8)
-    return np.concatenate([head, packed.buffer])
+    packed.lay_out(shards)
+    return packed
+
+
+def _blob_size(packed: Packed) -> int:
+    """Bytes of a blob: the skeleton's length (8 bytes), the skeleton, the buffer."""
+    return 8 + len(packed.skeleton) + packed.nbytes
+
+
+def _write_blob(packed: Packed, out: np.ndarray) -> None:
+    n = len(packed.skeleton)
+    out[:8 + n] = np.frombuffer(n.to_bytes(8, "little") + packed.skeleton, np.uint8)
+    packed.pack_into(out[8 + n:])
 
 
 def _unblob(blob: np.ndarray) -> dict[int, dict[str, Any]]:
