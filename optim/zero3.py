@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from collectives import api as C
+from collectives.runtime import topology
 
 from .overlap import bucketed
 
@@ -190,22 +191,37 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
+class _NodeSets:
+    """The job's node process sets for hpZ, registered by the first ZeroOptimizer that asks
+    and shared by every later one (each would otherwise register, and never free, its own
+    communicators); a job rebuilt after a shrink or a growth starts without them."""
+
+    __slots__ = ("mine", "node_sets")
+
+    def __init__(self) -> None:
+        self.mine: tuple[Any, int, int] | None = None  # node_group()'s answer
+        self.node_sets: list[Any] = []  # every node's set (the same list on every rank)
+
+
 def node_group() -> tuple[Any, int, int]:
-    """Collective over the job: (this rank's node as a process set, its rank in it, the
-    node's size), registering one set per node (in node order, on every rank); the global
-    set (None) when the job is one node."""
+    """Collective over the job on its first call (and again if a user removed the sets):
+    (this rank's node as a process set, its rank in it, the node's size), registering one
+    set per node (in node order, on every rank); the global set (None) when the job is one
+    node."""
+    held = topology.get().state(_NodeSets)
+    if held.mine is not None and all(ps.process_set_id is not None for ps in held.node_sets):
+        return held.mine
     nodes = C.allgather_object(C.cross_rank())
     members: dict[int, list[int]] = {}
     for r, node in enumerate(nodes):
         members.setdefault(node, []).append(r)
     if len(members) == 1:
-        return None, C.rank(), C.size()
-    mine = None
-    for node in sorted(members):
-        ps = C.add_process_set(members[node])
-        if node == nodes[C.rank()]:
-            mine = ps
-    return mine, mine.rank(), mine.size()
+        held.mine = (None, C.rank(), C.size())
+        return held.mine
+    held.node_sets = [C.add_process_set(members[node]) for node in sorted(members)]
+    mine = held.node_sets[sorted(members).index(nodes[C.rank()])]
+    held.mine = (mine, mine.rank(), mine.size())
+    return held.mine
 
 
 def default_units(module: torch.nn.Module) -> list[torch.nn.Module]:

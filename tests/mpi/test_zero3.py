@@ -211,6 +211,8 @@ def test_hpz_keeps_node_pieces_for_the_backward(comm):
     if C.cross_size() > 1:
         node = opt._sharded.node_set
         assert node is not None and node.size() == C.local_size()
+        _, again, _, _ = _twins("adam", hpz=True)
+        assert again._sharded.node_set is node  # the node sets are registered once a job
     with pytest.raises(ValueError, match="hpz: over the whole job only"):
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=3, module=model,
                       hpz=True, process_set=C.global_process_set)
