@@ -280,7 +280,8 @@ class ZeroOptimizer(Overlapped):
 
     @property
     def gathered_bytes(self) -> int:
-        """Stage 3: bytes of sharded parameters gathered (or being gathered) now."""
+        """Stage 3: bytes of sharded parameters gathered (or being gathered) now, and, with
+        hpz, the node pieces kept from a forward for its backward."""
         return 0 if self._sharded is None else self._sharded.gathered_bytes
 
     @property

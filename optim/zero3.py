@@ -27,8 +27,8 @@ each node's ranks alone, from the pieces the forward kept (1/L of the parameters
 memory between a forward and its backward, L ranks a node), so only the forward's crosses
 the network. Memory per rank: 1/N of the sharded parameters, gradients and optimizer
 state, plus the units gathered at a time: the one computing and, with prefetch, the next
-one (peak_gathered_bytes counts them; the allgather's own output is a transient second
-copy of the unit being gathered). A regathered unit's memory is fresh: it asks for huge
+one (peak_gathered_bytes counts them, and hpZ's kept pieces; the allgather's own output
+is a transient second copy of the unit being gathered). A regathered unit's memory is fresh: it asks for huge
 pages, whose first touch costs 512x fewer faults.
 """
 
@@ -115,7 +115,7 @@ class ShardedBuckets:
         """hpZ: the kept pieces are stale once the optimizer has stepped."""
         for buckets in self.units:
             for b in buckets:
-                b.secondary = None
+                b.drop_secondary()
 
     def held(self, delta: int) -> None:
         self.gathered_bytes += delta

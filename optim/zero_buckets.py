@@ -142,7 +142,15 @@ class ShardedBucket(Bucket):
         if self.node_bounds is None:
             self.node_bounds = even_bounds(self.flat.numel(), node_size)
         lo, hi = self.node_bounds[node_rank], self.node_bounds[node_rank + 1]
+        self.drop_secondary()
         self.secondary = self.flat[lo:hi].clone()
+        self.owner.held(self.secondary.numel() * self.secondary.element_size())
+
+    def drop_secondary(self) -> None:
+        """hpZ: give the kept piece back (used by the backward, or stale after a step)."""
+        if self.secondary is not None:
+            self.owner.held(-self.secondary.numel() * self.secondary.element_size())
+            self.secondary = None
 
     def start(self) -> None:
         """Start the allgather of every rank's shard (quantized: its float16 or int8 values
@@ -226,4 +234,4 @@ class ShardedBucket(Bucket):
         (and with the secondary piece)."""
         super().launch(process_set, compression, block_size, free_grads)
         self.free()
-        self.secondary = None
+        self.drop_secondary()

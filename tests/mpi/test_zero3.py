@@ -201,8 +201,12 @@ def test_hpz_keeps_node_pieces_for_the_backward(comm):
             loss = shard_loss(model, x, y, comm.Get_rank())
             kept = [b.secondary is not None for b in sharded]
             assert all(kept) if hpz else not any(kept)
+            # the units are freed after the forward: what is held is the kept pieces
+            assert opt.gathered_bytes == sum(b.secondary.numel() * b.secondary.element_size()
+                                             for b in sharded if b.secondary is not None)
             loss.backward()
             assert not any(b.secondary is not None for b in sharded)
+            assert opt.gathered_bytes == 0
             opt.step()
             opt.zero_grad()
         with opt.gathered():
