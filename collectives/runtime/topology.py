@@ -32,7 +32,7 @@ from mpi4py import MPI
 from collectives import config as _config
 from collectives.kernels import _C
 from collectives.runtime import agreement, faults
-from collectives.runtime.watchdog import Limit, Watchdog
+from collectives.runtime.watchdog import Limit, Watchdog, bounded
 
 S = TypeVar("S")
 
@@ -194,6 +194,12 @@ def shrink() -> Topology:
     return replace(old.comm.Shrink(), old.generation + 1)
 
 
+#: Seconds a rebuild of the job's communicators (after a shrink or a growth) may take before
+#: the job ends with an error, or the stall timeout if shorter. A rebuild takes milliseconds;
+#: Open MPI 5.0.11 can hang in one (a job that grew back and lost a rank again: README.md).
+REBUILD_TIMEOUT_S = 60.0
+
+
 def replace(comm: MPI.Comm, generation: int) -> Topology:
     """Make the job's Topology one over comm (collective over comm), with `generation`, free
     the old one's windows and upper layers' state and run init's hooks: a shrink's
@@ -206,7 +212,11 @@ def replace(comm: MPI.Comm, generation: int) -> Topology:
     replacements after this; a handful of communicators per change of size is the cost."""
     global _topology
     old = get()
-    new = Topology(comm, old.config, Watchdog(comm, old.config.stall_warning_s), generation)
+    limit = old.config.stall_timeout_s
+    with bounded(REBUILD_TIMEOUT_S if limit is None else min(limit, REBUILD_TIMEOUT_S),
+                 f"rebuilding the job's communicators ({old.size} to {comm.Get_size()} ranks)"):
+        new = Topology(comm, old.config, Watchdog(comm, old.config.stall_warning_s),
+                       generation)
     old.watchdog.stop()
     try:
         old.free()

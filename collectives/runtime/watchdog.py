@@ -13,9 +13,12 @@ StallError the library refuses further calls."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import sys
 import threading
 import time
+from collections.abc import Iterator
 
 from mpi4py import MPI
 
@@ -45,6 +48,29 @@ def describe(snapshot: tuple) -> str:
 def timed_out(what: str, waited: float, whom: str, timeout_s: float) -> str:
     """Why a wait ended in StallError, in the words torch users match ("Timed out")."""
     return f"{what}: Timed out waiting {waited * 1000:.0f}ms for {whom} (timeout {timeout_s:g} s)"
+
+
+@contextlib.contextmanager
+def bounded(seconds: float | None, what: str) -> Iterator[None]:
+    """Within the block, MPI steps that have not returned after `seconds` end the job with
+    a message naming `what`: the caller is then stuck inside MPI, where nothing else can
+    reach it, so a timer thread calls MPI_Abort. None: unbounded."""
+    if seconds is None:
+        yield
+        return
+
+    def stuck() -> None:
+        print(f"collectives: {what} has not finished in {seconds:g} s: MPI is stuck; "
+              f"ending the job", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+
+    timer = threading.Timer(seconds, stuck)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class Limit:

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,25 @@ def test_a_shard_dead_with_its_copy_ends_the_job_saying_why(tmp_path):
     said = "the ZeroOptimizer shards of ranks [0] died with the ranks that kept their copies"
     assert out.count(said) == 2, out
     assert "trained 40 steps" not in out, out
+
+
+def test_a_rebuild_stuck_in_mpi_ends_the_job_saying_so(tmp_path):
+    """A job that grew back and then lost a launch rank: Open MPI 5.0.11 hangs the
+    survivors in the shrunk communicator's first dup. Before the rebuild was bounded
+    (topology.REBUILD_TIMEOUT_S, here the stall timeout of 8 s) the job hung forever."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               COLLECTIVES_AUTOTUNE="0", XDG_CACHE_HOME=str(tmp_path),
+               COLLECTIVES_STALL_TIMEOUT_S="8")
+    cmd = [str(MPIRUN), "--with-ft", "ulfm", "-np", "3", "--oversubscribe", sys.executable,
+           str(ROOT / "tests" / "scripts" / "grow_then_fail.py")]
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=90, cwd=ROOT)
+    out = done.stdout + done.stderr
+    assert "step 40: launch rank 1 dies" in out, out
+    said = "rebuilding the job's communicators (3 to 2 ranks) has not finished in 8 s"
+    finished = "finished at 2 ranks" in out  # should Open MPI stop hanging there
+    assert finished or (said in out and done.returncode != 0), out
+    assert time.monotonic() - start < 60, out
 
 
 def test_buddies_alternate_nodes_and_shards_pack_whole():

@@ -1,0 +1,38 @@
+"""An elastic job of 3 ranks that grows back (max_size 3) after launch rank 2 dies at step
+10, then loses launch rank 1 at step 40, once the replacement has joined. With Open MPI
+5.0.11 the survivors then hang inside MPI while rebuilding their communicators (README.md,
+replacement limits); the job must end with an error saying so, not hang."""
+
+import os
+import signal
+import time
+
+import numpy as np
+
+import collectives as C
+from collectives import elastic
+from collectives.runtime import spawn
+
+C.init()
+LAUNCH_RANK = -1 if spawn.parent() is not None else C.rank()  # -1: a replacement
+state = elastic.ObjectState(step=0)
+
+
+@elastic.run(max_size=3)
+def train(state):
+    while state.step < 80:
+        if state.step == 40 and C.size() < 3:  # the replacement has not joined yet: wait
+            time.sleep(0.2)
+            state.commit()
+            continue
+        if (state.step, LAUNCH_RANK) in ((10, 2), (40, 1)):
+            print(f"step {state.step}: launch rank {LAUNCH_RANK} dies", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        C.allreduce(np.ones(4))
+        time.sleep(0.05)
+        state.step += 1
+        state.commit()
+
+
+train(state)
+print(f"launch rank {LAUNCH_RANK}: finished at {C.size()} ranks", flush=True)
