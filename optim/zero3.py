@@ -28,8 +28,8 @@ memory between a forward and its backward, L ranks a node), so only the forward'
 the network. Memory per rank: 1/N of the sharded parameters, gradients and optimizer
 state, plus the units gathered at a time: the one computing and, with prefetch, the next
 one (peak_gathered_bytes counts them, and hpZ's kept pieces; the allgather's own output
-is a transient second copy of the unit being gathered). A regathered unit's memory is fresh: it asks for huge
-pages, whose first touch costs 512x fewer faults.
+is a transient second copy of the unit being gathered). A regathered unit's memory is
+fresh: it asks for huge pages, whose first touch costs 512x fewer faults.
 """
 
 from __future__ import annotations
@@ -218,8 +218,9 @@ def node_group() -> tuple[Any, int, int]:
     if len(members) == 1:
         held.mine = (None, C.rank(), C.size())
         return held.mine
-    held.node_sets = [C.add_process_set(members[node]) for node in sorted(members)]
-    mine = held.node_sets[sorted(members).index(nodes[C.rank()])]
+    order = sorted(members)
+    held.node_sets = [C.add_process_set(members[node]) for node in order]
+    mine = held.node_sets[order.index(nodes[C.rank()])]
     held.mine = (mine, mine.rank(), mine.size())
     return held.mine
 

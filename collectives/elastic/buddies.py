@@ -175,7 +175,6 @@ class Buddies:
         self.held, self._next_held = self._next_held, self.held
         self.job, self.rank, self.held_from = (topo.generation, topo.size), topo.rank, backed
 
-
     def _swap(self, topo: topology.Topology, buddy: int, backed: int) -> None:
         """Send the packed shard to buddy, receive backed's into the next held copy."""
         mine = self._next_own
@@ -200,8 +199,8 @@ class Buddies:
         shard of the last commit's job over this rank's new pieces, each shard sent from
         its owner or, if the owner died, from its buddy (one alltoall: a rank receives
         at most 1/N of the optimizer state, less what its own shard already covers, which
-        stays here). A rank that was not in that job (a replacement
-        yet to commit) sends none. RuntimeError on every rank if a shard is lost."""
+        stays here). A rank that was not in that job (a replacement yet to commit) sends
+        none. RuntimeError on every rank if a shard is lost."""
         topo = topology.get()
         seen = C.allgather_object((self.job, self.rank, self.held_from,
                                    self.optimizer.placement))
