@@ -8,20 +8,25 @@ the new processes to start or import: spawning returns once they have initialize
 rank 0 takes part, so ranks that die meanwhile do not disturb it. The batch is a world of
 its own (its MPI_COMM_WORLD) until it joins.
 
-    the job (rank 0's thread)                  each process of a batch
-    start(n): Spawn → intercommunicator        runs the program to elastic.run
-              wait for "ready"            ←──  join_job(): its rank 0 says it is there
-    ready(): rank 0 knows the batch is there
+    the job (rank 0)                           each process of a batch
+    start(n): a thread Spawns → intercomm      runs the program to elastic.run
+    ready(), at each commit: "ready" yet? ←──  join_job(): its rank 0 says it is there
     join(): rank 0 sends "join" and a port ──→ waits for "join" (or "abandon")
             every rank: Accept on the port ←─→ Connect (every process of the batch)
             Merge (the job's ranks first)  ←─→ Merge → the communicator of the grown job
 
+The thread ends when Spawn returns; rank 0 looks for the batch's "ready" on its own thread,
+with a probe at each commit, not in a receive left waiting on the thread: with Open MPI
+5.0.11, a thread blocked in that receive while the job's thread runs MPI_Comm_agree (the
+elastic commit of a ZeroOptimizer) can make the agreement answer "failed" on every rank
+though every rank passed "ok" (README.md, "When a rank dies").
+
 MPI_Comm_accept/connect, not the spawn's own intercommunicator, joins the batch to every
 rank: the spawn made only rank 0 known to it. Costs: the spawning thread makes MPI calls
-beside the job's work (MPI_THREAD_MULTIPLE); the join is a message, an accept/connect and
-a Merge, milliseconds. A spawn that fails (no free slot, the launcher refuses) leaves a
-warning and no batch. A batch that never joined is told to exit at the job's end; one whose
-rank 0 died finds it by an MPI error and exits."""
+beside the job's work (MPI_THREAD_MULTIPLE); a probe per commit while a batch starts; the
+join is a message, an accept/connect and a Merge, milliseconds. A spawn that fails (no free
+slot, the launcher refuses) leaves a warning and no batch. A batch that never joined is
+told to exit at the job's end; one whose rank 0 died finds it by an MPI error and exits."""
 
 from __future__ import annotations
 
@@ -38,13 +43,14 @@ _READY, _DECIDE = 3141, 3142
 
 class Batch:
     """Processes spawned together by rank 0: `size` of them, `inter` (the
-    intercommunicator to them) once spawned, `done` once they said they are ready (or
-    spawning failed: `error`)."""
+    intercommunicator to them) once spawned, `done` once Spawn has returned (or failed:
+    `error`), `there` once they said they are ready."""
 
     def __init__(self, size: int):
         self.size = size
         self.inter: MPI.Comm | None = None
         self.error: str | None = None
+        self.there = False
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._spawn, name="collectives-spawn",
                                        daemon=True)
@@ -57,10 +63,20 @@ class Batch:
                                         maxprocs=self.size)
             inter.Set_errhandler(MPI.ERRORS_RETURN)
             self.inter = inter
-            inter.recv(source=0, tag=_READY)
         except Exception as exc:  # noqa: BLE001 (any failure leaves the job as it is)
             self.error = f"{type(exc).__name__}: {exc}"
         self.done.set()
+
+    def arrived(self) -> bool:
+        """Whether the batch has said it is ready (a probe, on the caller's thread)."""
+        if not self.there and self.done.is_set() and self.error is None:
+            try:
+                if self.inter.Iprobe(source=0, tag=_READY):
+                    self.inter.recv(source=0, tag=_READY)
+                    self.there = True
+            except MPI.Exception as exc:  # the batch died before it was ready
+                self.error = f"{type(exc).__name__}: {exc}"
+        return self.there
 
     def tell(self, what: tuple[str, str | None]) -> None:
         """Send the batch ("join", port) or ("abandon", None)."""
@@ -94,11 +110,12 @@ def pending() -> int:
 def ready() -> Batch | None:
     """Rank 0: the oldest batch that is there to join (None: none yet); warns of and
     forgets the batches that could not start."""
+    found = next((b for b in _batches if b.arrived()), None)
     for b in [b for b in _batches if b.done.is_set() and b.error is not None]:
         _batches.remove(b)
         warnings.warn(f"collectives.elastic: {b.size} replacement process(es) could not start "
                       f"({b.error}); the job goes on with the ranks it has", stacklevel=3)
-    return next((b for b in _batches if b.done.is_set()), None)
+    return found
 
 
 def join(comm: MPI.Comm, batch: Batch | None) -> MPI.Comm:

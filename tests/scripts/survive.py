@@ -17,7 +17,8 @@ copies' descriptions went out, before their data); with SECOND_AT set, the last 
 shrunk job dies at that step too; MIN_SIZE and MAX_SIZE are the elastic run's min_size and
 max_size (unset: the job only shrinks). With GROW=1 and MAX_SIZE training goes on past its
 steps, at STEP_S a step from the first failure, until the job has run 3 steps at its launch
-size again: replacements take the dead ranks' places. A victim writes the time of its death
+size again: replacements take the dead ranks' places (each REPLACEMENT_WAIT_S seconds late,
+with COMMIT_EVERY steps between commits; default 3). A victim writes the time of its death
 to KILLFILE first, so survivors can say how long they took to notice (raise) or to recover
 (train)."""
 
@@ -36,10 +37,10 @@ import numpy as np
 import collectives as C
 from collectives import elastic
 from collectives.elastic import buddies
-from collectives.runtime import topology
+from collectives.runtime import spawn, topology
 
 DIE_AT = 20  # the victim dies at this step
-COMMIT_EVERY = 3  # steps between two commits of the train scenario
+COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", 3))  # steps between two commits (train)
 
 
 def victims(size: int) -> list[int]:
@@ -184,7 +185,7 @@ def train_scenario(killfile: str, api: str) -> None:
     def going(state: elastic.TorchState) -> bool:
         if state.step < steps:
             return True  # then, with GROW, until 3 steps ran at the launch size again
-        return grow and state.step < 20 * steps and state.sizes[-full:] != state.sizes[:1] * full
+        return grow and state.step < 50 * steps and state.sizes[-full:] != state.sizes[:1] * full
 
     @el.run(min_size=int(os.environ.get("MIN_SIZE", 1)), max_size=max_size)
     def train(state: elastic.TorchState) -> None:
@@ -246,6 +247,8 @@ def train_scenario(killfile: str, api: str) -> None:
 
 
 def main() -> None:
+    if spawn.parent() is not None:  # a replacement: REPLACEMENT_WAIT_S before it is ready
+        time.sleep(float(os.environ.get("REPLACEMENT_WAIT_S", 0)))
     C.init()
     if sys.argv[1] == "raise":
         raise_scenario(sys.argv[2], sys.argv[3])
