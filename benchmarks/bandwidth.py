@@ -25,6 +25,7 @@ copy's time / this time:
 from __future__ import annotations  # noqa: I001  (collectives first: see below)
 
 import argparse
+import csv
 import json
 import sys
 import time
@@ -467,10 +468,12 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump({"np": comm.size, "rows": rows}, f, indent=1)
     if args.csv:
-        with open(args.csv, "w") as f:
-            f.write(",".join(rows[0]) + "\n")
-            f.writelines(",".join(" ".join(f"{t:.1f}" for t in v) if isinstance(v, list)
-                                  else str(v) for v in r.values()) + "\n" for r in rows)
+        fields = list(dict.fromkeys(k for r in rows for k in r))  # auto's rows add "runs"
+        with open(args.csv, "w", newline="") as f:
+            out = csv.DictWriter(f, fields, restval="")
+            out.writeheader()
+            out.writerows({k: " ".join(f"{t:.1f}" for t in v) if isinstance(v, list) else v
+                           for k, v in r.items()} for r in rows)
     if args.plot:
         plot(plt, rows, args.plot, comm.size)
 
