@@ -66,9 +66,8 @@ def run(mode: str, args) -> tuple[int, int, int, int, float]:
     else:
         stage = int(mode[-1])
         extra = {"module": model, "reshard_after_forward": not args.keep_gathered,
-                 "hpz": args.hpz,
-                 "parameter_compression": getattr(C.Compression, args.parameter_compression)} \
-            if stage == 3 else {}
+                 "hpz": args.hpz} if stage == 3 else {}
+        extra["parameter_compression"] = getattr(C.Compression, args.parameter_compression)
         opt = ZeroOptimizer(adam, stage=stage, compression=compression,
                             fusion_threshold_bytes=bucket, **extra)
     rows = args.batch // C.size()

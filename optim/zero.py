@@ -21,10 +21,11 @@ allgathers every bucket from its owners' pieces into its flat buffer, which the 
 view.
 
 Cost per step: one reducescatter and one allgather of the parameters' bytes, what one
-allreduce moves. Memory per rank: the parameters, 1/N of the optimizer state, and the
-gradients: all of them in stage 1; in stage 2, 1/N of them plus, during backward, the
-gradients of the bucket being filled and the IN_FLIGHT buckets' packed copies (a bucket
-is at most fusion_threshold_bytes: smaller buckets, a lower peak).
+allreduce moves (the allgather a half or a quarter of them with parameter_compression).
+Memory per rank: the parameters, 1/N of the optimizer state, and the gradients: all of
+them in stage 1; in stage 2, 1/N of them plus, during backward, the gradients of the
+bucket being filled and the IN_FLIGHT buckets' packed copies (a bucket is at most
+fusion_threshold_bytes: smaller buckets, a lower peak).
 
 Checkpoints. state_dict() is this rank's shard: the wrapped optimizer's state of its pieces
 and where each piece lies (parameter, offset). load_state_dict() takes such a shard (same
@@ -47,7 +48,15 @@ from collectives import api as C
 from . import zero3
 from .overlap import Overlapped, bucketed
 from .wrapped import _COMPRESSORS, _GRAD_DTYPES, _check_int
-from .zero_buckets import ONEBIT, Bucket, ShardedBucket
+from .zero_buckets import (
+    ONEBIT,
+    Bucket,
+    QuantizedBucket,
+    ShardedBucket,
+    gather_decode,
+    gather_start,
+    quantizes,
+)
 from .zero_shards import SHARD_FORMAT, full_states, is_sliced, slice_of
 
 #: Buckets reduced at once during backward: a bucket launched beyond these first waits
@@ -60,13 +69,16 @@ class ZeroOptimizer(Overlapped):
     gradients (stage=2), and of the parameters (stage=3, with module=the model: each of its
     `units`, by default each child module with parameters, is gathered for its forward and
     its backward, the next unit's gather prefetched; reshard_after_forward=False keeps a
-    unit gathered from its forward to its backward; parameter_compression=Compression.fp16
-    or .int8 gathers float32 units as float16, or int8 with a scale per block, which every
-    rank decodes alike while the optimizer steps the float32 pieces; hpz=True keeps, from a
-    unit's forward to its backward, this rank's piece of it among its node's ranks, so the
-    backward's gather stays on the node, ZeRO++'s hierarchical partitioning, for 1/L of the
+    unit gathered from its forward to its backward; hpz=True keeps, from a unit's forward
+    to its backward, this rank's piece of it among its node's ranks, so the backward's
+    gather stays on the node, ZeRO++'s hierarchical partitioning, for 1/L of the
     parameters more memory with L ranks a node; optim/zero3.py). In stages 1 and 2 every
-    rank holds all parameters, updated every step. Like
+    rank holds all parameters, updated every step. parameter_compression=Compression.fp16
+    or .int8 (any stage) gathers float32 parameters as float16, or int8 with a scale per
+    block, which every rank decodes alike: the model computes with the decoded values,
+    while the optimizer steps this rank's float32 pieces (the masters, 1/N of the
+    parameters more memory in stages 1 and 2), which the shards save; a reshard (elastic)
+    starts the masters again from the decoded values. Like
     DistributedOptimizer it is a torch.optim.Optimizer whose param_groups and state are the
     wrapped one's (`.optimizer`, which holds this rank's pieces), so LR schedulers and
     zero_grad(set_to_none) work on it; gradients are averaged over the ranks (of
@@ -98,10 +110,9 @@ class ZeroOptimizer(Overlapped):
         super().__init__(optimizer, backward_passes_per_step)
         if stage not in (1, 2, 3) or isinstance(stage, bool):
             raise ValueError(f"stage: expected 1, 2 or 3, got {stage!r}")
-        if stage != 3 and (module is not None or units is not None or hpz
-                           or parameter_compression is not C.Compression.none):
-            raise ValueError("module, units, parameter_compression, hpz: for stage=3 only "
-                             "(stages 1 and 2 keep every parameter whole)")
+        if stage != 3 and (module is not None or units is not None or hpz):
+            raise ValueError("module, units, hpz: for stage=3 only (stages 1 and 2 keep "
+                             "every parameter whole)")
         if hpz and process_set is not None:
             raise ValueError("hpz: over the whole job only (process_set=None): its secondary "
                              "pieces are gathered over each node")
@@ -126,6 +137,7 @@ class ZeroOptimizer(Overlapped):
         self._block_size = onebit_block_size
         self._set = process_set
         self._threshold = _check_int("fusion_threshold_bytes", fusion_threshold_bytes, 0)
+        self._parameter_compression = parameter_compression
         # every group's parameters as given (frozen ones too): the consolidated numbering
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         trainable = [p for g in self._groups for p in g if p.requires_grad]
@@ -136,8 +148,7 @@ class ZeroOptimizer(Overlapped):
         if len({id(p) for p in trainable}) != len(trainable):
             raise ValueError("optimizer: a parameter is in more than one param group")
         self._sharded: zero3.ShardedBuckets | None = None
-        self._lay_out((module, units, reshard_after_forward, prefetch, parameter_compression,
-                       hpz))
+        self._lay_out((module, units, reshard_after_forward, prefetch, hpz))
 
     def _lay_out(self, stage3: tuple = ()) -> None:
         """Buckets, this rank's pieces and their hooks for the process set's rank and size
@@ -150,7 +161,7 @@ class ZeroOptimizer(Overlapped):
         whole = trainable
         buckets: list[Bucket] = []
         if self.stage == 3:
-            module, units, reshard_after_forward, prefetch, parameter_compression, hpz = stage3
+            module, units, reshard_after_forward, prefetch, hpz = stage3
             chosen = zero3.check_units(module, units, trainable)
             per_unit, whole = zero3.assign(module, chosen, trainable, self._threshold)
             self._sharded = zero3.ShardedBuckets(module, chosen, self._set,
@@ -159,13 +170,16 @@ class ZeroOptimizer(Overlapped):
             for i in reversed(range(len(chosen))):  # backward reaches the last unit first
                 for ps in per_unit[i]:
                     bucket = ShardedBucket(ps, rank, self._size, onebit,
-                                            parameter_compression)
+                                            self._parameter_compression)
                     self._sharded.add(i, bucket)
                     buckets.append(bucket)
             self._sharded.hook()
             weakref.finalize(self, self._sharded.remove_hooks)
-        self._watch(buckets + [Bucket(ps, rank, self._size, onebit)
-                               for ps in bucketed(list(reversed(whole)), self._threshold)])
+        quantized = self._parameter_compression
+        self._watch(buckets + [
+            QuantizedBucket(ps, rank, self._size, onebit, quantized)
+            if quantizes(ps[0].dtype, quantized) else Bucket(ps, rank, self._size, onebit)
+            for ps in bucketed(list(reversed(whole)), self._threshold)])
         group_of = {id(p): k for k, g in enumerate(self._groups) for p in g}
         pieces: list[list[torch.Tensor]] = [[] for _ in self._groups]
         self._placement: list[list[tuple[int, int, int]]] = [[] for _ in self._groups]
@@ -249,13 +263,19 @@ class ZeroOptimizer(Overlapped):
         return loss
 
     def _gather_whole(self) -> None:
-        """Every whole bucket's flat buffer from its owners' pieces (stage 3's sharded
-        buckets are gathered by the next forward)."""
+        """Every whole bucket's flat buffer from its owners' pieces, decoded alike on every
+        rank where they are gathered quantized (stage 3's sharded buckets are gathered by
+        the next forward)."""
         whole = [b for b in self._buckets if not isinstance(b, ShardedBucket)]
-        handles = [C.allgather_async(b.flat[b.lo:b.hi], process_set=self._set) for b in whole]
+        started = [gather_start(b.shard, b.quantized, self._set)
+                   if isinstance(b, QuantizedBucket) else
+                   (C.allgather_async(b.flat[b.lo:b.hi], process_set=self._set),)
+                   for b in whole]
         with torch.no_grad():
-            for bucket, handle in zip(whole, handles):
-                bucket.flat.copy_(C.synchronize(handle))
+            for bucket, handles in zip(whole, started):
+                parts = [C.synchronize(h) for h in handles]
+                bucket.flat.copy_(gather_decode(parts, getattr(bucket, "quantized", None),
+                                                bucket.bounds))
 
     # ---- stage 3: the parameters
     @contextlib.contextmanager
@@ -350,13 +370,14 @@ class ZeroOptimizer(Overlapped):
             start += len(placement)
         self.optimizer.load_state_dict({"state": state, "param_groups": numbered})
         self._load_errors(state_dict)
-        if self._sharded is not None:
+        if any(hasattr(b, "shard") for b in self._buckets):
             self._load_parameters(state_dict)
 
     def _load_parameters(self, saved: Any) -> None:
-        """Stage 3: the parameters' pieces from shards that carry them (a plain optimizer
-        state dict has none: the model's own values stay), then the whole buckets
-        gathered from their owners."""
+        """Stage 3 and parameter_compression, whose float32 masters are the pieces: the
+        parameters' pieces from shards that carry them (a plain optimizer state dict has
+        none: the model's own values stay), then the whole buckets gathered from their
+        owners."""
         shards = [saved] if isinstance(saved, dict) else list(saved)
         if not all(isinstance(s, dict) and "parameters" in s for s in shards):
             return
@@ -369,7 +390,8 @@ class ZeroOptimizer(Overlapped):
                     if (k, i) not in full:
                         full[(k, i)] = torch.zeros(numels[k][i], dtype=value.dtype)
                     full[(k, i)][offset:offset + length] = value
-        self._sharded.free_all()
+        if self._sharded is not None:
+            self._sharded.free_all()
         with torch.no_grad():
             for k, placement in enumerate(self._placement):
                 for (i, offset, length), piece in zip(placement, self._pieces[k]):

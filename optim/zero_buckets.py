@@ -1,7 +1,11 @@
 """ZeroOptimizer's buckets (optim/zero.py): parameters of one dtype and device in one flat
 buffer that their .data view, this rank's piece of it, and the reduce-scatter of their
-gradients into that piece; and stage 3's variant, whose piece lives in its own tensor and
-whose flat buffer holds memory only while gathered (optim/zero3.py says when)."""
+gradients into that piece; stage 1-2's variant whose parameters are gathered quantized
+(QuantizedBucket), and stage 3's, whose flat buffer holds memory only while gathered
+(optim/zero3.py says when). Both keep this rank's piece in its own float32 tensor, the
+master the optimizer steps, and gather with the same helpers (gather_start/gather_decode):
+float16, or int8 with a scale per block, which every rank decodes alike, its own piece
+included, so the replicas compute with identical parameters."""
 
 from __future__ import annotations
 
@@ -54,6 +58,13 @@ class Bucket:
         self.error = torch.zeros(scatter_error_size(even_split(total, size))) if onebit \
             else None
 
+    def _own_shard(self) -> None:
+        """This rank's piece moved into a tensor of its own (`shard`), which the pieces
+        view from now on: the flat buffer is then only what the parameters see."""
+        self.shard = self.flat[self.lo:self.hi].clone()
+        self.pieces = [(p, offset, self.shard[start:start + piece.numel()], start)
+                       for p, offset, piece, start in self.pieces]
+
     def launch(self, process_set: Any, compression: Any, block_size: int | None,
                free_grads: bool) -> None:
         """Pack the gradients (zeros for a parameter without one) and start their
@@ -83,6 +94,58 @@ class Bucket:
     def drop(self) -> None:
         """Forget this step's packed gradients and reduction (done, or abandoned)."""
         self.grad, self.handle, self.ready = None, None, 0
+
+
+class QuantizedBucket(Bucket):
+    """Stages 1 and 2 with parameter_compression (float32 buckets): this rank's piece in
+    its own tensor (`shard`, the float32 master that the pieces view and the optimizer
+    steps); after a step every rank decodes the gathered float16 or int8 bytes into the
+    flat buffer, its own piece included (ZeroOptimizer._gather_whole)."""
+
+    __slots__ = ("shard", "quantized")
+
+    def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool,
+                 quantized: Any):
+        super().__init__(params, rank, size, onebit)
+        self.quantized = quantized
+        self._own_shard()
+
+
+def quantizes(dtype: torch.dtype, compression: Any) -> bool:
+    """Whether parameters of dtype are gathered quantized under compression (float32 only:
+    float16 or int8 with a scale per block)."""
+    return dtype == torch.float32 and any(compression is c for c in (C.Compression.fp16,
+                                                                      C.Compression.int8))
+
+
+def gather_start(shard: torch.Tensor, quantized: Any, process_set: Any,
+                 out: np.ndarray | None = None) -> tuple[C.Handle, ...]:
+    """Start the allgather of every rank's shard, quantized (Compression.fp16 or int8: its
+    values and int8's scales) or not (None: into out, if given)."""
+    if quantized is C.Compression.int8:
+        q, scales = _kernels.quantize_int8(shard)
+        return (C.allgather_async(q, process_set=process_set),
+                C.allgather_async(scales, process_set=process_set))
+    if quantized is C.Compression.fp16:
+        return (C.allgather_async(_kernels.quantize_fp16(shard), process_set=process_set),)
+    return (C.allgather_async(shard, out=out, process_set=process_set),)
+
+
+def gather_decode(parts: list[Any], quantized: Any, bounds: list[int]) -> torch.Tensor:
+    """The whole flat buffer from gather_start's finished parts (bounds: every rank's
+    piece); int8 pieces are decoded each with its own scales (blocks restart per piece)."""
+    if quantized is C.Compression.fp16:
+        return _kernels.dequantize_fp16(parts[0])
+    if quantized is not C.Compression.int8:
+        return parts[0]
+    q, scales = parts
+    out, s = [], 0
+    for a, b in zip(bounds, bounds[1:]):
+        blocks = nblocks(b - a, INT8_BLOCK_SIZE)
+        if b > a:
+            out.append(_kernels.dequantize_int8(q[a:b], scales[s:s + blocks], b - a))
+        s += blocks
+    return torch.cat(out) if out else torch.empty(0)
 
 
 #: torch dtypes whose memory a NumPy array can view (bfloat16 has no NumPy twin).
@@ -120,11 +183,8 @@ class ShardedBucket(Bucket):
                  quantized: Any = None):
         super().__init__(params, rank, size, onebit)
         # float32 parameters gathered as float16, or int8 with a scale per block
-        self.quantized = quantized if self.flat.dtype == torch.float32 and any(
-            quantized is c for c in (C.Compression.fp16, C.Compression.int8)) else None
-        self.shard = self.flat[self.lo:self.hi].clone()
-        self.pieces = [(p, offset, self.shard[start:start + piece.numel()], start)
-                       for p, offset, piece, start in self.pieces]
+        self.quantized = quantized if quantizes(self.flat.dtype, quantized) else None
+        self._own_shard()
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.gathered, self.pending, self.owner = True, None, None
         # whether the gather writes straight into the flat buffer (not decoded first, and
@@ -167,15 +227,8 @@ class ShardedBucket(Bucket):
         if self.secondary is not None:
             self.pending = (C.allgather_async(self.secondary, out=out,
                                               process_set=self.owner.node_set),)
-        elif self.quantized is C.Compression.int8:
-            q, scales = _kernels.quantize_int8(self.shard)
-            self.pending = (C.allgather_async(q, process_set=ps),
-                            C.allgather_async(scales, process_set=ps))
-        elif self.quantized is C.Compression.fp16:
-            self.pending = (C.allgather_async(_kernels.quantize_fp16(self.shard),
-                                              process_set=ps),)
         else:
-            self.pending = (C.allgather_async(self.shard, out=out, process_set=ps),)
+            self.pending = gather_start(self.shard, self.quantized, ps, out)
         self.owner.held(self.nbytes)
 
     def gather(self) -> None:
@@ -188,12 +241,7 @@ class ShardedBucket(Bucket):
         parts = [C.synchronize(h) for h in self.pending]
         self.pending = None
         if not self.direct:
-            if self.quantized is C.Compression.int8:
-                full = self._dequantize(*parts)
-            elif self.quantized is C.Compression.fp16:
-                full = _kernels.dequantize_fp16(parts[0])
-            else:
-                full = parts[0]
+            full = gather_decode(parts, self.quantized, self.bounds)
             self._allocate()
             with torch.no_grad():
                 self.flat.copy_(full)
@@ -203,16 +251,6 @@ class ShardedBucket(Bucket):
         """Memory for the flat buffer again, which free() gave back."""
         self.flat.untyped_storage().resize_(self.nbytes)
         _kernels.advise_huge_pages(self.flat)  # fresh memory: fault it in by 2 MiB pages
-
-    def _dequantize(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Every rank's int8 piece decoded with its own scales (blocks restart per piece)."""
-        out, s = [], 0
-        for a, b in zip(self.bounds, self.bounds[1:]):
-            blocks = nblocks(b - a, INT8_BLOCK_SIZE)
-            if b > a:
-                out.append(_kernels.dequantize_int8(q[a:b], scales[s:s + blocks], b - a))
-            s += blocks
-        return torch.cat(out) if out else torch.empty(0)
 
     def free(self) -> None:
         """Give the flat buffer's memory back (a started gather is finished first: every
