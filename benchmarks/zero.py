@@ -129,13 +129,13 @@ def main() -> None:
         torch.tensor([params, gathered, state, grads, peak, seconds], dtype=torch.float64),
         op=C.Max).tolist()
     if C.rank() == 0:
-        names = {"ddp": "DistributedOptimizer", "zero1": "ZeroOptimizer stage 1",
-                 "zero2": "ZeroOptimizer stage 2",
+        quantized = f", {args.parameter_compression} parameters" \
+            if args.parameter_compression != "none" else ""
+        names = {"ddp": "DistributedOptimizer", "zero1": "ZeroOptimizer stage 1" + quantized,
+                 "zero2": "ZeroOptimizer stage 2" + quantized,
                  "zero3": "ZeroOptimizer stage 3"
                  + (", kept gathered" if args.keep_gathered else "")
-                 + (", hpZ" if args.hpz else "")
-                 + (f", {args.parameter_compression} parameters"
-                    if args.parameter_compression != "none" else ""),
+                 + (", hpZ" if args.hpz else "") + quantized,
                  "fsdp2": f"FSDP2 on {args.backend}"}
         held = f"{params / 2**20:.1f}" + (f" (+{gathered / 2**20:.1f})" if gathered else "")
         print(f"| {C.size()} | {size * 4 / 2**20:.0f} | {names[args.mode]} | "

@@ -176,8 +176,8 @@ class ShardedBucket(Bucket):
     view and the optimizer steps); the flat buffer, which the parameters view, holds memory
     only while gathered (optim/zero3.py says when)."""
 
-    __slots__ = ("shard", "nbytes", "gathered", "pending", "owner", "quantized", "secondary",
-                 "node_bounds", "direct")
+    __slots__ = ("shard", "nbytes", "gathered", "pending", "pending_format", "owner",
+                 "quantized", "secondary", "node_bounds", "direct")
 
     def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool,
                  quantized: Any = None):
@@ -187,6 +187,8 @@ class ShardedBucket(Bucket):
         self._own_shard()
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.gathered, self.pending, self.owner = True, None, None
+        # what the pending gather's parts hold: the quantized format, or None (float32 values)
+        self.pending_format: Any = None
         # whether the gather writes straight into the flat buffer (not decoded first, and
         # of a dtype NumPy has)
         self.direct = self.quantized is None and self.flat.dtype in _NUMPY_DTYPES
@@ -224,11 +226,13 @@ class ShardedBucket(Bucket):
         if self.direct:
             self._allocate()
             out = _unpinned_view(self.flat)
-        if self.secondary is not None:
+        if self.secondary is not None:  # the values the forward decoded: float32
             self.pending = (C.allgather_async(self.secondary, out=out,
                                               process_set=self.owner.node_set),)
+            self.pending_format = None
         else:
             self.pending = gather_start(self.shard, self.quantized, ps, out)
+            self.pending_format = self.quantized
         self.owner.held(self.nbytes)
 
     def gather(self) -> None:
@@ -241,7 +245,7 @@ class ShardedBucket(Bucket):
         parts = [C.synchronize(h) for h in self.pending]
         self.pending = None
         if not self.direct:
-            full = gather_decode(parts, self.quantized, self.bounds)
+            full = gather_decode(parts, self.pending_format, self.bounds)
             self._allocate()
             with torch.no_grad():
                 self.flat.copy_(full)

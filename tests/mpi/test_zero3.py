@@ -233,6 +233,28 @@ def test_hpz_keeps_node_pieces_for_the_backward(comm):
                       hpz=True, process_set=C.global_process_set)
 
 
+@pytest.mark.parametrize("quantized", ["fp16", "int8"])
+def test_hpz_with_quantized_parameters(comm, quantized):
+    """hpz=True with parameters gathered quantized: the backward gathers the node's kept
+    pieces, the values the forward decoded (float32), and training is bit for bit the same
+    as without hpz."""
+    runs = []
+    for hpz in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), stage=3,
+                            module=model, hpz=hpz,
+                            parameter_compression=getattr(C.Compression, quantized))
+        for step in range(3):
+            x, y = batch(comm.Get_size(), step, 0, torch.float32)
+            shard_loss(model, x, y, comm.Get_rank()).backward()
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered():
+            runs.append(flat_params(model))
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_checkpoints_carry_the_parameters(comm):
     """After 3 steps: this rank's shard, or every rank's shards, restore a model freshly
     initialized otherwise (parameters and optimizer state): it goes on bitwise as the
