@@ -33,6 +33,15 @@ as DONE. Stage s of chunk k runs at step k + s, so each wait is on work the othe
 step earlier, and chunks stay in cache from copy-in to copy-out. Every element is folded
 once, in rank order, so all ranks get bit-identical results.
 
+Stores. A pipelined reduction writes its chunks into the buffers with plain stores, which
+leave them in this core's cache for the other ranks to read, or with streaming stores, which
+send them to memory first; the window keeps timing large calls each way and runs the faster
+(StoreChoice in csrc/runtime/shm.h). Which is faster follows the machine, not the call: where
+the ranks' cores share a cache, plain stores; where they do not, reading a line another core
+has just modified costs several times a read from memory. A VM's vCPUs can move between
+the two within one job (benchmarks/README.md, "Average and in place"). Streaming, an
+allreduce folds each piece in a scratch buffer and streams it to its own buffer.
+
 A wait longer than Config.stall_timeout_s means a rank has left the collective: it raises
 (None: wait forever, as the rest of the library does).
 

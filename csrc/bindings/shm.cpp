@@ -143,6 +143,15 @@ void bind_shm(py::module_& m) {
           },
           py::arg("seconds"),
           "Tests only: sleep up to seconds before a fifth of this window's counter posts")
+      .def(
+          "set_stores",
+          [](ShmWindow& w, int mode) {
+            if (mode < -1 || mode > 1) throw py::value_error("mode: expected -1, 0 or 1");
+            w.stores.forced = mode;
+          },
+          py::arg("mode"),
+          "Tests only: the stores of this window's pipelined reductions, 0 plain, 1 "
+          "streaming, -1 chosen by measurement (StoreChoice, shm.h)")
       .def_readwrite("seq", &ShmWindow::seq,
                      "Chunks begun on the window (the same on every rank); tests move it to "
                      "provoke a stall")

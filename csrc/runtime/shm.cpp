@@ -3,9 +3,15 @@
 #include "runtime/shm.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include "runtime/shm_sync.h"
 
@@ -25,6 +31,31 @@ void pipeline(int64_t nchunks, std::initializer_list<std::function<void(int64_t)
   }
 }
 
+// memcpy whose stores stream to memory instead of filling this core's cache (x86-64; a
+// plain memcpy elsewhere). Ends with a store fence, so a counter posted after it is seen
+// after the bytes.
+void copy_streaming(unsigned char* dst, const unsigned char* src, int64_t n) {
+#if defined(__x86_64__)
+  const int64_t head = std::min<int64_t>(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  int64_t i = head;
+  for (; i + 64 <= n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
 // Blocks of elements (bounds) cut into pieces of e; piece k of block j, clipped to it.
 struct Pieces {
   const std::vector<int64_t>& bounds;
@@ -41,10 +72,12 @@ class ReduceStages {
  public:
   ReduceStages(const ShmWindow& w, int64_t seq, const unsigned char* send, unsigned char* recv,
                const std::vector<int64_t>& bounds, int64_t e, DType dtype, ReduceOp op,
-               bool allreduce, int64_t divisor)
+               bool allreduce, int64_t divisor, bool stream)
       : sync_(w), seq_(seq), send_(send), recv_(recv), piece_{bounds, e}, e_(e),
         dtype_(dtype), op_(op), allreduce_(allreduce), divisor_(divisor),
-        item_(dtype_size(dtype)) {}
+        item_(dtype_size(dtype)), stream_(stream) {
+    if (stream_ && allreduce_) scratch_.resize(e * item_);
+  }
 
   // Copy this rank's pieces of the other ranks' blocks into its buffer.
   void copy_in(int64_t k) {
@@ -53,7 +86,7 @@ class ReduceStages {
     for (int j = 0; j < sync_.size(); ++j) {
       if (j == sync_.rank()) continue;
       const auto [lo, hi] = piece_(j, k);
-      std::memcpy(at(sync_.rank(), g, j), send_ + lo * item_, (hi - lo) * item_);
+      copy(at(sync_.rank(), g, j), send_ + lo * item_, (hi - lo) * item_);
     }
     sync_.post(kReady, g);
   }
@@ -67,9 +100,13 @@ class ReduceStages {
     const auto [lo, hi] = piece_(r, k);
     srcs_.resize(sync_.size());
     for (int j = 0; j < sync_.size(); ++j) srcs_[j] = j == r ? send_ + lo * item_ : at(j, g, r);
-    unsigned char* dst = allreduce_ ? at(r, g, r) : recv_ + (lo - piece_.bounds[r]) * item_;
+    // streaming, an allreduce folds in a scratch piece (hot in cache), streamed to the buffer
+    unsigned char* dst = !allreduce_ ? recv_ + (lo - piece_.bounds[r]) * item_
+                         : stream_   ? scratch_.data()
+                                     : at(r, g, r);
     reduce_many(dst, srcs_.data(), sync_.size(), hi - lo, dtype_, op_);
     if (divisor_ > 1) divide(dst, hi - lo, dtype_, divisor_);
+    if (allreduce_ && stream_) copy_streaming(at(r, g, r), dst, (hi - lo) * item_);
     if (allreduce_) std::memcpy(recv_ + lo * item_, dst, (hi - lo) * item_);  // hot in cache
     sync_.post(allreduce_ ? kReduced : kDone, g);
   }
@@ -87,6 +124,13 @@ class ReduceStages {
   }
 
  private:
+  void copy(unsigned char* dst, const unsigned char* src, int64_t n) const {
+    if (stream_)
+      copy_streaming(dst, src, n);
+    else
+      std::memcpy(dst, src, n);
+  }
+
   // Piece j's place in rank owner's buffer for chunk g.
   unsigned char* at(int owner, int64_t g, int j) const {
     return sync_.slot(owner, g) + j * e_ * item_;
@@ -103,6 +147,8 @@ class ReduceStages {
   bool allreduce_;
   int64_t divisor_;
   int64_t item_;
+  bool stream_;
+  std::vector<unsigned char> scratch_;  // streaming allreduce: the piece being reduced
   std::vector<const void*> srcs_;
 };
 
@@ -152,13 +198,21 @@ void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<in
                 int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce,
                 int64_t divisor) {
   const int64_t seq = w.begin(nchunks);
+  const bool stream = w.stores.pick(nchunks);
+  const auto start = std::chrono::steady_clock::now();
   ReduceStages st(w, seq, static_cast<const unsigned char*>(send),
-                  static_cast<unsigned char*>(recv), bounds, e, dtype, op, allreduce, divisor);
+                  static_cast<unsigned char*>(recv), bounds, e, dtype, op, allreduce, divisor,
+                  stream);
   if (allreduce)
     pipeline(nchunks, {[&](int64_t k) { st.copy_in(k); }, [&](int64_t k) { st.reduce(k); },
                        [&](int64_t k) { st.copy_out(k); }});
   else
     pipeline(nchunks, {[&](int64_t k) { st.copy_in(k); }, [&](int64_t k) { st.reduce(k); }});
+  if (nchunks >= StoreChoice::kMinChunks)
+    w.stores.record(stream,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                        .count(),
+                    (bounds.back() - bounds.front()) * dtype_size(dtype));
 }
 
 void shm_allgather(ShmWindow& w, const void* send, void* recv,

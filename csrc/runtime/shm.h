@@ -28,6 +28,39 @@ struct PeerFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// How this rank writes a pipelined reduction's chunks into its staging buffers, chosen by
+// measurement. Plain stores leave a chunk in this core's cache, where the other ranks read
+// it: cheap when their cores share that cache. Streaming stores send it to memory first:
+// cheaper when they do not, since reading a line another core has modified can cost
+// several times a read from memory (a VM's vCPUs can move between the two: shm.py's
+// docstring). Calls of at least kMinChunks run the way whose recent seconds per byte were
+// lower; every kExplore-th of them tries the other way. The calls are counted alike on
+// every rank, so the ranks try a way together; each decides for itself, which only
+// changes speed, never the result.
+struct StoreChoice {
+  static constexpr int64_t kMinChunks = 8;  // smaller calls: plain stores
+  static constexpr int64_t kExplore = 16;
+  double per_byte[2] = {0, 0};  // smoothed seconds per byte, plain and streaming; 0: none yet
+  int64_t calls = 0;            // calls of at least kMinChunks so far
+  int forced = -1;              // tests only (set_stores): 0 plain, 1 streaming, -1 chosen
+
+  // Whether a call of nchunks chunks streams (counts the call if it is large).
+  bool pick(int64_t nchunks) {
+    if (forced >= 0) return forced == 1;
+    if (nchunks < kMinChunks) return false;
+    ++calls;
+    const bool best = per_byte[1] > 0 && per_byte[1] < per_byte[0];
+    return calls % kExplore == 0 ? !best : best;
+  }
+
+  // A large call's time: bytes moved in seconds, the stores it used.
+  void record(bool stream, double seconds, int64_t bytes) {
+    if (bytes <= 0 || seconds <= 0) return;
+    double& v = per_byte[stream ? 1 : 0];
+    v = v == 0 ? seconds / bytes : 0.5 * v + 0.5 * seconds / bytes;
+  }
+};
+
 struct ShmWindow {
   std::vector<unsigned char*> segments;  // each rank's segment: counters page, then slots
   int rank = 0;
@@ -43,6 +76,7 @@ struct ShmWindow {
   bool closed = false;        // the window's memory was freed (close()): no stage may run
   std::vector<pid_t> pids;    // fault-tolerant mode: each rank's process, checked alive by
                               // a long wait (empty: not checked; shm_sync.h)
+  StoreChoice stores;         // plain or streaming stores into the buffers (shm_reduce)
 
   // The number of a call's first chunk; its nchunks chunks are counted as begun.
   int64_t begin(int64_t nchunks) {
@@ -66,7 +100,8 @@ enum ShmCounter : int64_t { kReady = 0, kReduced = 1, kDone = 2, kFailed = 3 };
 // allreduce: recv (all of bounds) gets the whole result; otherwise (reducescatter) recv is
 // this rank's block only. divisor > 1 folds an Average in: each rank divides the pieces it
 // reduces, while they are in cache, before any rank copies them (the same bits as a Sum
-// divided afterwards: one division of the same sum).
+// divided afterwards: one division of the same sum). The stores into the staging buffers
+// are the window's StoreChoice.
 // Throws std::runtime_error if a peer stalls past stall_seconds.
 void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<int64_t>& bounds,
                 int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce,

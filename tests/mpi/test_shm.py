@@ -241,6 +241,36 @@ def test_delays_between_stages(comm, monkeypatch):
     shm.shutdown(comm)  # no jitter in later tests' windows
 
 
+@pytest.mark.parametrize("stores", ["plain", "streaming", "chosen"])
+def test_stores_into_the_buffers(comm, monkeypatch, stores):
+    """A pipelined reduction whose chunks are written into the staging buffers with plain
+    stores, streaming ones, or as the window chooses (StoreChoice in csrc/runtime/shm.h:
+    it tries each way on calls of 8 chunks or more): every dtype, odd and unaligned sizes,
+    in and out of place, Average included, gives the reference's result, the same bits on
+    every rank; the ranks may stream or not independently (alternating here)."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    monkeypatch.setattr(shm, "SMALL_BYTES", 0)
+    monkeypatch.setattr(shm, "SLOT_BYTES", 4096)  # many chunks
+    shm.shutdown(comm)
+    window = shm._window(comm, shm.MIN_SLOT_BYTES)
+    for i, dtype in enumerate(DTYPES * 2):
+        mode = {"plain": 0, "streaming": 1, "chosen": -1}[stores]
+        window.native.set_stores((i + r) % 2 if stores == "chosen" and i % 3 == 0 else mode)
+        count = 20_001 + 7 * i
+        x = make_input(dtype, (count,), seed=i * 11 + r)
+        check_allreduce(comm, x, C.Sum, dtype, i % 2 == 0, f"{stores} allreduce {dtype}")
+        check_reducescatter(comm, x, uneven_split(count, n), C.Max, dtype,
+                            f"{stores} reducescatter {dtype}")
+    send = make_input("float32", (50_003,), seed=r)
+    recv = np.empty_like(send)
+    shm.allreduce(comm, send, recv, C.Sum, "float32", divisor=n)
+    summed = reference_reduce(comm.allgather(send), C.Sum, "float32", n)
+    assert_equal(recv, (summed / np.float32(n)).astype(np.float32), f"{stores} average")
+    assert_same_on_all_ranks(comm, recv, f"{stores} average")
+    assert shm._windows[comm.handle] is window
+    shm.shutdown(comm)
+
+
 def test_stall_limit_is_the_configs(comm, monkeypatch):
     """A wait for a count no rank posts gives up after Config.stall_timeout_s."""
     monkeypatch.setattr(config, "_current", dataclasses.replace(config.get(), stall_timeout_s=0.2))
