@@ -58,6 +58,11 @@ class Config:
     #: spawned by rank 0 join at a commit: collectives/elastic/membership.py); None = it
     #: only shrinks. collectives.elastic.run's max_size overrides it.
     elastic_max_size: int | None = None
+    #: A file or executable script listing `host:slots` lines (Horovod's host-discovery
+    #: script, collectives/elastic/discovery.py): an elastic job grows into the slots it
+    #: lists, up to elastic_max_size if set; None = no discovery.
+    #: collectives.elastic.run's discovery overrides it.
+    elastic_discovery: str | None = None
 
 
 def _parse(field: dataclasses.Field, text: str):

@@ -1,20 +1,26 @@
 """Elastic training on the digits of examples/train.py: a rank dies, the others go on.
 
     mpirun --with-ft ulfm -np 4 --oversubscribe python examples/elastic_train.py --kill-at 30,60
+    echo localhost:4 > hosts.txt
+    mpirun --with-ft ulfm -np 2 --host localhost:4 --bind-to none \
+        python examples/elastic_train.py --discovery hosts.txt
 
-Under `mpirun --with-ft ulfm` (collectives' fault-tolerant mode) the last rank kills itself
-(SIGKILL) at each step of --kill-at (30,60: two ranks die, one after the other). Every
-survivor raises RanksFailedError within a second; collectives.elastic.run puts back the
-last commit (model, optimizer, the sampler's place in the epoch, epoch and step, committed
-every --commit-every steps), shrinks the job to the survivors, rescales the learning rate
-in a reset callback, and trains on: the survivors share what is left of the epoch
-(ElasticSampler) and finish every epoch. With --max-size N the job grows back to N ranks
-instead: a replacement started after the first failure joins at a later commit (kill
+Under `mpirun --with-ft ulfm` (collectives' fault-tolerant mode) the last rank kills
+itself (SIGKILL) at each step of --kill-at (30,60: two ranks die, one after the other).
+Every survivor raises RanksFailedError within a second; collectives.elastic.run puts back
+the last commit (model, optimizer, the sampler's place in the epoch, epoch and step,
+committed every --commit-every steps), shrinks the job to the survivors, rescales the
+learning rate in a reset callback, and trains on: the survivors share what is left of the
+epoch (ElasticSampler) and finish every epoch. With --max-size N the job grows back to N
+ranks instead: a replacement started after the first failure joins at a later commit (kill
 once, or far apart: a rank that dies while a replacement starts ends the job with this
-Open MPI, README.md "When a rank dies"). --zero 1|2 trains with ZeroOptimizer instead of
-DistributedOptimizer: each rank's shard of the optimizer state is copied to a buddy rank
-at every commit, and the survivors reshard it. Without `--with-ft ulfm` the same script
-trains normally, and a failure ends the job.
+Open MPI, README.md "When a rank dies"). With --discovery FILE (a file, or an executable
+printing `host:slots` lines: Horovod's host-discovery script) the job also grows into the
+slots listed there, at a commit, within the slots its launch reserved (the second command:
+2 ranks started, 4 slots reserved and listed, 4 ranks from a few seconds on). --zero 1|2
+trains with ZeroOptimizer instead of DistributedOptimizer: each rank's shard of the
+optimizer state is copied to a buddy rank at every commit, and the survivors reshard it.
+Without `--with-ft ulfm` the same script trains normally, and a failure ends the job.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-size", type=int, default=None,
                     help="grow back to this many ranks after the first failure (default: "
                          "the job only shrinks)")
+    ap.add_argument("--discovery", default=None,
+                    help="a file or script listing host:slots lines: the job grows into the "
+                         "slots listed (default: no discovery)")
     ap.add_argument("--zero", type=int, choices=[1, 2], default=None,
                     help="ZeroOptimizer of this stage (default: DistributedOptimizer)")
     ap.add_argument("--seed", type=int, default=0)
@@ -70,13 +79,13 @@ def main() -> None:
             group["lr"] = args.lr * C.size()
         if C.rank() == 0:
             since = f"{time.monotonic() - failed_at[-1]:.3f} s after the failure was seen" \
-                if failed_at else "replacing a dead rank"
+                if failed_at else "new ranks joined"
             print(f"job is {C.size()} ranks, {since}; going on from step {state.step}",
                   flush=True)
 
     state.register_reset_callbacks([on_reset])
 
-    @elastic.run(max_size=args.max_size)
+    @elastic.run(max_size=args.max_size, discovery=args.discovery)
     def train(state: elastic.TorchState) -> None:
         while state.epoch < args.epochs:
             model.train()

@@ -27,6 +27,7 @@ May import: the leaves, kernels, runtime, algorithms, auto, compression, api, op
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,7 @@ __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "RanksFaile
 
 
 def run(func: Callable[..., Any] | None = None, *, min_size: int = 1,
-        max_size: int | None = None) -> Any:
+        max_size: int | None = None, discovery: str | None = None) -> Any:
     """Decorate func(state, *args, **kwargs) so that a failure of ranks restores `state`'s
     last commit, shrinks the job to the survivors and calls func again (on every survivor;
     Horovod's hvd.elastic.run). func starts after state is synced from rank 0. With fewer
@@ -50,22 +51,30 @@ def run(func: Callable[..., Any] | None = None, *, min_size: int = 1,
 
     With max_size (or Config.elastic_max_size) the job grows back to that many ranks: after
     a shrink rank 0 starts replacements, which join at a later commit
-    (elastic/membership.py); without, it only shrinks. In a replacement, run first waits for the job to take
-    it in, then syncs state from rank 0 and calls the reset callbacks like every rank."""
+    (elastic/membership.py); without, it only shrinks. With discovery (or
+    Config.elastic_discovery), the path of a file or script listing `host:slots` lines
+    (Horovod's host-discovery script, elastic/discovery.py), the job also grows into the
+    slots listed, up to max_size if set. In a new process, run first waits for the job to
+    take it in, then syncs state from rank 0 and calls the reset callbacks like every
+    rank."""
     if func is None:
-        return functools.partial(run, min_size=min_size, max_size=max_size)
+        return functools.partial(run, min_size=min_size, max_size=max_size,
+                                 discovery=discovery)
     if not isinstance(min_size, int) or min_size < 1:
         raise ValueError(f"min_size: expected an int >= 1, got {min_size!r}")
     if max_size is not None and (not isinstance(max_size, int) or max_size < min_size):
         raise ValueError(f"max_size: expected None or an int >= min_size={min_size}, "
                          f"got {max_size!r}")
+    if discovery is not None and not isinstance(discovery, (str, os.PathLike)):
+        raise TypeError(f"discovery: expected the path of a file or script listing "
+                        f"host:slots lines, got {type(discovery).__name__}")
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, State):
             raise TypeError(f"state: expected a collectives.elastic State, got "
                             f"{type(state).__name__}")
-        membership.set_target(max_size)
+        membership.set_target(max_size, None if discovery is None else os.fspath(discovery))
         if membership.is_replacement():
             membership.join()
             state.on_reset()

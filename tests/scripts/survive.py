@@ -11,16 +11,18 @@
                                       come back from their buddies
 
 The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
-rank) die at step DIE_AT (with IN_COMMIT=1, at the next commit, step 21, as the others enter
-it; IN_COMMIT=exchange: within that commit's exchange of ZeroOptimizer copies, once the
-copies' descriptions went out, before their data); with SECOND_AT set, the last rank of the
-shrunk job dies at that step too; MIN_SIZE and MAX_SIZE are the elastic run's min_size and
-max_size (unset: the job only shrinks). With GROW=1 and MAX_SIZE training goes on past its
-steps, at STEP_S a step from the first failure, until the job has run 3 steps at its launch
-size again: replacements take the dead ranks' places (each REPLACEMENT_WAIT_S seconds late,
-with COMMIT_EVERY steps between commits; default 3). A victim writes the time of its death
-to KILLFILE first, so survivors can say how long they took to notice (raise) or to recover
-(train)."""
+rank; "none": no rank dies) die at step DIE_AT (with IN_COMMIT=1, at the next commit, step
+21, as the others enter it; IN_COMMIT=exchange: within that commit's exchange of
+ZeroOptimizer copies, once the copies' descriptions went out, before their data); with
+SECOND_AT set, the last rank of the shrunk job dies at that step too; MIN_SIZE and
+MAX_SIZE are the elastic run's min_size and max_size (unset: the job only shrinks). With
+GROW=1 and MAX_SIZE training goes on past its steps, at STEP_S a step from the first
+failure, until the job has run 3 steps at its launch size again: replacements take the
+dead ranks' places (each REPLACEMENT_WAIT_S seconds late, with COMMIT_EVERY steps between
+commits; default 3); with FULL_SIZE, until 3 steps ran at that size instead (a job that
+grows into discovered slots, paced from its start when no rank dies). A victim writes the
+time of its death to KILLFILE first, so survivors can say how long they took to notice
+(raise) or to recover (train)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", 3))  # steps between two commi
 
 def victims(size: int) -> list[int]:
     text = os.environ.get("VICTIMS", str(size - 1))
-    return [int(r) for r in text.split(",")]
+    return [] if text == "none" else [int(r) for r in text.split(",")]
 
 
 def die(killfile: str) -> None:
@@ -182,10 +184,14 @@ def train_scenario(killfile: str, api: str) -> None:
 
     max_size = int(os.environ["MAX_SIZE"]) if "MAX_SIZE" in os.environ else None
 
+    def full_size(state: elastic.TorchState) -> int:
+        return int(os.environ.get("FULL_SIZE", state.sizes[0] if state.sizes else C.size()))
+
     def going(state: elastic.TorchState) -> bool:
         if state.step < steps:
-            return True  # then, with GROW, until 3 steps ran at the launch size again
-        return grow and state.step < 50 * steps and state.sizes[-full:] != state.sizes[:1] * full
+            return True  # then, with GROW, until 3 steps ran at the full size
+        return grow and state.step < 50 * steps \
+            and state.sizes[-full:] != [full_size(state)] * full
 
     @el.run(min_size=int(os.environ.get("MIN_SIZE", 1)), max_size=max_size)
     def train(state: elastic.TorchState) -> None:
@@ -203,9 +209,9 @@ def train_scenario(killfile: str, api: str) -> None:
             opt.step()
             if resets and not recovered and resets[0] < state.sizes[0]:  # a survivor
                 recovered.append(since(killfile))
-            if resets and resets[-1] == state.sizes[0] and not regrown:
+            if resets and resets[-1] == full_size(state) and not regrown:
                 regrown.append(since(killfile))
-            if resets:
+            if resets or not dying:
                 time.sleep(pace)
             state.sizes = state.sizes + [n]
             state.step += 1

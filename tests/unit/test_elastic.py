@@ -17,22 +17,27 @@ from pathlib import Path
 
 import pytest
 
-from collectives.elastic import buddies, torch_state
+from collectives.elastic import buddies, discovery, torch_state
 
 ROOT = Path(__file__).resolve().parents[2]
 MPIRUN = Path(sys.executable).parent / "mpirun"
 #: (ranks, simulated ranks per node or None)
-LAYOUTS = {"1node": (3, None), "2nodes": (4, 2)}
+LAYOUTS = {"1node": (3, None), "2nodes": (4, 2), "pair": (2, None)}
 
 
-def survive(layout: str, tmp: Path, *args: str, **env_vars: str) -> str:
+def survive(layout: str, tmp: Path, *args: str, slots: str | None = None,
+            **env_vars: str) -> str:
+    """survive.py's output from a job of layout under `mpirun --with-ft ulfm`, launched
+    --oversubscribe, or with slots (e.g. "localhost:4") as the slots it may use (unbound:
+    slots beyond this machine's cores cannot take a process bound to a core)."""
     np_, per_node = LAYOUTS[layout]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                COLLECTIVES_AUTOTUNE="0", XDG_CACHE_HOME=str(tmp), **env_vars)
     if per_node:
         env["COLLECTIVES_RANKS_PER_NODE"] = str(per_node)
-    cmd = [str(MPIRUN), "--with-ft", "ulfm", "-np", str(np_), "--oversubscribe",
-           sys.executable, str(ROOT / "tests" / "scripts" / "survive.py"), *args]
+    where = ["--host", slots, "--bind-to", "none"] if slots else ["--oversubscribe"]
+    cmd = [str(MPIRUN), "--with-ft", "ulfm", "-np", str(np_), *where, sys.executable,
+           str(ROOT / "tests" / "scripts" / "survive.py"), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=90, cwd=ROOT)
     return done.stdout + done.stderr
 
@@ -156,6 +161,79 @@ def test_dead_ranks_are_replaced(tmp_path, layout, api, dying):
         assert ast.literal_eval(resets)[-1] == np_, out
         assert float(err) < 1e-12 and 0 < float(back) < 15, out
     assert len({f[4] for f in found}) == 1, out  # every rank's parameters are alike
+
+
+def discovery_source(tmp: Path, kind: str, listing: str) -> Path:
+    """A host-discovery file, or an executable script printing the listing."""
+    if kind == "file":
+        path = tmp / "hosts.txt"
+        path.write_text(listing)
+    else:
+        path = tmp / "discover.sh"
+        path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{listing}EOF\n")
+        path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("kind,api", [("file", "train"), ("script", "zero")])
+def test_the_job_grows_into_discovered_slots(tmp_path, kind, api):
+    """Launched at np 2 into 4 reserved slots, with a discovery source that lists 4: the
+    job grows to 4 at a commit (HostsUpdatedInterrupt), the new ranks get the committed
+    state (a ZeroOptimizer resharded to 4), and every rank, the new ones too, ends with
+    the replay's parameters."""
+    source = discovery_source(tmp_path, kind, "# this machine\nlocalhost:4\n")
+    killfile = tmp_path / "killed"  # no rank dies: "back to full size" counts from here
+    killfile.write_text(repr(time.time()))
+    out = survive("pair", tmp_path, api, str(killfile), slots="localhost:4", VICTIMS="none",
+                  GROW="1", STEP_S="0.05", FULL_SIZE="4",
+                  COLLECTIVES_ELASTIC_DISCOVERY=str(source))
+    found = re.findall(r"rank (\d+): trained (\d+) steps, .*?resets (\[.*?\]), .*max error "
+                       r"(\S+), digest (\S+); sizes in order (\[.*?\])", out)
+    assert sorted(int(f[0]) for f in found) == [0, 1, 2, 3], out
+    for _, steps, resets, err, _, runs in found:
+        runs = ast.literal_eval(runs)
+        assert [n for n, _ in runs] == [2, 4] and runs[-1][1] >= 3, out
+        assert ast.literal_eval(resets) == [4] and int(steps) >= 40, out
+        assert float(err) < 1e-12, out
+    assert len({f[4] for f in found}) == 1, out
+
+
+def test_discovered_slots_outside_the_launch_leave_the_job_as_it_is(tmp_path):
+    """The source lists 4 slots but the launch reserved 2: the spawn is refused, every rank
+    trains on at 2 and rank 0 warns why."""
+    source = discovery_source(tmp_path, "file", "localhost:4\n")
+    out = survive("pair", tmp_path, "train", str(tmp_path / "killed"), slots="localhost:2",
+                  VICTIMS="none", GROW="1", COLLECTIVES_ELASTIC_DISCOVERY=str(source))
+    found = re.findall(r"rank (\d+): trained (\d+) steps, .*sizes in order (\[.*?\])", out)
+    assert sorted(int(f[0]) for f in found) == [0, 1], out
+    assert all(ast.literal_eval(runs) == [(2, 40)] for *_, runs in found), out
+    assert out.count("could not start") == 1, out
+
+
+def test_discovery_listings(tmp_path):
+    """host:slots lines (host alone: one slot; comments and blank lines skipped); a line
+    that is not one raises naming the source and the line; a script's output is read."""
+    assert discovery.parse("a:2\n\n# c\nb  # one\na:1\n", "src") == {"a": 3, "b": 1}
+    with pytest.raises(ValueError, match=r"src, line 2: expected host\[:slots\], got 'b:x'"):
+        discovery.parse("a:2\nb:x\n", "src")
+    script = discovery_source(tmp_path, "script", "h1:2\nh2:2\n")
+    assert discovery.read(str(script)) == {"h1": 2, "h2": 2}
+    assert discovery.Discovery(str(script)).slots() == 4
+
+
+def test_a_failing_discovery_keeps_its_last_listing(tmp_path, monkeypatch):
+    """A read that fails warns once and leaves the last good listing in force."""
+    source = discovery_source(tmp_path, "file", "h:3\n")
+    found = discovery.Discovery(str(source))
+    monkeypatch.setattr(discovery, "POLL_S", 0.05)
+    assert found.slots() == 3
+    source.write_text("h:three\n")
+    with pytest.warns(UserWarning, match="host discovery from .* failed .*line 1"):
+        found._read_once()
+    assert found.slots() == 3
+    source.write_text("h:5\n")
+    found._read_once()
+    assert found.slots() == 5
 
 
 def test_a_shard_dead_with_its_copy_ends_the_job_saying_why(tmp_path):

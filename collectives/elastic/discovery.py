@@ -1,0 +1,97 @@
+"""Host discovery in Horovod's form: a source that lists the slots a job may grow into,
+one `host:slots` line per host (`host` alone: one slot), read again every POLL_S seconds.
+
+The source is a path: an executable is run and its standard output read (Horovod's
+`--host-discovery-script`), any other file is read as it is. Blank lines and lines from
+`#` on are skipped. The job grows to the slots listed (up to run's max_size) at a commit
+(elastic/membership.py). Only slots the launch reserved can be filled: Open MPI 5.0.11
+spawns new processes into the job's allocation (`--host localhost:4`, a hostfile's slots)
+and cannot add a host to a running job, so a listed host outside it leaves the spawn
+refused, with a warning, and the job at its size. A host that leaves the listing does not
+shrink the job: ranks leave a job only by dying (Horovod's removal of hosts has no
+counterpart here).
+
+Reading runs on a thread of the process that asks (the job's rank 0), so a slow script
+never holds up a commit; a read that fails (the script's status, a line that is not
+`host[:slots]`, SCRIPT_TIMEOUT_S passed) warns once and keeps the last good listing.
+Cost: a script run or a file read per POLL_S on one rank; nothing on the others."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+import warnings
+
+#: Seconds between two reads of the source (Horovod's driver polls its script every second).
+POLL_S = 1.0
+#: Seconds a discovery script may run before its read counts as failed.
+SCRIPT_TIMEOUT_S = 10.0
+
+
+def parse(text: str, source: str) -> dict[str, int]:
+    """host -> slots from a listing (slots of a host listed twice add up)."""
+    hosts: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(":")
+        if not host or (slots and not slots.isdigit()):
+            raise ValueError(f"{source}, line {number}: expected host[:slots], got {line!r}")
+        hosts[host] = hosts.get(host, 0) + (int(slots) if slots else 1)
+    return hosts
+
+
+def read(source: str) -> dict[str, int]:
+    """host -> slots as the source lists them now (runs it if it is executable)."""
+    if os.access(source, os.X_OK) and not os.path.isdir(source):
+        done = subprocess.run([os.path.abspath(source)], capture_output=True, text=True,
+                              timeout=SCRIPT_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{source} exited with status {done.returncode}: "
+                               f"{done.stderr.strip()[-200:]}")
+        return parse(done.stdout, source)
+    with open(source) as f:
+        return parse(f.read(), source)
+
+
+class Discovery:
+    """The latest listing of one source, read every POLL_S seconds on a thread started by
+    the first slots() call."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self._hosts: dict[str, int] | None = None  # the last good listing; None: none yet
+        self._said: set[str] = set()  # failures warned of already
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def slots(self) -> int | None:
+        """Slots listed in all, as last read (None until a read has succeeded)."""
+        if self._thread is None:
+            self._read_once()
+            self._thread = threading.Thread(target=self._poll, name="collectives-discovery",
+                                            daemon=True)
+            self._thread.start()
+        with self._lock:
+            return None if self._hosts is None else sum(self._hosts.values())
+
+    def _poll(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            self._read_once()
+
+    def _read_once(self) -> None:
+        try:
+            hosts = read(self.source)
+        except (OSError, ValueError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            if why not in self._said:
+                self._said.add(why)
+                warnings.warn(f"collectives.elastic: host discovery from {self.source} "
+                              f"failed ({why}); keeping its last listing", stacklevel=2)
+            return
+        with self._lock:
+            self._hosts = hosts
