@@ -3,7 +3,7 @@
     mpirun --with-ft ulfm -np 4 --oversubscribe python examples/elastic_train.py --kill-at 30,60
     echo localhost:4 > hosts.txt
     mpirun --with-ft ulfm -np 2 --host localhost:4 --bind-to none \
-        python examples/elastic_train.py --discovery hosts.txt
+        python examples/elastic_train.py --discovery hosts.txt --epochs 30
 
 Under `mpirun --with-ft ulfm` (collectives' fault-tolerant mode) the last rank kills
 itself (SIGKILL) at each step of --kill-at (30,60: two ranks die, one after the other).
@@ -17,7 +17,8 @@ once, or far apart: a rank that dies while a replacement starts ends the job wit
 Open MPI, README.md "When a rank dies"). With --discovery FILE (a file, or an executable
 printing `host:slots` lines: Horovod's host-discovery script) the job also grows into the
 slots listed there, at a commit, within the slots its launch reserved (the second command:
-2 ranks started, 4 slots reserved and listed, 4 ranks from a few seconds on). --zero 1|2
+2 ranks started, 4 slots reserved and listed; 4 ranks once the new processes have started,
+about 10 s in on this machine). --zero 1|2
 trains with ZeroOptimizer instead of DistributedOptimizer: each rank's shard of the
 optimizer state is copied to a buddy rank at every commit, and the survivors reshard it.
 Without `--with-ft ulfm` the same script trains normally, and a failure ends the job.
@@ -72,6 +73,7 @@ def main() -> None:
     sampler = elastic.ElasticSampler(range(len(x)), shuffle=True, seed=args.seed)
     state = elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0)
     failed_at: list[float] = []
+    started = time.monotonic()
 
     def on_reset() -> None:
         """The job changed size: the learning rate follows the global batch."""
@@ -79,7 +81,7 @@ def main() -> None:
             group["lr"] = args.lr * C.size()
         if C.rank() == 0:
             since = f"{time.monotonic() - failed_at[-1]:.3f} s after the failure was seen" \
-                if failed_at else "new ranks joined"
+                if failed_at else f"new ranks joined {time.monotonic() - started:.1f} s after the start"
             print(f"job is {C.size()} ranks, {since}; going on from step {state.step}",
                   flush=True)
 

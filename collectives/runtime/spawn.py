@@ -26,7 +26,9 @@ rank: the spawn made only rank 0 known to it. Costs: the spawning thread makes M
 beside the job's work (MPI_THREAD_MULTIPLE); a probe per commit while a batch starts; the
 join is a message, an accept/connect and a Merge, milliseconds. A spawn that fails (no free
 slot, the launcher refuses) leaves a warning and no batch. A batch that never joined is
-told to exit at the job's end; one whose rank 0 died finds it by an MPI error and exits."""
+told to exit at the job's end and disconnected (MPI_Comm_disconnect on both sides), so
+neither waits for the other in MPI_Finalize (a job that never changed size finalizes);
+one whose rank 0 died finds it by an MPI error and exits."""
 
 from __future__ import annotations
 
@@ -78,12 +80,13 @@ class Batch:
                 self.error = f"{type(exc).__name__}: {exc}"
         return self.there
 
-    def tell(self, what: tuple[str, str | None]) -> None:
-        """Send the batch ("join", port) or ("abandon", None)."""
+    def tell(self, what: tuple[str, str | None]) -> bool:
+        """Send the batch ("join", port) or ("abandon", None); False if it is gone."""
         try:
             self.inter.send(what, dest=0, tag=_DECIDE)
         except MPI.Exception:
-            pass  # the batch is gone already
+            return False
+        return True
 
 
 _batches: list[Batch] = []  # rank 0's batches, oldest first
@@ -137,10 +140,15 @@ ABANDON_WAIT_S = 60.0
 
 def abandon() -> None:
     """Rank 0, at the job's end: tell every batch that has not joined to exit, waiting up
-    to ABANDON_WAIT_S for one still starting."""
+    to ABANDON_WAIT_S for one still starting, and disconnect from it (which waits for the
+    batch to reach its join)."""
     for b in _batches:
         if b.done.wait(ABANDON_WAIT_S) and b.error is None:
-            b.tell(("abandon", None))
+            if b.tell(("abandon", None)):
+                try:
+                    b.inter.Disconnect()
+                except MPI.Exception:
+                    pass  # the batch died meanwhile
     _batches.clear()
 
 
@@ -164,5 +172,6 @@ def join_job(world: MPI.Comm, job: MPI.Comm) -> MPI.Comm | None:
         what = job.recv(source=0, tag=_DECIDE)
     what, port = world.bcast(what, root=0)
     if what != "join":
+        job.Disconnect()
         return None
     return world.Connect(port, root=0).Merge(high=True)

@@ -210,6 +210,21 @@ def test_discovered_slots_outside_the_launch_leave_the_job_as_it_is(tmp_path):
     assert out.count("could not start") == 1, out
 
 
+def test_new_ranks_not_ready_at_the_end_are_told_to_exit(tmp_path):
+    """The job ends before the processes started for discovered slots are ready (each
+    waits 8 s first): rank 0 tells them to exit and disconnects, and every process ends.
+    The job never changed size, so its ranks finalize MPI; before the disconnect rank 0's
+    MPI_Finalize waited for the new processes and the job hung."""
+    source = discovery_source(tmp_path, "file", "localhost:4\n")
+    out = survive("pair", tmp_path, "train", str(tmp_path / "killed"), slots="localhost:4",
+                  VICTIMS="none", GROW="1", STEP_S="0.05", FULL_SIZE="2",
+                  REPLACEMENT_WAIT_S="8", COLLECTIVES_ELASTIC_DISCOVERY=str(source))
+    found = re.findall(r"rank (\d+): trained (\d+) steps, .*sizes in order (\[.*?\])", out)
+    assert sorted(int(f[0]) for f in found) == [0, 1], out
+    assert all(ast.literal_eval(runs) == [(2, 40)] for *_, runs in found), out
+    assert out.count("ended or lost ranks before it could join; exiting") == 2, out
+
+
 def test_discovery_listings(tmp_path):
     """host:slots lines (host alone: one slot; comments and blank lines skipped); a line
     that is not one raises naming the source and the line; a script's output is read."""
