@@ -8,10 +8,10 @@ ranks died and the survivors shrank, rank 0 starts replacements for the missing 
 (runtime/spawn.py: on a thread, nothing waits for them); when the source lists more slots
 than the job has ranks, rank 0 starts the new ranks the same way at a commit. At every
 commit of a job that may grow, rank 0 tells every rank whether a batch of new processes is
-ready (one small broadcast; a job at its max_size pays nothing); if one is, every rank
-raises HostsUpdatedInterrupt from the commit, and `run` takes the batch in (grow) and
-starts the function again from that commit, synced from rank 0. A new process runs the
-program from its start and, in `run`, waits to be taken in (join).
+ready (one small broadcast; a job at its max_size, or one that has grown, pays nothing);
+if one is, every rank raises HostsUpdatedInterrupt from the commit, and `run` takes the
+batch in (grow) and starts the function again from that commit, synced from rank 0. A new
+process runs the program from its start and, in `run`, waits to be taken in (join).
 
 Open MPI 5.0.11 spawns only until the job has grown once ("PRTE ERROR: Not found" after
 that, the new process left hanging in MPI_Init): so the first failure's ranks are replaced,
@@ -98,10 +98,11 @@ def replace_missing() -> None:
 
 def check() -> None:
     """At a commit: raise HostsUpdatedInterrupt on every rank if rank 0 has a batch of new
-    processes ready (collective while the job may grow and is below its max_size); rank 0
-    first starts the ranks newly discovered slots add."""
+    processes ready (collective while the job may grow: it has not grown yet and is below
+    its max_size); rank 0 first starts the ranks newly discovered slots add."""
     topo = topology.get()
-    if not _grows() or topo.size >= (_target or math.inf) or not topo.config.fault_tolerant:
+    if not _grows() or _grown or topo.size >= (_target or math.inf) \
+            or not topo.config.fault_tolerant:
         return
     if topo.rank == 0:
         _discover(topo.size)
