@@ -267,15 +267,11 @@ class ZeroOptimizer(Overlapped):
         rank where they are gathered quantized (stage 3's sharded buckets are gathered by
         the next forward)."""
         whole = [b for b in self._buckets if not isinstance(b, ShardedBucket)]
-        started = [gather_start(b.shard, b.quantized, self._set)
-                   if isinstance(b, QuantizedBucket) else
-                   (C.allgather_async(b.flat[b.lo:b.hi], process_set=self._set),)
-                   for b in whole]
+        started = [gather_start(b.piece(), b.quantized, self._set) for b in whole]
         with torch.no_grad():
             for bucket, handles in zip(whole, started):
                 parts = [C.synchronize(h) for h in handles]
-                bucket.flat.copy_(gather_decode(parts, getattr(bucket, "quantized", None),
-                                                bucket.bounds))
+                bucket.flat.copy_(gather_decode(parts, bucket.quantized, bucket.bounds))
 
     # ---- stage 3: the parameters
     @contextlib.contextmanager

@@ -30,6 +30,9 @@ class Bucket:
 
     __slots__ = ("params", "flat", "bounds", "lo", "hi", "pieces", "ready", "grad", "handle",
                  "error")
+    #: the format the parameters are gathered in after a step (Compression.fp16 or int8:
+    #: QuantizedBucket), None: as they are
+    quantized: Any = None
 
     def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool):
         self.params = params
@@ -57,6 +60,11 @@ class Bucket:
         # with 1-bit, the worker error: this rank's float32 buffer over every rank's piece
         self.error = torch.zeros(scatter_error_size(even_split(total, size))) if onebit \
             else None
+
+    def piece(self) -> torch.Tensor:
+        """This rank's piece as the optimizer steps it: the input of the gather after a
+        step."""
+        return self.flat[self.lo:self.hi]
 
     def _own_shard(self) -> None:
         """This rank's piece moved into a tensor of its own (`shard`), which the pieces
@@ -109,6 +117,9 @@ class QuantizedBucket(Bucket):
         super().__init__(params, rank, size, onebit)
         self.quantized = quantized
         self._own_shard()
+
+    def piece(self) -> torch.Tensor:
+        return self.shard
 
 
 def quantizes(dtype: torch.dtype, compression: Any) -> bool:
