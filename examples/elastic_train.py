@@ -18,7 +18,7 @@ Open MPI, README.md "When a rank dies"). With --discovery FILE (a file, or an ex
 printing `host:slots` lines: Horovod's host-discovery script) the job also grows into the
 slots listed there, at a commit, within the slots its launch reserved (the second command:
 2 ranks started, 4 slots reserved and listed; 4 ranks once the new processes have started,
-about 10 s in on this machine). --zero 1|2
+8-9 s in on this machine). --zero 1|2
 trains with ZeroOptimizer instead of DistributedOptimizer: each rank's shard of the
 optimizer state is copied to a buddy rank at every commit, and the survivors reshard it.
 Without `--with-ft ulfm` the same script trains normally, and a failure ends the job.
