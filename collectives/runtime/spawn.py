@@ -2,11 +2,11 @@
 point every rank reaches (collectives.elastic's commit).
 
 A batch is the processes of one MPI_Comm_spawn of the job's own program (the same
-interpreter and arguments) over MPI_COMM_SELF, on a thread of rank 0, so no rank waits for
-the new processes to start or import: spawning returns once they have initialized MPI
-(about 1.1 s for a bare interpreter here, plus whatever the program imports first). Only
-rank 0 takes part, so ranks that die meanwhile do not disturb it. The batch is a world of
-its own (its MPI_COMM_WORLD) until it joins.
+interpreter, arguments and environment: command()) over MPI_COMM_SELF, on a thread of rank
+0, so no rank waits for the new processes to start or import: spawning returns once they
+have initialized MPI (about 1.1 s for a bare interpreter here, plus whatever the program
+imports first). Only rank 0 takes part, so ranks that die meanwhile do not disturb it. The
+batch is a world of its own (its MPI_COMM_WORLD) until it joins.
 
     the job (rank 0)                           each process of a batch
     start(n): a thread Spawns → intercomm      runs the program to elastic.run
@@ -33,9 +33,13 @@ one whose rank 0 died finds it by an MPI error and exits."""
 from __future__ import annotations
 
 import atexit
+import base64
+import json
+import os
 import sys
 import threading
 import warnings
+from collections.abc import Mapping
 
 from mpi4py import MPI
 
@@ -61,7 +65,7 @@ class Batch:
         try:
             info = MPI.Info.Create()
             info.Set("mpi_initial_errhandler", "mpi_errors_return")
-            inter = MPI.COMM_SELF.Spawn(sys.executable, sys.orig_argv[1:], info=info,
+            inter = MPI.COMM_SELF.Spawn(sys.executable, command(os.environ), info=info,
                                         maxprocs=self.size)
             inter.Set_errhandler(MPI.ERRORS_RETURN)
             self.inter = inter
@@ -87,6 +91,40 @@ class Batch:
         except MPI.Exception:
             return False
         return True
+
+
+#: Prefixes of the variables the launcher sets for each process or job (its name, rank,
+#: sizes, server addresses): a new process gets its own, so these are not handed down.
+_LAUNCHERS = ("PMIX_", "PRTE_", "OMPI_COMM_WORLD_", "OMPI_WORLD_", "OMPI_UNIVERSE_SIZE",
+              "OMPI_NUM_APP_CTX", "OMPI_APP_CTX_", "OMPI_FIRST_RANKS", "OMPI_FILE_LOCATION",
+              "OMPI_ARGV", "OMPI_COMMAND", "OMPI_MCA_num_procs")
+
+
+def handed_down(environ: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment less what the launcher sets per process or job."""
+    return {k: v for k, v in environ.items() if not k.startswith(_LAUNCHERS)}
+
+
+#: What a batch's processes run first: the environment handed down (argv[1], base64 JSON)
+#: over their own, their launcher's variables kept, then exec of this program's command
+#: line (argv[2:]) in the same process, before anything starts MPI. One line: an argument
+#: with a newline made the launcher's daemon on another host fail ("PRTE has lost
+#: communication with a remote daemon").
+_BOOT = ("import base64, json, os, sys; "
+         "env = dict(os.environ); "
+         "env.update(json.loads(base64.b64decode(sys.argv[1]))); "
+         "env.update((k, v) for k, v in os.environ.items() if k.startswith({launchers!r})); "
+         "os.execve(sys.executable, [sys.executable] + sys.argv[2:], env)")
+
+
+def command(environ: Mapping[str, str]) -> list[str]:
+    """The arguments of the interpreter a batch runs: this program's command line, started
+    in this process's environment (handed_down). Open MPI starts spawned processes in its
+    daemon's environment, without what `mpirun -x` and `--mca` gave the job (a variable
+    the program reads, the TCP interfaces to use), and its spawn info key `env` takes at
+    most 255 characters."""
+    env = base64.b64encode(json.dumps(handed_down(environ)).encode()).decode()
+    return ["-c", _BOOT.format(launchers=_LAUNCHERS), env, *sys.orig_argv[1:]]
 
 
 _batches: list[Batch] = []  # rank 0's batches, oldest first

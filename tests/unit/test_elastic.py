@@ -26,16 +26,18 @@ LAYOUTS = {"1node": (3, None), "2nodes": (4, 2), "pair": (2, None)}
 
 
 def survive(layout: str, tmp: Path, *args: str, slots: str | None = None,
-            **env_vars: str) -> str:
+            given: dict[str, str] | None = None, **env_vars: str) -> str:
     """survive.py's output from a job of layout under `mpirun --with-ft ulfm`, launched
     --oversubscribe, or with slots (e.g. "localhost:4") as the slots it may use (unbound:
-    slots beyond this machine's cores cannot take a process bound to a core)."""
+    slots beyond this machine's cores cannot take a process bound to a core); env_vars in
+    mpirun's environment, given through `mpirun -x`."""
     np_, per_node = LAYOUTS[layout]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                COLLECTIVES_AUTOTUNE="0", XDG_CACHE_HOME=str(tmp), **env_vars)
     if per_node:
         env["COLLECTIVES_RANKS_PER_NODE"] = str(per_node)
     where = ["--host", slots, "--bind-to", "none"] if slots else ["--oversubscribe"]
+    where += [a for k, v in (given or {}).items() for a in ("-x", f"{k}={v}")]
     cmd = [str(MPIRUN), "--with-ft", "ulfm", "-np", str(np_), *where, sys.executable,
            str(ROOT / "tests" / "scripts" / "survive.py"), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=90, cwd=ROOT)
@@ -177,16 +179,18 @@ def discovery_source(tmp: Path, kind: str, listing: str) -> Path:
 
 @pytest.mark.parametrize("kind,api", [("file", "train"), ("script", "zero")])
 def test_the_job_grows_into_discovered_slots(tmp_path, kind, api):
-    """Launched at np 2 into 4 reserved slots, with a discovery source that lists 4: the
-    job grows to 4 at a commit (HostsUpdatedInterrupt), the new ranks get the committed
-    state (a ZeroOptimizer resharded to 4), and every rank, the new ones too, ends with
-    the replay's parameters."""
+    """Launched at np 2 into 4 reserved slots, with a discovery source that lists 4 (it and
+    the script's settings given by `mpirun -x`, which Open MPI does not hand down to
+    spawned processes: they get them from rank 0's environment): the job grows to 4 at
+    a commit (HostsUpdatedInterrupt), the new ranks get the committed state (a
+    ZeroOptimizer resharded to 4), and every rank, the new ones too, ends with the
+    replay's parameters."""
     source = discovery_source(tmp_path, kind, "# this machine\nlocalhost:4\n")
     killfile = tmp_path / "killed"  # no rank dies: "back to full size" counts from here
     killfile.write_text(repr(time.time()))
     out = survive("pair", tmp_path, api, str(killfile), slots="localhost:4", VICTIMS="none",
-                  GROW="1", STEP_S="0.05", FULL_SIZE="4",
-                  COLLECTIVES_ELASTIC_DISCOVERY=str(source))
+                  given={"GROW": "1", "STEP_S": "0.05", "FULL_SIZE": "4",
+                         "COLLECTIVES_ELASTIC_DISCOVERY": str(source)})
     found = re.findall(r"rank (\d+): trained (\d+) steps, .*?resets (\[.*?\]), .*max error "
                        r"(\S+), digest (\S+); sizes in order (\[.*?\])", out)
     assert sorted(int(f[0]) for f in found) == [0, 1, 2, 3], out
@@ -223,6 +227,18 @@ def test_new_ranks_not_ready_at_the_end_are_told_to_exit(tmp_path):
     assert sorted(int(f[0]) for f in found) == [0, 1], out
     assert all(ast.literal_eval(runs) == [(2, 40)] for *_, runs in found), out
     assert out.count("ended or lost ranks before it could join; exiting") == 2, out
+
+
+def test_new_processes_start_in_this_environment():
+    """A batch's command runs the program in the spawning process's environment, its own
+    launcher's variables (rank, server) kept."""
+    from collectives.runtime import spawn
+    args = spawn.command({"GIVEN": "by -x", "PMIX_RANK": "0", "PATH": os.environ["PATH"]})
+    probe = "import os; print(os.environ.get('GIVEN'), os.environ['PMIX_RANK'])"
+    done = subprocess.run([sys.executable, *args[:3], "-c", probe], capture_output=True,
+                          text=True, env=dict(os.environ, PMIX_RANK="3"), check=True)
+    assert done.stdout.split() == ["by", "-x", "3"]
+    assert "\n" not in args[1]  # a newline in an argument breaks a remote launch
 
 
 def test_discovery_listings(tmp_path):
