@@ -58,8 +58,8 @@ def read(source: str) -> dict[str, int]:
 
 
 class Discovery:
-    """The latest listing of one source, read every POLL_S seconds on a thread started by
-    the first slots() call."""
+    """The latest listing of one source, read at once and then every POLL_S seconds on a
+    thread started by the first slots() call."""
 
     def __init__(self, source: str):
         self.source = source
@@ -71,7 +71,6 @@ class Discovery:
     def slots(self) -> int | None:
         """Slots listed in all, as last read (None until a read has succeeded)."""
         if self._thread is None:
-            self._read_once()
             self._thread = threading.Thread(target=self._poll, name="collectives-discovery",
                                             daemon=True)
             self._thread.start()
@@ -80,8 +79,8 @@ class Discovery:
 
     def _poll(self) -> None:
         while True:
-            time.sleep(POLL_S)
             self._read_once()
+            time.sleep(POLL_S)
 
     def _read_once(self) -> None:
         try:

@@ -69,11 +69,14 @@ def _grows() -> bool:
 
 def _goal() -> int | None:
     """Rank 0: the size the job should have now: the slots discovery lists, capped by
-    max_size; max_size alone without discovery or before its first listing."""
-    listed = _discovery.slots() if _discovery is not None else None
-    if listed is None:
+    max_size; max_size alone without discovery; None before discovery's first listing
+    (a later commit's _discover acts on it)."""
+    if _discovery is None:
         return _target
-    return listed if _target is None else min(listed, _target)
+    listed = _discovery.slots()
+    if listed is None or _target is None:
+        return listed
+    return min(listed, _target)
 
 
 def is_replacement() -> bool:
@@ -111,10 +114,11 @@ def check() -> None:
 
 
 def _discover(size: int) -> None:
-    """Rank 0, at a commit: start the ranks that discovered slots add to a job of size
-    ranks, once per target, while the job has not grown yet and nothing is starting."""
+    """Rank 0, at a commit of a job that has not grown (check): start the ranks that
+    discovered slots add to a job of size ranks, once per target, while nothing is
+    starting."""
     global _asked
-    if _discovery is None or _grown or spawn.pending():
+    if _discovery is None or spawn.pending():
         return
     goal = _goal()
     if goal is not None and goal > size and goal != _asked:
