@@ -35,12 +35,15 @@ once, in rank order, so all ranks get bit-identical results.
 
 Stores. A pipelined reduction writes its chunks into the buffers with plain stores, which
 leave them in this core's cache for the other ranks to read, or with streaming stores, which
-send them to memory first; the window keeps timing large calls each way and runs the faster
-(StoreChoice in csrc/runtime/shm.h). Which is faster follows the machine, not the call: where
+send them to memory first; the window keeps timing large calls each way, per kind of call
+(size, in or out of place, Average), and runs the faster (StoreChoice in
+csrc/runtime/shm.h). Which is faster follows the machine, not the call: where
 the ranks' cores share a cache, plain stores; where they do not, reading a line another core
 has just modified costs several times a read from memory. A VM's vCPUs can move between
 the two within one job (benchmarks/README.md, "Average and in place"). Streaming, an
-allreduce folds each piece in a scratch buffer and streams it to its own buffer.
+allreduce folds each piece in a scratch buffer and streams it to its own buffer. A large
+allreduce (8 MiB and up) streams its result too where it is out of place, whose lines no
+cache holds, or while the buffers stream.
 
 A wait longer than Config.stall_timeout_s means a rank has left the collective: it raises
 (None: wait forever, as the rest of the library does).

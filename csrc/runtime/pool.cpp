@@ -4,21 +4,23 @@
 
 #include <cstdlib>
 #include <new>
+#include <vector>
 
 namespace collectives {
 
 Pool::~Pool() {
-  for (auto& [size, block] : free_) std::free(block);
+  for (auto& w : waiting_) std::free(w.block);
 }
 
 void* Pool::take(size_t bytes) {
   const size_t size = round(bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const auto it = free_.find(size);
-    if (it != free_.end()) {
-      void* block = it->second;
-      free_.erase(it);
+    const auto it = by_size_.find(size);
+    if (it != by_size_.end()) {
+      void* block = it->second->block;
+      waiting_.erase(it->second);
+      by_size_.erase(it);
       cached_ -= size;
       return block;
     }
@@ -36,14 +38,25 @@ void* Pool::take(size_t bytes) {
 
 void Pool::give(void* block, size_t bytes) {
   const size_t size = round(bytes);
+  std::vector<void*> evicted;  // freed after the lock: returning memory takes a while
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (cached_ + size <= capacity_) {
-      free_.emplace(size, block);
+    if (size <= capacity_) {
+      while (cached_ + size > capacity_) {
+        const Waiting oldest = waiting_.front();
+        auto lo = by_size_.lower_bound(oldest.size);
+        while (lo->second != waiting_.begin()) ++lo;
+        by_size_.erase(lo);
+        waiting_.pop_front();
+        cached_ -= oldest.size;
+        evicted.push_back(oldest.block);
+      }
+      by_size_.emplace(size, waiting_.insert(waiting_.end(), {size, block}));
       cached_ += size;
-      return;
+      block = nullptr;
     }
   }
+  for (void* b : evicted) std::free(b);
   std::free(block);
 }
 

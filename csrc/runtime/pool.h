@@ -5,13 +5,18 @@
 // sizeable share of a large collective's own time. Training loops ask for the same
 // sizes every step, so blocks come back here when Python drops the array and the next call
 // of that size reuses one, already faulted in. Blocks are matched by exact size (rounded up
-// to 4 KiB, or to 2 MiB huge pages from 4 MiB); at most `capacity` bytes wait here, beyond
-// that a returned block is freed.
+// to 4 KiB, or to 2 MiB huge pages from 4 MiB); at most `capacity` bytes wait here. A block
+// handed back to a full pool makes room by freeing the blocks that have waited longest:
+// the sizes a job asks for now are those it dropped last, while blocks of sizes it has
+// moved on from would otherwise fill the pool for good and turn every large result into
+// fresh memory. Cost: a lookup per take and give, a free per evicted block.
 #pragma once
 
 #include <cstddef>
+#include <list>
 #include <map>
 #include <mutex>
+#include <vector>
 
 namespace collectives {
 
@@ -34,8 +39,14 @@ class Pool {
   static constexpr size_t kHugeFrom = size_t{4} << 20;
 
  private:
+  struct Waiting {
+    size_t size;
+    void* block;
+  };
+  using Queue = std::list<Waiting>;
   mutable std::mutex mu_;
-  std::multimap<size_t, void*> free_;  // size -> blocks waiting
+  Queue waiting_;                                  // longest waiting first
+  std::multimap<size_t, Queue::iterator> by_size_;  // the same blocks by size
   size_t cached_ = 0;
   const size_t capacity_;
 };

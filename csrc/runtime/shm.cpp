@@ -56,6 +56,16 @@ void copy_streaming(unsigned char* dst, const unsigned char* src, int64_t n) {
 #endif
 }
 
+// An out-of-place allreduce from this size up writes its result with streaming stores. Its
+// lines are not in any cache (the input is read from send, the result goes to recv), so a
+// plain store first reads each line from memory: a third pass over the buffer. Streaming
+// skips that read. In place, the result's lines were just read as the input, and plain
+// stores are cheaper, except while the staging buffers stream (StoreChoice): then the
+// ranks' cores share no cache, and streaming the result too saves about a tenth. Below
+// this size streaming gains little or loses (benchmarks/README.md, "Average and in
+// place"), and the result stays in cache for the caller to read.
+constexpr int64_t kStreamResultBytes = 8 << 20;
+
 // Blocks of elements (bounds) cut into pieces of e; piece k of block j, clipped to it.
 struct Pieces {
   const std::vector<int64_t>& bounds;
@@ -75,7 +85,9 @@ class ReduceStages {
                bool allreduce, int64_t divisor, bool stream)
       : sync_(w), seq_(seq), send_(send), recv_(recv), piece_{bounds, e}, e_(e),
         dtype_(dtype), op_(op), allreduce_(allreduce), divisor_(divisor),
-        item_(dtype_size(dtype)), stream_(stream) {
+        item_(dtype_size(dtype)), stream_(stream),
+        stream_result_(allreduce && (send != recv || stream) &&
+                       (bounds.back() - bounds.front()) * item_ >= kStreamResultBytes) {
     if (stream_ && allreduce_) scratch_.resize(e * item_);
   }
 
@@ -107,7 +119,7 @@ class ReduceStages {
     reduce_many(dst, srcs_.data(), sync_.size(), hi - lo, dtype_, op_);
     if (divisor_ > 1) divide(dst, hi - lo, dtype_, divisor_);
     if (allreduce_ && stream_) copy_streaming(at(r, g, r), dst, (hi - lo) * item_);
-    if (allreduce_) std::memcpy(recv_ + lo * item_, dst, (hi - lo) * item_);  // hot in cache
+    if (allreduce_) result(recv_ + lo * item_, dst, (hi - lo) * item_);
     sync_.post(allreduce_ ? kReduced : kDone, g);
   }
 
@@ -118,7 +130,7 @@ class ReduceStages {
     for (int j = 0; j < sync_.size(); ++j) {
       if (j == sync_.rank()) continue;
       const auto [lo, hi] = piece_(j, k);
-      std::memcpy(recv_ + lo * item_, at(j, g, j), (hi - lo) * item_);
+      result(recv_ + lo * item_, at(j, g, j), (hi - lo) * item_);
     }
     sync_.post(kDone, g);
   }
@@ -126,6 +138,14 @@ class ReduceStages {
  private:
   void copy(unsigned char* dst, const unsigned char* src, int64_t n) const {
     if (stream_)
+      copy_streaming(dst, src, n);
+    else
+      std::memcpy(dst, src, n);
+  }
+
+  // Stores into the result: streaming where it is out of place and large (stream_result_).
+  void result(unsigned char* dst, const unsigned char* src, int64_t n) const {
+    if (stream_result_)
       copy_streaming(dst, src, n);
     else
       std::memcpy(dst, src, n);
@@ -148,6 +168,7 @@ class ReduceStages {
   int64_t divisor_;
   int64_t item_;
   bool stream_;
+  bool stream_result_;
   std::vector<unsigned char> scratch_;  // streaming allreduce: the piece being reduced
   std::vector<const void*> srcs_;
 };
@@ -198,7 +219,9 @@ void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<in
                 int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce,
                 int64_t divisor) {
   const int64_t seq = w.begin(nchunks);
-  const bool stream = w.stores.pick(nchunks);
+  const int64_t bytes = (bounds.back() - bounds.front()) * dtype_size(dtype);
+  const int64_t kind = StoreChoice::key(bytes, allreduce, send == recv, divisor > 1);
+  const bool stream = w.stores.pick(kind, nchunks);
   const auto start = std::chrono::steady_clock::now();
   ReduceStages st(w, seq, static_cast<const unsigned char*>(send),
                   static_cast<unsigned char*>(recv), bounds, e, dtype, op, allreduce, divisor,
@@ -209,10 +232,9 @@ void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<in
   else
     pipeline(nchunks, {[&](int64_t k) { st.copy_in(k); }, [&](int64_t k) { st.reduce(k); }});
   if (nchunks >= StoreChoice::kMinChunks)
-    w.stores.record(stream,
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-                        .count(),
-                    (bounds.back() - bounds.front()) * dtype_size(dtype));
+    w.stores.record(
+        kind, stream,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), bytes);
 }
 
 void shm_allgather(ShmWindow& w, const void* send, void* recv,

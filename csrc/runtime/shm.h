@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -34,30 +35,48 @@ struct PeerFailure : std::runtime_error {
 // cheaper when they do not, since reading a line another core has modified can cost
 // several times a read from memory (a VM's vCPUs can move between the two: shm.py's
 // docstring). Calls of at least kMinChunks run the way whose recent seconds per byte were
-// lower; every kExplore-th of them tries the other way. The calls are counted alike on
-// every rank, so the ranks try a way together; each decides for itself, which only
-// changes speed, never the result.
+// lower among calls of their own kind (key(): size within a power of two, allreduce or
+// reducescatter, in or out of place, Average or not): kinds differ in cost per byte more
+// than the two ways may. A kind's kFirstTrial-th call and every kExplore-th after it try
+// the other way; a trial's time replaces that way's estimate (it is stale), other calls
+// smooth theirs. The calls are counted alike on every rank, so the ranks try a way
+// together; each decides for itself, which only changes speed, never the result.
+// Cost: one map lookup per large call.
 struct StoreChoice {
   static constexpr int64_t kMinChunks = 8;  // smaller calls: plain stores
+  static constexpr int64_t kFirstTrial = 4;
   static constexpr int64_t kExplore = 16;
-  double per_byte[2] = {0, 0};  // smoothed seconds per byte, plain and streaming; 0: none yet
-  int64_t calls = 0;            // calls of at least kMinChunks so far
-  int forced = -1;              // tests only (set_stores): 0 plain, 1 streaming, -1 chosen
+  struct Kind {
+    double per_byte[2] = {0, 0};  // seconds per byte, plain and streaming; 0: none yet
+    int64_t calls = 0;
+    bool trial = false;           // the call under way tries the way that is not best
+  };
+  std::map<int64_t, Kind> kinds;  // by key()
+  int forced = -1;                // tests only (set_stores): 0 plain, 1 streaming, -1 chosen
 
-  // Whether a call of nchunks chunks streams (counts the call if it is large).
-  bool pick(int64_t nchunks) {
+  static int64_t key(int64_t bytes, bool allreduce, bool inplace, bool average) {
+    int64_t log2 = 0;
+    while ((bytes >> log2) > 1) ++log2;
+    return log2 * 8 + (allreduce ? 4 : 0) + (inplace ? 2 : 0) + (average ? 1 : 0);
+  }
+
+  // Whether a call of nchunks chunks of kind `key` streams (counts the call if it is large).
+  bool pick(int64_t key, int64_t nchunks) {
     if (forced >= 0) return forced == 1;
     if (nchunks < kMinChunks) return false;
-    ++calls;
-    const bool best = per_byte[1] > 0 && per_byte[1] < per_byte[0];
-    return calls % kExplore == 0 ? !best : best;
+    Kind& k = kinds[key];
+    ++k.calls;
+    const bool best = k.per_byte[1] > 0 && k.per_byte[1] < k.per_byte[0];
+    k.trial = k.calls % kExplore == kFirstTrial % kExplore;
+    return k.trial ? !best : best;
   }
 
   // A large call's time: bytes moved in seconds, the stores it used.
-  void record(bool stream, double seconds, int64_t bytes) {
+  void record(int64_t key, bool stream, double seconds, int64_t bytes) {
     if (bytes <= 0 || seconds <= 0) return;
-    double& v = per_byte[stream ? 1 : 0];
-    v = v == 0 ? seconds / bytes : 0.5 * v + 0.5 * seconds / bytes;
+    Kind& k = kinds[key];
+    double& v = k.per_byte[stream ? 1 : 0];
+    v = v == 0 || k.trial ? seconds / bytes : 0.5 * v + 0.5 * seconds / bytes;
   }
 };
 
@@ -101,7 +120,8 @@ enum ShmCounter : int64_t { kReady = 0, kReduced = 1, kDone = 2, kFailed = 3 };
 // this rank's block only. divisor > 1 folds an Average in: each rank divides the pieces it
 // reduces, while they are in cache, before any rank copies them (the same bits as a Sum
 // divided afterwards: one division of the same sum). The stores into the staging buffers
-// are the window's StoreChoice.
+// are the window's StoreChoice; those into a large allreduce's recv stream where it is out
+// of place or the staging stores stream (kStreamResultBytes, shm.cpp).
 // Throws std::runtime_error if a peer stalls past stall_seconds.
 void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<int64_t>& bounds,
                 int64_t e, int64_t nchunks, DType dtype, ReduceOp op, bool allreduce,

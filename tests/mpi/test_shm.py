@@ -271,6 +271,32 @@ def test_stores_into_the_buffers(comm, monkeypatch, stores):
     shm.shutdown(comm)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float64"])
+def test_large_out_of_place_results_streamed(comm, dtype):
+    """An out-of-place allreduce of 8 MiB or more writes its result with streaming stores
+    (kStreamResultBytes, csrc/runtime/shm.cpp): odd sizes, and a result that starts off any
+    16-byte boundary, give the reference's result, the same bits on every rank, the input
+    unchanged; in place, with plain and streaming staging stores, the same."""
+    r = comm.Get_rank()
+    item = np.dtype(dtype).itemsize
+    for i, count in enumerate([(8 << 20) // item + 3, (9 << 20) // item - 1]):
+        x = make_input(dtype, (count,), seed=i * 5 + r)
+        inputs = comm.allgather(x)
+        send = to_storage(x, dtype)
+        before = send.copy()
+        recv = np.empty(count * item + 1, np.uint8)[1:].view(send.dtype)  # unaligned
+        shm.allreduce(comm, send, recv, C.Sum, dtype)
+        expected = reference_reduce(inputs, C.Sum, dtype, comm.Get_size())
+        assert_equal(readable(recv, dtype), expected, f"{dtype} out of place")
+        assert_same_on_all_ranks(comm, recv, f"{dtype} out of place")
+        assert_equal(send, before, f"{dtype}: input modified")
+        window = shm._windows[comm.handle]  # the one this size took
+        for stores in (0, 1):
+            window.native.set_stores(stores)
+            check_allreduce(comm, x, C.Sum, dtype, True, f"{dtype} in place, stores {stores}")
+    shm.shutdown(comm)  # no forced stores in later tests' windows
+
+
 def test_stall_limit_is_the_configs(comm, monkeypatch):
     """A wait for a count no rank posts gives up after Config.stall_timeout_s."""
     monkeypatch.setattr(config, "_current", dataclasses.replace(config.get(), stall_timeout_s=0.2))

@@ -45,15 +45,31 @@ def test_buffer_empty_gives_pooled_results_of_the_callers_kind():
 
 def test_the_pool_keeps_at_most_its_capacity():
     """COLLECTIVES_RESULT_POOL_BYTES bounds what waits: of two dropped blocks that would
-    exceed it, the second is freed."""
-    code = (
-        "import numpy as np\n"
-        "from collectives.runtime.buffers import POOL_MIN_BYTES, host_empty\n"
-        "from collectives.kernels import _C\n"
-        "a, b = (host_empty((POOL_MIN_BYTES,), np.uint8) for _ in range(2))\n"
-        "del a, b\n"
-        "print(_C.pool_cached() // POOL_MIN_BYTES)\n")
-    env = dict(os.environ, COLLECTIVES_RESULT_POOL_BYTES=str(POOL_MIN_BYTES * 3 // 2))
+    exceed it, the one dropped first is freed."""
+    assert _pool_after("a, b = (host_empty((POOL_MIN_BYTES,), np.uint8) for _ in range(2))\n"
+                       "del a, b\n", POOL_MIN_BYTES * 3 // 2) == [str(POOL_MIN_BYTES)]
+
+
+def test_a_full_pool_makes_room_for_the_latest_size():
+    """A job that moves on to another size: the block just dropped stays and the ones that
+    waited longest go, so the new size's next result reuses memory (a pool full of old
+    sizes would give every new result fresh pages)."""
+    new = POOL_MIN_BYTES + 4096
+    out = _pool_after("old = [host_empty((POOL_MIN_BYTES,), np.uint8) for _ in range(3)]\n"
+                      "del old\n"
+                      f"new = host_empty(({new},), np.uint8)\n"
+                      "del new\n", POOL_MIN_BYTES * 3)
+    assert out == [str(new + POOL_MIN_BYTES)]  # the new block and the newest old one
+
+
+def _pool_after(code: str, capacity: int) -> list[str]:
+    """The bytes waiting in the result pool of a fresh process with the given capacity after
+    code ran (host_empty, np and POOL_MIN_BYTES in scope)."""
+    code = ("import numpy as np\n"
+            "from collectives.runtime.buffers import POOL_MIN_BYTES, host_empty\n"
+            "from collectives.kernels import _C\n" + code +
+            "print(_C.pool_cached())\n")
+    env = dict(os.environ, COLLECTIVES_RESULT_POOL_BYTES=str(capacity))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, timeout=120)
-    assert out.stdout.split() == ["1"]
+    return out.stdout.split()
