@@ -6,6 +6,7 @@
 
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -37,19 +38,31 @@ struct PeerFailure : std::runtime_error {
 // docstring). Calls of at least kMinChunks run the way whose recent seconds per byte were
 // lower among calls of their own kind (key(): size within a power of two, allreduce or
 // reducescatter, in or out of place, Average or not): kinds differ in cost per byte more
-// than the two ways may. A kind's kFirstTrial-th call and every kExplore-th after it try
-// the other way; a trial's time replaces that way's estimate (it is stale), other calls
-// smooth theirs. The calls are counted alike on every rank, so the ranks try a way
-// together; each decides for itself, which only changes speed, never the result.
-// Cost: one map lookup per large call.
+// than the two ways may. A kind's kFirstTrial-th call tries the other way, and so does a
+// later call after a gap: kExplore calls, doubled after each trial the other way lost
+// (up to kMaxGap), since a losing trial costs what the two ways differ by (2-3x on a VM
+// whose cores stop sharing a cache). A shift in the running way's cost by more than
+// kShift against the last trial's (the machine changed) brings the next trial forward
+// and the gap back to kExplore. A trial's time replaces that way's estimate (it is
+// stale), other calls smooth theirs. The ranks' calls take the same time, so they try a
+// way together; each decides for itself, which only changes speed, never the result.
+// Cost: one map lookup per large call; trials, at most 1 in kExplore calls of a kind and
+// 1 in kMaxGap once the other way keeps losing.
 struct StoreChoice {
   static constexpr int64_t kMinChunks = 8;  // smaller calls: plain stores
   static constexpr int64_t kFirstTrial = 4;
   static constexpr int64_t kExplore = 16;
+  static constexpr int64_t kMaxGap = 256;
+  static constexpr double kShift = 1.5;
   struct Kind {
     double per_byte[2] = {0, 0};  // seconds per byte, plain and streaming; 0: none yet
     int64_t calls = 0;
+    int64_t next_trial = kFirstTrial;
+    int64_t gap = kExplore;       // calls from one trial to the next
+    double at_trial = 0;          // the best way's seconds per byte after the last trial
     bool trial = false;           // the call under way tries the way that is not best
+
+    bool best() const { return per_byte[1] > 0 && per_byte[1] < per_byte[0]; }
   };
   std::map<int64_t, Kind> kinds;  // by key()
   int forced = -1;                // tests only (set_stores): 0 plain, 1 streaming, -1 chosen
@@ -66,9 +79,8 @@ struct StoreChoice {
     if (nchunks < kMinChunks) return false;
     Kind& k = kinds[key];
     ++k.calls;
-    const bool best = k.per_byte[1] > 0 && k.per_byte[1] < k.per_byte[0];
-    k.trial = k.calls % kExplore == kFirstTrial % kExplore;
-    return k.trial ? !best : best;
+    k.trial = k.calls >= k.next_trial;
+    return k.trial ? !k.best() : k.best();
   }
 
   // A large call's time: bytes moved in seconds, the stores it used.
@@ -76,7 +88,20 @@ struct StoreChoice {
     if (bytes <= 0 || seconds <= 0) return;
     Kind& k = kinds[key];
     double& v = k.per_byte[stream ? 1 : 0];
-    v = v == 0 || k.trial ? seconds / bytes : 0.5 * v + 0.5 * seconds / bytes;
+    if (k.trial) {
+      v = seconds / bytes;
+      const bool lost = k.best() != stream;
+      k.gap = lost ? std::min(2 * k.gap, kMaxGap) : kExplore;
+      k.next_trial = k.calls + k.gap;
+      k.at_trial = k.per_byte[k.best() ? 1 : 0];
+      return;
+    }
+    v = v == 0 ? seconds / bytes : 0.5 * v + 0.5 * seconds / bytes;
+    if (k.at_trial > 0 && (v > kShift * k.at_trial || kShift * v < k.at_trial)) {
+      k.gap = kExplore;
+      k.next_trial = std::min(k.next_trial, k.calls + 1);
+      k.at_trial = 0;  // one trial per shift
+    }
   }
 };
 
