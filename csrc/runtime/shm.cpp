@@ -82,12 +82,10 @@ class ReduceStages {
  public:
   ReduceStages(const ShmWindow& w, int64_t seq, const unsigned char* send, unsigned char* recv,
                const std::vector<int64_t>& bounds, int64_t e, DType dtype, ReduceOp op,
-               bool allreduce, int64_t divisor, bool stream)
+               bool allreduce, int64_t divisor, bool stream, bool stream_result)
       : sync_(w), seq_(seq), send_(send), recv_(recv), piece_{bounds, e}, e_(e),
         dtype_(dtype), op_(op), allreduce_(allreduce), divisor_(divisor),
-        item_(dtype_size(dtype)), stream_(stream),
-        stream_result_(allreduce && (send != recv || stream) &&
-                       (bounds.back() - bounds.front()) * item_ >= kStreamResultBytes) {
+        item_(dtype_size(dtype)), stream_(stream), stream_result_(stream_result) {
     if (stream_ && allreduce_) scratch_.resize(e * item_);
   }
 
@@ -98,7 +96,7 @@ class ReduceStages {
     for (int j = 0; j < sync_.size(); ++j) {
       if (j == sync_.rank()) continue;
       const auto [lo, hi] = piece_(j, k);
-      copy(at(sync_.rank(), g, j), send_ + lo * item_, (hi - lo) * item_);
+      store(at(sync_.rank(), g, j), send_ + lo * item_, (hi - lo) * item_, stream_);
     }
     sync_.post(kReady, g);
   }
@@ -119,7 +117,7 @@ class ReduceStages {
     reduce_many(dst, srcs_.data(), sync_.size(), hi - lo, dtype_, op_);
     if (divisor_ > 1) divide(dst, hi - lo, dtype_, divisor_);
     if (allreduce_ && stream_) copy_streaming(at(r, g, r), dst, (hi - lo) * item_);
-    if (allreduce_) result(recv_ + lo * item_, dst, (hi - lo) * item_);
+    if (allreduce_) store(recv_ + lo * item_, dst, (hi - lo) * item_, stream_result_);
     sync_.post(allreduce_ ? kReduced : kDone, g);
   }
 
@@ -130,22 +128,15 @@ class ReduceStages {
     for (int j = 0; j < sync_.size(); ++j) {
       if (j == sync_.rank()) continue;
       const auto [lo, hi] = piece_(j, k);
-      result(recv_ + lo * item_, at(j, g, j), (hi - lo) * item_);
+      store(recv_ + lo * item_, at(j, g, j), (hi - lo) * item_, stream_result_);
     }
     sync_.post(kDone, g);
   }
 
  private:
-  void copy(unsigned char* dst, const unsigned char* src, int64_t n) const {
-    if (stream_)
-      copy_streaming(dst, src, n);
-    else
-      std::memcpy(dst, src, n);
-  }
-
-  // Stores into the result: streaming where it is out of place and large (stream_result_).
-  void result(unsigned char* dst, const unsigned char* src, int64_t n) const {
-    if (stream_result_)
+  // streaming: copy_streaming, else memcpy
+  static void store(unsigned char* dst, const unsigned char* src, int64_t n, bool streaming) {
+    if (streaming)
       copy_streaming(dst, src, n);
     else
       std::memcpy(dst, src, n);
@@ -168,7 +159,7 @@ class ReduceStages {
   int64_t divisor_;
   int64_t item_;
   bool stream_;
-  bool stream_result_;
+  bool stream_result_;  // the result's stores stream (kStreamResultBytes)
   std::vector<unsigned char> scratch_;  // streaming allreduce: the piece being reduced
   std::vector<const void*> srcs_;
 };
@@ -222,10 +213,12 @@ void shm_reduce(ShmWindow& w, const void* send, void* recv, const std::vector<in
   const int64_t bytes = (bounds.back() - bounds.front()) * dtype_size(dtype);
   const int64_t kind = StoreChoice::key(bytes, allreduce, send == recv, divisor > 1);
   const bool stream = w.stores.pick(kind, nchunks);
+  const bool stream_result =
+      allreduce && (send != recv || stream) && bytes >= kStreamResultBytes;
   const auto start = std::chrono::steady_clock::now();
   ReduceStages st(w, seq, static_cast<const unsigned char*>(send),
                   static_cast<unsigned char*>(recv), bounds, e, dtype, op, allreduce, divisor,
-                  stream);
+                  stream, stream_result);
   if (allreduce)
     pipeline(nchunks, {[&](int64_t k) { st.copy_in(k); }, [&](int64_t k) { st.reduce(k); },
                        [&](int64_t k) { st.copy_out(k); }});
