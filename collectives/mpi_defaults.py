@@ -13,6 +13,16 @@ would pay it on every step. With an 8 KiB limit it goes eagerly, in one trip, an
 allreduce costs about what MPI_Allreduce does (benchmarks/README.md, Small messages).
 The cost is larger preallocated fragments (at most 512 per process, 4 MiB).
 
+btl_tcp_eager_limit = 2 MiB + 4 KiB. Across hosts a two-level allreduce sends its chunks'
+shards, messages of one to two SHARD_BYTES (1 MiB; algorithms/hierarchical.py). Open MPI's
+TCP transport sends up to 64 KiB eagerly and anything larger by rendezvous, whose
+acknowledgement comes back behind the data queued on the link: every message waited a
+queued round trip before its bulk went, and a pipelined allreduce paid one per chunk. Sent
+eagerly, in one trip, it runs at the link's rate (benchmarks/README.md, Two-level allreduce
+against the link). Messages of a flat ring of that size gain alike; larger ones still go
+by rendezvous. The cost: an unexpected message of up to 2 MiB is buffered at its receiver
+(fragments are allocated as needed, so a process's footprint at init does not grow).
+
 osc = ^ucx. Open MPI's UCX one-sided component prints an error at every shared-window
 creation on machines without UCX devices; shared windows (collectives/algorithms/shm.py) are served by
 the shared-memory component either way. Clusters whose own one-sided code wants UCX set
@@ -31,7 +41,11 @@ from __future__ import annotations
 
 import os
 
-DEFAULTS = {"OMPI_MCA_btl_sm_eager_limit": "8192", "OMPI_MCA_osc": "^ucx"}
+#: Open MPI's TCP eager limit (its header included): two of a two-level allreduce's shards.
+TCP_EAGER_BYTES = (2 << 20) + 4096
+
+DEFAULTS = {"OMPI_MCA_btl_sm_eager_limit": "8192",
+            "OMPI_MCA_btl_tcp_eager_limit": str(TCP_EAGER_BYTES), "OMPI_MCA_osc": "^ucx"}
 
 for _name, _value in DEFAULTS.items():
     os.environ.setdefault(_name, _value)

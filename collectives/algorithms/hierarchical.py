@@ -14,8 +14,9 @@ How it works.
                  (chunk i+1 reduced, chunk i-1 spread), so the link stays busy while the
                  node works. Each thread calls its steps in chunk order, the same on every
                  rank, and the two use different communicators (node, shard), which takes
-                 MPI_THREAD_MULTIPLE. Below it, or below MIN_PIPELINED chunks, the chunks
-                 run in sequence (still in messages of about SHARD_BYTES).
+                 MPI_THREAD_MULTIPLE, and a CPU for each thread (overlaps()). Without
+                 them, or below MIN_PIPELINED chunks, the chunks run in sequence (still
+                 in messages of about SHARD_BYTES, sent eagerly: mpi_defaults.py).
   allgather      1. intra-node allgather of the node's rows; 2. node leaders (local rank 0)
                  allgather the node blocks; 3. leaders broadcast the result in their node.
   reducescatter  1. intra-node reduce to the leader; 2. leaders reduce-scatter node-sized
@@ -64,6 +65,7 @@ from collectives.algorithms import costmodel
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.algorithms.flat import FLAT, cheapest, ours
 from collectives.ops import ReduceOp
+from collectives.runtime import topology
 from collectives.runtime.p2p import even_bounds, irecv, isend, offsets
 from collectives.runtime.topology import Topology
 
@@ -109,9 +111,14 @@ MIN_PIPELINED = 4
 
 def overlaps() -> bool:
     """Whether a chunk's cross-node step can run beside the node steps of its neighbours:
-    on a thread of its own, which takes MPI_THREAD_MULTIPLE (mpi4py's default); assumed
-    where MPI is not running (the scale model prices a job to come)."""
-    return not MPI.Is_initialized() or MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    on a thread of its own, which takes MPI_THREAD_MULTIPLE (mpi4py's default) and two CPUs
+    for every rank (Topology.cpus_per_rank). On one, the thread's MPI progress loop, which
+    polls while it waits, takes turns with the node steps, and the chunks run slower than
+    in sequence (benchmarks/README.md, Two-level allreduce against the link). Assumed
+    where no job runs (the scale model prices a job to come)."""
+    if not MPI.Is_initialized() or not topology.initialized():
+        return True
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE and topology.get().cpus_per_rank >= 2
 
 
 def pipelined(k: int) -> bool:

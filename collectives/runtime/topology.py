@@ -7,16 +7,17 @@ local rank on different nodes form a cross communicator (the hierarchical algori
 inter-node level).
 
 A Topology is the one object per communicator and the unit of its lifetime. It owns what
-the runtime keeps: the MPI duplicates, ranks and nodes, the agreement channel (with its
-shared window where the group is one node), the stall limit and the engine's counters
-(stats). Each upper layer keeps its own per-communicator state in an object of its own
-class, hung here by state() and freed with the Topology: api's descriptions and fast
-entries, `auto`'s choices and trials, process sets, the timeline's recording, Horovod's
-names in flight, faults' failed ranks, the device path's CUDA IPC workspaces. Only the
-layer that defines such a class writes it; another layer that needs it changed calls a
-function of that layer. (shm's algorithm windows are tied to the MPI communicator itself,
-see algorithms/shm.py.) The watchdog and the Config are the process's, shared by every
-communicator; the stall timeout is each communicator's (set_timeout)."""
+the runtime keeps: the MPI duplicates, ranks and nodes, the CPUs each rank has, the
+agreement channel (with its shared window where the group is one node), the stall limit
+and the engine's counters (stats). Each upper layer keeps its own per-communicator state
+in an object of its own class, hung here by state() and freed with the Topology: api's
+descriptions and fast entries, `auto`'s choices and trials, process sets, the timeline's
+recording, Horovod's names in flight, faults' failed ranks, the device path's CUDA IPC
+workspaces. Only the layer that defines such a class writes it; another layer that needs
+it changed calls a function of that layer. (shm's algorithm windows are tied to the MPI
+communicator itself, see algorithms/shm.py.) The watchdog and the Config are the
+process's, shared by every communicator; the stall timeout is each communicator's
+(set_timeout)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from collectives import config as _config
 from collectives.kernels import _C
 from collectives.runtime import agreement, faults
 from collectives.runtime.watchdog import Limit, Watchdog, bounded
+from collectives.runtime.window import cpus, ranks_on_machine
 
 S = TypeVar("S")
 
@@ -73,6 +75,14 @@ class Topology:
         self.processes = self.comm.allgather((socket.gethostname(), os.getpid())) \
             if config.fault_tolerant else None
         self.max_local_size = max(len(node) for node in self.nodes)
+        # CPUs per rank, the fewest of any rank's: those it may run on, at most an even share
+        # of those its node's ranks run on among the processes of its machine
+        # (algorithms/hierarchical.py overlaps its levels on two threads of each rank only
+        # where every rank has two)
+        mine = cpus()
+        node_cpus = set().union(*self.node_comm.allgather(mine))
+        self.cpus_per_rank = self.comm.allreduce(
+            min(len(mine), len(node_cpus) // ranks_on_machine(self.local_size)), op=MPI.MIN)
         self.node_index = next(i for i, node in enumerate(self.nodes) if self.rank in node)
         self._shard_comms: list[MPI.Comm] | None = None
         # the agreement over shared memory where the group is one node that shares it

@@ -29,9 +29,16 @@ _PAGE = 4096
 _STRIDE = 16  # int64s between counters: each on its own 128-byte line pair
 
 
+def cpus() -> set[int]:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
 def cores() -> int:
     """Cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(cpus())
 
 
 def ranks_on_machine(comm_size: int) -> int:

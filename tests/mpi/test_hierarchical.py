@@ -18,9 +18,12 @@ from conftest import (
     reference_reduce,
     run_case,
 )
+from mpi4py import MPI
 
 import collectives as C
 from collectives.algorithms import hierarchical
+from collectives.runtime import topology
+from collectives.runtime.window import cpus, ranks_on_machine
 
 pytestmark = pytest.mark.mpi
 
@@ -31,9 +34,20 @@ OPS = [C.Sum, C.Average, C.Max, C.Product]
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Shards of 512 bytes, at most 9 chunks (so a large call has larger shards), whatever
-    the price says of so many small chunks."""
+    the price says of so many small chunks; pipelined where MPI allows it, on machines
+    whose ranks share CPUs too (the test machines' do)."""
     monkeypatch.setattr(hierarchical, "chunks", lambda nbytes, layout, p: max(
         1, min(nbytes // (512 * layout.max_local), 9)))
+    monkeypatch.setattr(topology.get(), "cpus_per_rank", 2)
+
+
+def _threads_started(monkeypatch) -> list[str]:
+    """The names of the threads started from here on."""
+    threads = []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start",
+                        lambda self: (threads.append(self.name), start(self))[1])
+    return threads
 
 
 def _counts(itemsize: int) -> list[int]:
@@ -63,10 +77,7 @@ def test_pipelined_is_bitwise_the_chunks_in_sequence(comm, small_chunks, monkeyp
     computes. The pipelined run must have used the cross-node thread where MPI allows it."""
     rng = np.random.default_rng(7 + comm.Get_rank())
     x = (rng.standard_normal(30 * 512 // np.dtype(dtype).itemsize + 5) * 1e3).astype(dtype)
-    threads = []
-    start = threading.Thread.start
-    monkeypatch.setattr(threading.Thread, "start",
-                        lambda self: (threads.append(self.name), start(self))[1])
+    threads = _threads_started(monkeypatch)
     for op in (C.Sum, C.Average):
         pipelined = C.allreduce(x, op=op, algorithm="hierarchical")
         with monkeypatch.context() as sequential:
@@ -76,6 +87,34 @@ def test_pipelined_is_bitwise_the_chunks_in_sequence(comm, small_chunks, monkeyp
         assert_same_on_all_ranks(comm, pipelined, f"{op.name} {dtype}")
     if hierarchical.overlaps():
         assert "collectives-hierarchical" in threads
+
+
+def test_ranks_sharing_cpus_run_the_chunks_in_sequence(comm, small_chunks, monkeypatch):
+    """The cross-node thread runs only where every rank has two CPUs: on one, its MPI
+    progress loop and the node steps take turns, slower than the chunks in sequence.
+    Either way the result is the same."""
+    topo = topology.get()
+    x = np.arange(40 * 512 // 4, dtype=np.float32)
+    expected = C.allreduce(x, op=C.Sum, algorithm="hierarchical")
+    for n in (1, 2):
+        monkeypatch.setattr(topo, "cpus_per_rank", n)
+        threads = _threads_started(monkeypatch)
+        got = C.allreduce(x, op=C.Sum, algorithm="hierarchical")
+        assert_equal(got, expected, f"{n} CPUs a rank")
+        threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE and n == 2
+        assert ("collectives-hierarchical" in threads) == threaded, n
+
+
+def test_cpus_per_rank_is_the_fewest_any_rank_has(comm):
+    """The same on every rank, no more than a rank may run on, nor than an even share of
+    the CPUs its machine's ranks run on."""
+    topo = topology.get()
+    machine = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    shared = set().union(*machine.allgather(cpus()))
+    share = len(shared) // ranks_on_machine(machine.Get_size())
+    machine.Free()
+    assert comm.allgather(topo.cpus_per_rank) == [topo.cpus_per_rank] * comm.Get_size()
+    assert topo.cpus_per_rank <= min(len(cpus()), comm.allreduce(share, op=MPI.MIN))
 
 
 def test_an_error_on_the_cross_node_thread_reaches_the_caller(comm, small_chunks, monkeypatch):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 
 import pytest
 from fake_topology import FakeTopology
 
-from collectives import algorithms, config
+from collectives import algorithms, config, mpi_defaults
 from collectives.algorithms import flat as flat_algorithms
 from collectives.algorithms import hierarchical, shm, tree
 from collectives.algorithms import mpi as mpi_algorithm
@@ -138,21 +139,25 @@ def test_hierarchical_node_level_never_runs_the_libraries_own(monkeypatch):
             assert (algo == "mpi") == (where.nodes > 1), (c, step, algo)
 
 
-def test_hierarchical_allreduce_is_priced_as_its_pipeline():
-    """Past one chunk, the node steps of a chunk overlap the cross-node step of another:
-    the price is one chunk's steps plus the slower side for every other chunk."""
+@pytest.mark.parametrize("overlaps", [True, False], ids=["two CPUs a rank", "one"])
+def test_hierarchical_allreduce_is_priced_as_its_pipeline(monkeypatch, overlaps):
+    """Past one chunk, where each rank has a CPU for each of its two threads, the node steps
+    of a chunk overlap the cross-node step of another: the price is one chunk's steps plus
+    the slower side for every other chunk. Without, the chunks run (and are priced) in
+    sequence."""
+    monkeypatch.setattr(hierarchical, "overlaps", lambda: overlaps)
     layout, p, m = Layout((2, 2)), Params(), 64 << 20
     k = hierarchical.chunks(m, layout, p)
-    assert hierarchical.pipelined(k)
+    assert hierarchical.pipelined(k) == overlaps
     steps = hierarchical.plan("allreduce", m, layout, p)
     t = {step: flat_algorithms.FLAT[algo].cost(flat, size, where,
                                                hierarchical._level_params(where, layout, p))
          for step, (flat, where, size, algo) in steps.items()}
     assert all(size <= m // k for _, _, size, _ in steps.values())
     node, cross = t["intra_rs"] + t["intra_ag"], t["inter_ar"]
-    expected = node + cross + (k - 1) * max(node, cross)
+    expected = node + cross + (k - 1) * max(node, cross) if overlaps else k * (node + cross)
     assert hierarchical.cost("allreduce", m, layout, p) == pytest.approx(expected)
-    assert expected < k * (node + cross)
+    assert (expected < k * (node + cross)) == overlaps
 
 
 def test_an_algorithm_that_cannot_run_is_never_chosen(monkeypatch):
@@ -176,6 +181,21 @@ def test_hierarchical_chunks_are_the_most_priced_near_the_cheapest():
                       for k in [1 << i for i in range(most.bit_length())] + [most]}
             near = [k for k, t in priced.items() if t <= min(priced.values()) * 1.01]
             assert hierarchical.chunks(m, layout, params) == max(near), (layout, m)
+
+
+@pytest.mark.parametrize("overlaps", [True, False])
+def test_hierarchical_shards_go_eagerly_over_tcp(monkeypatch, overlaps):
+    """Open MPI's TCP transport sends a message in one trip up to its eager limit, which
+    collectives sets to hold a shard of any chunk count chunks() picks up to 1 GiB; larger
+    ones wait a round trip behind the data queued on the link."""
+    monkeypatch.setattr(hierarchical, "overlaps", lambda: overlaps)
+    assert os.environ["OMPI_MCA_btl_tcp_eager_limit"] == str(mpi_defaults.TCP_EAGER_BYTES)
+    fast = dataclasses.replace(Params(), alpha_inter=5e-6, beta_inter=8e-11)
+    for layout in (Layout((2, 2)), Layout((4, 4, 3)), Layout((8,) * 64)):
+        for p in (Params(), fast):
+            for m in (3 << 20, 64 << 20, 256 << 20, 1 << 30):
+                shard = m // hierarchical.chunks(m, layout, p) // layout.max_local
+                assert shard + 4096 <= mpi_defaults.TCP_EAGER_BYTES, (layout, p, m)
 
 
 def test_hierarchical_price_is_the_sum_of_its_level_choices():
