@@ -21,8 +21,8 @@ from mpi4py import MPI
 
 from collectives import config, kernels
 
-#: Seconds a waiting rank polls before it yields its core between polls (at once when the
-#: machine runs more ranks than it has cores: then the rank waited for may need this core).
+#: Seconds a waiting rank polls before it yields its core between polls (at once where the
+#: cores are oversubscribed: then the rank waited for may need this core).
 SPIN_SECONDS = 1e-3
 _HEADER = 4096  # counters page at the start of each segment
 _PAGE = 4096
@@ -48,6 +48,15 @@ def ranks_on_machine(comm_size: int) -> int:
         if os.environ.get(var, "").isdigit():
             return max(int(os.environ[var]), comm_size)
     return comm_size
+
+
+def oversubscribed(comm_size: int) -> bool:
+    """Whether more processes share this machine's cores than it has: more MPI ranks than
+    cores, or the job says so to Open MPI (mpi_yield_when_idle, which makes MPI's own waits
+    yield; hosts emulated on one machine share its cores though each sees only its own
+    ranks)."""
+    told = os.environ.get("OMPI_MCA_mpi_yield_when_idle", "").lower() in ("1", "true", "yes")
+    return told or ranks_on_machine(comm_size) > cores()
 
 
 def shares_memory(comm: MPI.Comm) -> bool:
@@ -99,7 +108,7 @@ class Window:
         comm.Barrier()
         for segment in raw:
             int(np.frombuffer(segment, np.uint8)[::_PAGE].sum())
-        spin_seconds = SPIN_SECONDS if ranks_on_machine(size) <= cores() else 0.0
+        spin_seconds = 0.0 if oversubscribed(size) else SPIN_SECONDS
         # fault-tolerant mode: a long wait checks that the rank it waits for is alive
         pids = comm.allgather(os.getpid()) if config.get().fault_tolerant else []
         self.native = kernels.shm_window(
