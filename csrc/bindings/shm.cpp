@@ -127,6 +127,23 @@ void bind_shm(py::module_& m) {
   py::register_exception<PeerFailure>(m, "PeerFailure", PyExc_RuntimeError);
   m.def("process_alive", [](int64_t pid) { return process_alive(static_cast<pid_t>(pid)); },
         py::arg("pid"), "Whether process pid runs (not gone, not a zombie)");
+  py::class_<StoreChoice>(m, "StoreChoice",
+                          "Tests only: a window's choice of stores into its staging buffers, "
+                          "on its own (shm.h)")
+      .def(py::init<>())
+      .def_static("key", &StoreChoice::key, py::arg("bytes"), py::arg("allreduce"),
+                  py::arg("inplace"), py::arg("average"), "The kind of a call")
+      .def("pick", &StoreChoice::pick, py::arg("key"), py::arg("nchunks"),
+           "Whether the next call of this kind and nchunks chunks streams (counts it)")
+      .def(
+          "record",
+          [](StoreChoice& s, int64_t key, bool stream, double seconds, int64_t bytes) {
+            if (s.kinds.find(key) == s.kinds.end())
+              throw py::value_error("key: no call of this kind was picked");
+            s.record(key, stream, seconds, bytes);
+          },
+          py::arg("key"), py::arg("stream"), py::arg("seconds"), py::arg("bytes"),
+          "The picked call's time");
   py::class_<ShmWindow>(m, "ShmWindow", "A shared window's layout, seen from one rank (shm.h)")
       .def(py::init(&make_shm_window), py::arg("segments"), py::arg("rank"),
            py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -35,36 +36,49 @@ struct PeerFailure : std::runtime_error {
 // it: cheap when their cores share that cache. Streaming stores send it to memory first:
 // cheaper when they do not, since reading a line another core has modified can cost
 // several times a read from memory (a VM's vCPUs can move between the two: shm.py's
-// docstring). Calls of at least kMinChunks run the way whose recent seconds per byte were
-// lower among calls of their own kind (key(): size within a power of two, allreduce or
-// reducescatter, in or out of place, Average or not): kinds differ in cost per byte more
-// than the two ways may. A kind's kFirstTrial-th call tries the other way, and so does a
-// later call after a gap: kExplore calls, doubled after each trial the other way lost
-// (up to kMaxGap), since a losing trial costs what the two ways differ by (2-3x on a VM
-// whose cores stop sharing a cache). A shift in the running way's cost by more than
-// kShift against the last trial's (the machine changed) brings the next trial forward
-// and the gap back to kExplore. A trial's time replaces that way's estimate (it is
-// stale), other calls smooth theirs. The ranks' calls take the same time, so they try a
-// way together; each decides for itself, which only changes speed, never the result.
-// Cost: one map lookup per large call; trials, at most 1 in kExplore calls of a kind and
-// 1 in kMaxGap once the other way keeps losing.
+// docstring). Calls of at least kMinChunks run the way that was faster among calls of their
+// own kind (key(): size within a power of two, allreduce or reducescatter, in or out of
+// place, Average or not): kinds differ in cost per byte more than the two ways may.
+// Each way's cost is the best of its last kRecent calls of the kind: interference and a
+// cold call (caches full of another algorithm's buffers, fresh result pages) only add
+// time, so one slow call neither decides nor hides a way, and a machine that changed
+// shows within kRecent calls. A trial runs the other way kRecent calls in a row, from the
+// kind's kFirstTrial-th call, and again after a gap: kExplore calls, doubled after each
+// trial the other way lost (up to kMaxGap), since a losing trial costs what the two ways
+// differ by (2-3x on a VM whose cores stop sharing a cache). A shift in the running way's
+// cost by more than kShift against the last trial's (the machine changed) brings the next
+// trial forward and the gap back to kExplore. Which way is faster follows the machine, not
+// the kind, so a kind's first calls run the way the latest trial of any kind chose. The
+// ranks' calls take the same time, so they try a way together; each decides for itself,
+// which only changes speed, never the result. Cost: one map lookup per large call; trials,
+// kRecent calls in kExplore of a kind at most, and in kMaxGap once the other way keeps
+// losing.
 struct StoreChoice {
   static constexpr int64_t kMinChunks = 8;  // smaller calls: plain stores
+  static constexpr int64_t kRecent = 2;
   static constexpr int64_t kFirstTrial = 4;
   static constexpr int64_t kExplore = 16;
   static constexpr int64_t kMaxGap = 256;
   static constexpr double kShift = 1.5;
   struct Kind {
-    double per_byte[2] = {0, 0};  // seconds per byte, plain and streaming; 0: none yet
+    double recent[2][kRecent] = {};  // seconds per byte of each way's last calls; 0: none
     int64_t calls = 0;
     int64_t next_trial = kFirstTrial;
-    int64_t gap = kExplore;       // calls from one trial to the next
-    double at_trial = 0;          // the best way's seconds per byte after the last trial
-    bool trial = false;           // the call under way tries the way that is not best
+    int64_t gap = kExplore;  // calls from one trial's start to the next's
+    int64_t trial_left = 0;  // calls left in the trial under way
+    double at_trial = 0;     // the running way's cost after the last trial
+    bool stream = false;     // the running way (outside trials)
 
-    bool best() const { return per_byte[1] > 0 && per_byte[1] < per_byte[0]; }
+    // A way's seconds per byte: the best of its recent calls (0: none).
+    double cost(bool way) const {
+      double best = 0;
+      for (double t : recent[way])
+        if (t > 0 && (best == 0 || t < best)) best = t;
+      return best;
+    }
   };
   std::map<int64_t, Kind> kinds;  // by key()
+  bool latest = false;            // the way the latest trial of any kind chose
   int forced = -1;                // tests only (set_stores): 0 plain, 1 streaming, -1 chosen
 
   static int64_t key(int64_t bytes, bool allreduce, bool inplace, bool average) {
@@ -77,26 +91,36 @@ struct StoreChoice {
   bool pick(int64_t key, int64_t nchunks) {
     if (forced >= 0) return forced == 1;
     if (nchunks < kMinChunks) return false;
-    Kind& k = kinds[key];
+    auto [it, fresh] = kinds.try_emplace(key);
+    Kind& k = it->second;
+    if (fresh) k.stream = latest;
     ++k.calls;
-    k.trial = k.calls >= k.next_trial;
-    return k.trial ? !k.best() : k.best();
+    if (k.trial_left == 0 && k.calls >= k.next_trial) {
+      k.trial_left = kRecent;
+      std::fill(std::begin(k.recent[!k.stream]), std::end(k.recent[!k.stream]), 0.0);
+    }
+    return k.trial_left > 0 ? !k.stream : k.stream;
   }
 
   // A large call's time: bytes moved in seconds, the stores it used.
   void record(int64_t key, bool stream, double seconds, int64_t bytes) {
     if (bytes <= 0 || seconds <= 0) return;
     Kind& k = kinds[key];
-    double& v = k.per_byte[stream ? 1 : 0];
-    if (k.trial) {
-      v = seconds / bytes;
-      const bool lost = k.best() != stream;
-      k.gap = lost ? std::min(2 * k.gap, kMaxGap) : kExplore;
-      k.next_trial = k.calls + k.gap;
-      k.at_trial = k.per_byte[k.best() ? 1 : 0];
+    double* recent = k.recent[stream];
+    std::rotate(recent, recent + 1, recent + kRecent);
+    recent[kRecent - 1] = seconds / bytes;
+    if (k.trial_left > 0) {
+      if (--k.trial_left > 0) return;
+      const double running = k.cost(k.stream);
+      const bool won = running == 0 || k.cost(!k.stream) < running;
+      k.stream = won ? !k.stream : k.stream;
+      k.gap = won ? kExplore : std::min(2 * k.gap, kMaxGap);
+      k.next_trial = k.calls + k.gap - kRecent + 1;
+      k.at_trial = k.cost(k.stream);
+      latest = k.stream;
       return;
     }
-    v = v == 0 ? seconds / bytes : 0.5 * v + 0.5 * seconds / bytes;
+    const double v = k.cost(k.stream);
     if (k.at_trial > 0 && (v > kShift * k.at_trial || kShift * v < k.at_trial)) {
       k.gap = kExplore;
       k.next_trial = std::min(k.next_trial, k.calls + 1);
