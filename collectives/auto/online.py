@@ -24,7 +24,13 @@ A settled class stays watched, because the machine changes under a job: every WA
 seconds of its calls (a call count fixed when it settles, kept in _C.CallWatch, where the
 fast entries count and time their calls) the ranks compare the best time since the last
 review with the first review's; beyond DRIFT either way, or after RETRY_S seconds of calls
-(later if a trial would cost over RETRY_SHARE of them), the class is tried again. A join
+(later if a trial would cost over RETRY_SHARE of them), the class is tried again. The first
+review also holds the winner to the runner-up's time in the trial: where even the best of
+the winner's calls since is slower, the trial ran in a spell that favoured the winner (a
+machine whose state flips can bring two candidates far apart in steady calls close
+together for the trial's length), and the class is tried again at once, once per class
+and job (a machine where every candidate runs slower settled than in a trial would
+otherwise try forever). A join
 renews every watch (rejoined()). Settled classes are kept for later jobs of the same setup
 (autotune.Memory); trial calls are counted apart in the stats (`allreduce/<algorithm>
 (trial)`). A class is sizes within a factor of 4, in place or out of place
@@ -105,17 +111,19 @@ class Trial:
 class Watch:
     """A settled class's watch: the count of its calls and their best time since the last
     review (native, shared with the class's fast entries), the slowest rank's best seconds
-    per byte in the first review (its steady time: None before), calls per review, and
-    reviews left before the class is tried again."""
+    per byte in the first review (its steady time: None before), calls per review, reviews
+    left before the class is tried again, and the runner-up's seconds per byte in the trial
+    that settled the class (None: no trial, or the first review is not to check it)."""
 
-    __slots__ = ("native", "steady", "window", "reviews_left")
+    __slots__ = ("native", "steady", "window", "reviews_left", "rival")
 
-    def __init__(self, window: int, reviews: int):
+    def __init__(self, window: int, reviews: int, rival: float | None = None):
         self.native = _C.CallWatch()
         self.native.renew(window)
         self.steady: float | None = None
         self.window = window
         self.reviews_left = reviews
+        self.rival = rival
 
 
 def checks(topo: Topology, nbytes: int) -> bool:
@@ -194,6 +202,7 @@ def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
     if trial.runoff:  # [leader, runner-up]: the runner-up wins most pairs, or not
         k = int(np.median(slowest[1] / slowest[0]) < 1)
         call = float(np.median(slowest[k])) * nbytes
+        rival = float(np.median(slowest[1 - k]))
     else:
         best = slowest.min(axis=1)
         order = np.argsort(best, kind="stable")
@@ -203,7 +212,8 @@ def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
             state.of(topo).trials[c] = Trial(finalists, runoff=True, spent=spent)
             return
         call = float(best[k]) * nbytes
-    _decide(topo, c, trial.candidates[k], call, spent, nbytes)
+        rival = float(best[order[1]])
+    _decide(topo, c, trial.candidates[k], call, spent, nbytes, rival)
 
 
 def _screen(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
@@ -218,8 +228,9 @@ def _screen(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
         return
     if len(keep) == 1:
         spent = trial.spent + float(first.sum()) * nbytes * BURST
+        rival = min(float(priced[k]) for k in range(len(priced)) if k != keep[0])
         _decide(topo, c, trial.candidates[keep[0]], float(priced[keep[0]]) * nbytes, spent,
-                nbytes)
+                nbytes, rival)
         return
     dropped = sum(float(first[k]) for k in range(len(first)) if k not in keep)
     spent = trial.spent + dropped * nbytes * BURST  # the rest's first turns count at the end
@@ -243,43 +254,52 @@ def _path(topo: Topology, candidates: list[str], nbytes: int) -> np.ndarray:
     return np.array([0.0 if f else extra for f in fast])
 
 
-def _decide(topo: Topology, c: int, algo: str, call: float, spent: float, nbytes: int) -> None:
+def _decide(topo: Topology, c: int, algo: str, call: float, spent: float, nbytes: int,
+            rival: float) -> None:
     """Class c settles on algo, whose calls of nbytes take `call` seconds, after trials that
-    cost `spent`: watched, and kept for later jobs."""
+    cost `spent`, where the runner-up took `rival` seconds per byte: watched, and kept for
+    later jobs."""
     _settle(topo, c, algo)
-    _watch(topo, c, call, spent)
+    _watch(topo, c, call, spent, None if c in state.of(topo).rechecked else rival)
     memory: Memory | None = state.of(topo).memory
     if memory is not None:
         memory.remember(c, {"algorithm": algo, "seconds_per_byte": call / nbytes,
                             "spent": spent})
 
 
-def _watch(topo: Topology, c: int, call: float, spent: float) -> None:
+def _watch(topo: Topology, c: int, call: float, spent: float,
+           rival: float | None = None) -> None:
     """Watch class c, just settled: its calls take `call` seconds, its trials cost
-    `spent`."""
+    `spent`, the runner-up's calls took `rival` seconds per byte (None: not checked)."""
     window = max(MIN_WATCH, math.ceil(WATCH_S / call))
     retry = max(RETRY_S, spent / RETRY_SHARE)
-    state.of(topo).watches[c] = Watch(window, math.ceil(retry / (window * call)))
+    state.of(topo).watches[c] = Watch(window, math.ceil(retry / (window * call)), rival)
 
 
 def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:
     """Class c's watch came due: the slowest rank's best time since the last review against
     the first review's (like against like: the best of a review's many calls runs well
-    below a trial's best of ROUNDS, so a trial's time is no steady time). Renewed (and this
-    call counted) when it held and reviews are left; else the class is tried again from
-    this call (None)."""
+    below a trial's best of ROUNDS, so a trial's time is no steady time), and in the first
+    review against the runner-up's time in the trial (the winner's best call slower than
+    that: the trial misjudged them). Renewed (and this call counted) when it held and
+    reviews are left; else the class is tried again from this call (None)."""
+    auto = state.of(topo)
     best = np.empty(1)
     topo.comm.Allreduce(np.array([watch.native.best]), best, op=MPI.MAX)
+    misjudged = False
     if watch.steady is None and math.isfinite(best[0]):
         watch.steady = float(best[0])
+        misjudged = watch.rival is not None and watch.steady > watch.rival
+        if misjudged:
+            auto.rechecked.add(c)
     drift = best[0] / watch.steady if watch.steady else 1.0  # inf: none timed (a join)
     watch.reviews_left -= 1
-    if watch.reviews_left > 0 and (1 / DRIFT <= drift <= DRIFT or math.isinf(drift)):
+    if watch.reviews_left > 0 and not misjudged and (1 / DRIFT <= drift <= DRIFT
+                                                      or math.isinf(drift)):
         watch.native.renew(watch.window)
         watch.native.take()
         return watch
     watch.native.renew(0)  # its fast entries decline from now on
-    auto = state.of(topo)
     del auto.watches[c], auto.settled[c]
     state.changed(topo, entries=True)
     return None

@@ -144,6 +144,7 @@ def trials(monkeypatch):
     monkeypatch.setattr(auto, "trials", {})
     monkeypatch.setattr(auto, "settled", {})
     monkeypatch.setattr(auto, "watches", {})
+    monkeypatch.setattr(auto, "rechecked", set())
     monkeypatch.setattr(auto, "memory", None)  # the user's cache is not this test's
     monkeypatch.setattr(topo, "config", config.Config())
     select.estimates_changed()
@@ -353,6 +354,28 @@ def test_a_settled_class_is_tried_again_when_its_time_drifts(comm, trials, monke
     assert _runs("mpi")["mpi"] == before + online.ROUNDS * online.BURST
     assert watch.native.left == 0  # the old watch is closed
     assert len({tuple(s.items()) for s in comm.allgather(dict(state.of(trials).settled))}) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_class_whose_winner_runs_slower_than_the_runner_up_ran_is_tried_again(
+        comm, trials, monkeypatch):
+    """Settled on ring (1 s a call in the trial, mpi 2 s); from then on ring takes 3.5 s:
+    the first review finds even its best call slower than mpi was in the trial, so the
+    trial misjudged them and the class is tried again at once, settling on mpi. Once only:
+    mpi's calls then take 4 s, slower than ring's 3.5 in that trial, and the class stays on
+    mpi (the ordinary reviews watch it from there)."""
+    seconds: dict[str, float] = {}
+    _fake_time(monkeypatch, lambda a: seconds[a])
+    x = _settle_ring_over_mpi(comm, trials, monkeypatch, seconds)
+    c = select.size_class(x.nbytes)
+    seconds["ring"] = 3.5
+    _calls(comm, x, online.MIN_WATCH)
+    assert state.of(trials).settled == {c: "ring"}
+    _calls(comm, x, online.ROUNDS * online.BURST * 2)  # the first review's call begins a trial
+    assert state.of(trials).settled == {c: "mpi"}
+    seconds["mpi"] = 4.0
+    _calls(comm, x, 2 * online.MIN_WATCH + 1)  # two reviews: the first renews the watch
+    assert state.of(trials).settled == {c: "mpi"} and c not in state.of(trials).trials
 
 
 @pytest.mark.mpi(min_size=2)
