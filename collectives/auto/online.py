@@ -27,14 +27,13 @@ review with the first review's; beyond DRIFT either way, or after RETRY_S second
 (later if a trial would cost over RETRY_SHARE of them), the class is tried again. The first
 review also holds the winner to the runner-up's time in the trial: where even the best of
 the winner's calls since is slower, the trial ran in a spell that favoured the winner (a
-machine whose state flips can bring two candidates far apart in steady calls close
-together for the trial's length), and the class is tried again at once, once per class
-and job (a machine where every candidate runs slower settled than in a trial would
-otherwise try forever). A join
-renews every watch (rejoined()). Settled classes are kept for later jobs of the same setup
-(autotune.Memory); trial calls are counted apart in the stats (`allreduce/<algorithm>
-(trial)`). A class is sizes within a factor of 4, in place or out of place
-(select.size_class)."""
+machine whose state flips can bring two candidates far apart in steady calls close together
+for the trial's length), and the class is tried again at once, once per class and job (a
+machine where every candidate runs slower settled than in a trial would otherwise try
+forever). A join renews every watch (rejoined()). Settled classes are kept for later jobs
+of the same setup (autotune.Memory); trial calls are counted apart in the stats
+(`allreduce/<algorithm> (trial)`). A class is sizes within a factor of 4, in place or out
+of place (select.size_class)."""
 
 from __future__ import annotations
 

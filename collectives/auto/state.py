@@ -3,10 +3,10 @@ made on the communicator's first `auto` call and freed with it, so a communicato
 after a shrink or a growth chooses afresh for its new size.
 
 Written only by auto's modules: select.py (the memo of the model's choices), online.py
-(trials, settled classes, watches, classes rechecked), autotune.py (the cache's memory, on the job's
-communicator). A layer above that keeps what a choice made (api's call descriptions and
-fast entries) registers a function with on_change(), called when a class's choice changes;
-auto never writes that layer's state itself."""
+(trials, settled classes, watches, classes rechecked), autotune.py (the cache's memory, on
+the job's communicator). A layer above that keeps what a choice made (api's call
+descriptions and fast entries) registers a function with on_change(), called when a class's
+choice changes; auto never writes that layer's state itself."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from collectives.runtime.topology import Topology
 class AutoState:
     """One communicator's `auto`: settled classes (class -> algorithm, None for the
     estimate's), the trials running, the watches of settled classes and the classes
-    already tried again because a trial misjudged them (online.py), the
-    cache's settled classes (autotune.Memory, None where no cache is kept) and the memo of
-    the model's fastest algorithm per (collective, nbytes), valid for `version` of the
-    estimates' inputs (select.py)."""
+    already tried again because a trial misjudged them (online.py), the cache's settled
+    classes (autotune.Memory, None where no cache is kept) and the memo of the model's
+    fastest algorithm per (collective, nbytes), valid for `version` of the estimates'
+    inputs (select.py)."""
 
     __slots__ = ("settled", "trials", "watches", "rechecked", "memory", "memo", "version")
 
