@@ -223,21 +223,26 @@ def time_round(call, iters: int, comm: MPI.Comm) -> float:
 
 
 #: At most this many more warmup calls while `auto` still runs an online trial (a trial of
-#: 5 candidates and its runoff take 62).
+#: 5 candidates and its runoff take 62) or a class it settled awaits its first review.
 TRIAL_WARMUP = 100
 
 
 def warm_past_trials(calls: dict) -> None:
     """`auto`'s first allreduces of a size class are its online trial (collectives/auto/online.py),
-    which a job goes through in its first steps: call each call that advances a running
-    trial until no trial runs (the same calls on every rank: every rank ends a trial in the
-    same call). Back to back, as its column is timed: a trial whose calls each follow another
-    algorithm's finds the caches full of that one's buffers and times every candidate cold
-    (at np 2, 512 KiB settled on ring at 2.9x shm's time that way)."""
+    which a job goes through in its first steps, and the first review of the class it
+    settled, which may try it again: call each call that advances a running trial or a
+    first review until neither is left (the same calls on every rank: every rank ends a
+    trial and reviews in the same call). Back to back, as its column is timed: a trial whose
+    calls each follow another algorithm's finds the caches full of that one's buffers and
+    times every candidate cold (at np 2, 512 KiB settled on ring at 2.9x shm's time that
+    way)."""
     topo = topology.get()
 
     def progress() -> list:
-        return [(c, trial, trial.calls) for c, trial in state.of(topo).trials.items()]
+        auto = state.of(topo)
+        return [(c, trial, trial.calls) for c, trial in auto.trials.items()] + \
+            [(c, watch, watch.native.left) for c, watch in auto.watches.items()
+             if watch.steady is None]
 
     for call in calls.values():
         for _ in range(TRIAL_WARMUP):
@@ -245,7 +250,7 @@ def warm_past_trials(calls: dict) -> None:
             if not before:
                 return
             call()
-            if progress() == before:  # a call that runs no trial
+            if progress() == before:  # a call that advances neither
                 break
 
 
