@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import collectives as C  # before mpi4py starts MPI: collectives/mpi_defaults.py
 from collectives import algorithms
+from collectives.algorithms import shm
 from collectives.auto import select, state
 from collectives.runtime import topology
 import numpy as np
@@ -471,7 +472,9 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows, comm.size)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"np": comm.size, "rows": rows}, f, indent=1)
+            json.dump({"np": comm.size, "rows": rows,
+                       "shm_stores": shm.stores(topology.get().comm)}, f,
+                      indent=1)
     if args.csv:
         fields = list(dict.fromkeys(k for r in rows for k in r))  # auto's rows add "runs"
         with open(args.csv, "w", newline="") as f:

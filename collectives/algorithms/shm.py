@@ -165,6 +165,19 @@ def shutdown(comm: MPI.Comm | None = None) -> None:
             _forget(key)
 
 
+def stores(comm: MPI.Comm) -> dict[str, tuple[int, int, int]]:
+    """How comm's window stored its large reductions, per kind of call (StoreChoice in
+    csrc/runtime/shm.h): calls with plain stores, calls with streaming stores, trials of
+    the way not running. Empty where comm has no window. For diagnosis: bandwidth.py
+    --json keeps the job's."""
+    w = _windows.get(comm.handle)
+    if w is None:
+        return {}
+    return {f"{'allreduce' if allreduce else 'reducescatter'} {lo}-{2 * lo - 1} B "
+            f"{'in place' if inplace else 'out of place'}{' Average' if average else ''}": counts
+            for (lo, allreduce, inplace, average), counts in w.native.stores().items()}
+
+
 def check(layout: Layout) -> None:
     """shm needs every rank of the group on one node."""
     if layout.nodes > 1:

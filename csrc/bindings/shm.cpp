@@ -15,6 +15,15 @@ using namespace collectives;
 
 namespace {
 
+// Each kind of call's calls with plain and with streaming stores, and its trials, by the
+// kind's fields (StoreChoice::fields).
+py::dict store_counts(const StoreChoice& s) {
+  py::dict out;
+  for (const auto& [key, k] : s.kinds)
+    out[py::cast(StoreChoice::fields(key))] = py::make_tuple(k.ran[0], k.ran[1], k.trials);
+  return out;
+}
+
 
 ShmWindow make_shm_window(const std::vector<uintptr_t>& segments, int rank,
                           int64_t header_bytes, int64_t stride, int64_t slot_bytes,
@@ -143,7 +152,10 @@ void bind_shm(py::module_& m) {
             s.record(key, stream, seconds, bytes);
           },
           py::arg("key"), py::arg("stream"), py::arg("seconds"), py::arg("bytes"),
-          "The picked call's time");
+          "The picked call's time")
+      .def("counts", &store_counts,
+           "{(smallest bytes, allreduce, in place, Average): (plain calls, streaming calls, "
+           "trials)} of the calls picked so far");
   py::class_<ShmWindow>(m, "ShmWindow", "A shared window's layout, seen from one rank (shm.h)")
       .def(py::init(&make_shm_window), py::arg("segments"), py::arg("rank"),
            py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),
@@ -169,6 +181,10 @@ void bind_shm(py::module_& m) {
           py::arg("mode"),
           "Tests only: the stores of this window's pipelined reductions, 0 plain, 1 "
           "streaming, -1 chosen by measurement (StoreChoice, shm.h)")
+      .def(
+          "stores", [](const ShmWindow& w) { return store_counts(w.stores); },
+          "{(smallest bytes, allreduce, in place, Average): (plain calls, streaming calls, "
+          "trials)} of this window's large reductions (StoreChoice, shm.h)")
       .def_readwrite("seq", &ShmWindow::seq,
                      "Chunks begun on the window (the same on every rank); tests move it to "
                      "provoke a stall")

@@ -13,6 +13,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/dtypes.h"
@@ -68,6 +69,8 @@ struct StoreChoice {
     int64_t trial_left = 0;  // calls left in the trial under way
     double at_trial = 0;     // the running way's cost after the last trial
     bool stream = false;     // the running way (outside trials)
+    int64_t ran[2] = {0, 0};  // calls made with plain and with streaming stores
+    int64_t trials = 0;       // trials begun
 
     // A way's seconds per byte: the best of its recent calls (0: none).
     double cost(bool way) const {
@@ -87,6 +90,11 @@ struct StoreChoice {
     return log2 * 8 + (allreduce ? 4 : 0) + (inplace ? 2 : 0) + (average ? 1 : 0);
   }
 
+  // key()'s kind: its smallest size, allreduce, in place, Average.
+  static std::tuple<int64_t, bool, bool, bool> fields(int64_t key) {
+    return {int64_t{1} << (key / 8), (key & 4) != 0, (key & 2) != 0, (key & 1) != 0};
+  }
+
   // Whether a call of nchunks chunks of kind `key` streams (counts the call if it is large).
   bool pick(int64_t key, int64_t nchunks) {
     if (forced >= 0) return forced == 1;
@@ -97,9 +105,12 @@ struct StoreChoice {
     ++k.calls;
     if (k.trial_left == 0 && k.calls >= k.next_trial) {
       k.trial_left = kRecent;
+      ++k.trials;
       std::fill(std::begin(k.recent[!k.stream]), std::end(k.recent[!k.stream]), 0.0);
     }
-    return k.trial_left > 0 ? !k.stream : k.stream;
+    const bool way = k.trial_left > 0 ? !k.stream : k.stream;
+    ++k.ran[way];
+    return way;
   }
 
   // A large call's time: bytes moved in seconds, the stores it used.

@@ -271,6 +271,28 @@ def test_stores_into_the_buffers(comm, monkeypatch, stores):
     shm.shutdown(comm)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_the_window_counts_each_kinds_stores(comm, monkeypatch):
+    """shm.stores(comm): per kind of large call (8 chunks or more), the calls made with each
+    way of storing and the trials; calls of fewer chunks are not counted."""
+    monkeypatch.setattr(shm, "SMALL_BYTES", 0)
+    monkeypatch.setattr(shm, "SLOT_BYTES", 4096)  # many chunks
+    shm.shutdown(comm)
+    assert shm.stores(comm) == {}
+    x = np.ones(50_000, np.float32)
+    for _ in range(7):
+        shm.allreduce(comm, x, np.empty_like(x), C.Sum, "float32")
+    shm.allreduce(comm, x, x, C.Sum, "float32", divisor=comm.Get_size())
+    shm.allreduce(comm, x[:100], np.empty(100, np.float32), C.Sum, "float32")  # 1 chunk
+    counts = shm.stores(comm)
+    assert set(counts) == {"allreduce 131072-262143 B out of place",
+                           "allreduce 131072-262143 B in place Average"}, counts
+    plain, streaming, trials = counts["allreduce 131072-262143 B out of place"]
+    assert plain + streaming == 7 and trials == 1 and streaming >= 2  # the trial at call 4
+    assert sum(counts["allreduce 131072-262143 B in place Average"][:2]) == 1
+    shm.shutdown(comm)
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float16", "float64"])
 def test_large_out_of_place_results_streamed(comm, dtype):
     """An out-of-place allreduce of 8 MiB or more writes its result with streaming stores

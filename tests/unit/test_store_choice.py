@@ -90,3 +90,9 @@ def test_kinds_are_sizes_within_a_power_of_two_and_the_call_shape():
     assert len(shapes) == 8 and key(1 << 27, True, False, False) not in shapes
     with pytest.raises(ValueError, match="key"):
         _C.StoreChoice().record(KIND, False, 1.0, 1)
+
+
+def test_counts_say_how_each_kind_ran():
+    choice = _C.StoreChoice()
+    calls(choice, {PLAIN: 1.0, STREAMING: 0.5}, 8)
+    assert choice.counts() == {(64 << 20, True, False, False): (3, 5, 1)}
