@@ -25,8 +25,8 @@ seconds of its calls (a call count fixed when it settles, kept in _C.CallWatch, 
 fast entries count and time their calls) the ranks compare the best time since the last
 review with the first review's; beyond DRIFT either way, or after RETRY_S seconds of calls
 (later if a trial would cost over RETRY_SHARE of them), the class is tried again. The first
-review also holds the winner to the runner-up's time in the trial: where even the best of
-the winner's calls since is slower, the trial ran in a spell that favoured the winner (a
+review also holds the winner to the runner-up's best turn in the trial: where even the best
+of the winner's calls since is slower, the trial ran in a spell that favoured the winner (a
 machine whose state flips can bring two candidates far apart in steady calls close together
 for the trial's length), and the class is tried again at once, once per class and job (a
 machine where every candidate runs slower settled than in a trial would otherwise try
@@ -111,8 +111,8 @@ class Watch:
     """A settled class's watch: the count of its calls and their best time since the last
     review (native, shared with the class's fast entries), the slowest rank's best seconds
     per byte in the first review (its steady time: None before), calls per review, reviews
-    left before the class is tried again, and the runner-up's seconds per byte in the trial
-    that settled the class (None: no trial, or the first review is not to check it)."""
+    left before the class is tried again, and the runner-up's best seconds per byte in the
+    trial that settled the class (None: no trial, or the first review is not to check it)."""
 
     __slots__ = ("native", "steady", "window", "reviews_left", "rival")
 
@@ -201,7 +201,7 @@ def _end(topo: Topology, c: int, trial: Trial, nbytes: int) -> None:
     if trial.runoff:  # [leader, runner-up]: the runner-up wins most pairs, or not
         k = int(np.median(slowest[1] / slowest[0]) < 1)
         call = float(np.median(slowest[k])) * nbytes
-        rival = float(np.median(slowest[1 - k]))
+        rival = float(slowest[1 - k].min())  # a best, like the review's
     else:
         best = slowest.min(axis=1)
         order = np.argsort(best, kind="stable")
@@ -256,8 +256,8 @@ def _path(topo: Topology, candidates: list[str], nbytes: int) -> np.ndarray:
 def _decide(topo: Topology, c: int, algo: str, call: float, spent: float, nbytes: int,
             rival: float) -> None:
     """Class c settles on algo, whose calls of nbytes take `call` seconds, after trials that
-    cost `spent`, where the runner-up took `rival` seconds per byte: watched, and kept for
-    later jobs."""
+    cost `spent`, where the runner-up's best turn took `rival` seconds per byte: watched,
+    and kept for later jobs."""
     _settle(topo, c, algo)
     _watch(topo, c, call, spent, None if c in state.of(topo).rechecked else rival)
     memory: Memory | None = state.of(topo).memory
@@ -279,7 +279,7 @@ def _review(topo: Topology, c: int, watch: Watch) -> Watch | None:
     """Class c's watch came due: the slowest rank's best time since the last review against
     the first review's (like against like: the best of a review's many calls runs well
     below a trial's best of ROUNDS, so a trial's time is no steady time), and in the first
-    review against the runner-up's time in the trial (the winner's best call slower than
+    review against the runner-up's best turn in the trial (the winner's best call slower than
     that: the trial misjudged them). Renewed (and this call counted) when it held and
     reviews are left; else the class is tried again from this call (None)."""
     auto = state.of(topo)
