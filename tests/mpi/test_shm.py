@@ -288,7 +288,9 @@ def test_the_window_counts_each_kinds_stores(comm, monkeypatch):
     assert set(counts) == {"allreduce 131072-262143 B out of place",
                            "allreduce 131072-262143 B in place Average"}, counts
     plain, streaming, trials = counts["allreduce 131072-262143 B out of place"]
-    assert plain + streaming == 7 and trials == 1 and streaming >= 2  # the trial at call 4
+    # the first trial streams calls 4 and 5; a second may begin at call 7 where call 6's
+    # time moved 1.5x (ranks sharing cores)
+    assert plain + streaming == 7 and 1 <= trials <= 2 and streaming >= 2, counts
     assert sum(counts["allreduce 131072-262143 B in place Average"][:2]) == 1
     shm.shutdown(comm)
 
