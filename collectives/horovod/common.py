@@ -65,9 +65,11 @@ def as_horovod(op: Any, postscale: Any, process_set: Any) -> tuple[Any, Any]:
 class Named:
     """What the drop-in keeps per communicator (the job's, and each process set's).
     in_flight (used on the job's): names of async calls in flight, which stay taken until
-    synchronize() or a poll() that found them finished. Horovod frees a name when its call
-    finishes, which takes at least a cycle of its coordinator; here a call may finish within
-    microseconds, so a name stays taken until the caller has seen it finish. started and
+    synchronize(), a poll() that found them finished, or a barrier() that waited for them.
+    Horovod frees a name when its call finishes, which takes at least a cycle of its
+    coordinator; here a call may finish within microseconds, so a name stays taken until the
+    caller has seen it finish, and a barrier is such a sight: Horovod scripts drop handles
+    and reuse their names after one. started and
     outstanding: the async calls started so far, and those not known finished with their
     place in that count: what barrier() waits for."""
 
@@ -152,19 +154,22 @@ def barrier(process_set=global_process_set) -> None:
     some ranks have started, even one the others start only after it: the ranks meet
     beside the engine (collectives/runtime/meet.py), agreeing on how many async calls all of them
     started, and then wait for those. Below MPI_THREAD_MULTIPLE it is the library's
-    barrier, behind every outstanding call."""
-    if not _meet.available():
-        _C.barrier(process_set=set_of(process_set))
-        return
+    barrier, behind every outstanding call. The names of the calls it waited for are free
+    again, as in Horovod, whose calls free their names as they finish."""
     topo = topology_of(process_set)
     named = topo.state(Named)
     with _lock:
         started, pending = named.started, list(named.outstanding)
-    everyone = _meet.meet(topo, started)
+    if _meet.available():
+        everyone = _meet.meet(topo, started)
+    else:
+        _C.barrier(process_set=set_of(process_set))
+        everyone = started
     for index, handle in pending:
         if index < everyone:
             try:
                 handle.wait()  # its error, if any, stays for synchronize()
             except Exception:  # the caller's synchronize() raises it
                 pass
+            _seen_finished(handle)
 

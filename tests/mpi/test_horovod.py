@@ -262,6 +262,38 @@ def test_a_barrier_meets_beside_a_named_call_in_flight(comm, collective):
     assert torch.equal(got, want)
 
 
+def test_a_barrier_frees_the_names_of_the_calls_it_waited_for(comm):
+    """Horovod's duplicate-name tests one after another, as its suite runs them: each drops
+    its handles unsynchronized, and the next reuses the name after a barrier. Horovod frees
+    a name as its call finishes; here the barrier that waited for the call frees it. (Before,
+    the second test's first call was refused on rank 0 alone, which then left while the
+    others waited in the barrier.)"""
+    if comm.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    r = comm.Get_rank()
+    x = torch.ones(17, 17)
+
+    def start(collective):
+        extra = {"broadcast": {"root_rank": 0}}.get(collective, {})
+        call = getattr(hvd, f"{collective}_async")
+        try:
+            call(x, name="duplicate_name", **extra)  # the handle is dropped, as Horovod's tests do
+        except ValueError as exc:
+            return f"rank {r}: {collective}: {exc}"
+        with pytest.raises(ValueError, match="same name as another tensor"):
+            call(x, name="duplicate_name", **extra)
+        return None
+
+    for collective in ["allreduce", "allgather", "broadcast", "reducescatter", "allreduce"]:
+        refused = start(collective) if r == 0 else None
+        # every rank learns of a refusal over mpi4py, so that none waits in the barrier
+        assert not [why for why in comm.allgather(refused) if why]
+        hvd.barrier()
+        refused = start(collective) if r > 0 else None
+        assert not [why for why in comm.allgather(refused) if why]
+        hvd.barrier()
+
+
 def test_a_sparse_allreduce_refuses_a_name_in_flight_before_starting(comm):
     """A refused sparse allreduce starts none of its allgathers."""
 
