@@ -60,3 +60,21 @@ def test_shell_snippet_runs(index):
         proc = subprocess.run(command, shell=True, capture_output=True, text=True,
                               env=_env(), timeout=600, cwd=ROOT)
         assert proc.returncode == 0, f"{command}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+
+
+def test_the_flags_of_train_py_are_the_ones_its_help_gives():
+    """README's list of examples/train.py's flags names each flag --help gives, with all of
+    its choices where it lists values."""
+    helped = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--help"],
+                            capture_output=True, text=True, env=_env(), timeout=120, check=True)
+    usage = helped.stdout.split("\n\n")[0]
+    choices = {name: set(values.split(",")) for name, values in
+               re.findall(r"\[(--[\w-]+) \{([^}]*)\}", usage)}
+    flags = set(re.findall(r"\[(--[\w-]+)", usage))
+    listed = re.search(r"`examples/train\.py` is the full script \(flags: (.*?)\)\.",
+                       README.read_text(), flags=re.S).group(1)
+    named = dict(re.findall(r"`(--[\w-]+) ?([^`]*)`", listed))
+    assert set(named) == flags
+    for name, values in named.items():
+        if values:
+            assert set(values.split("|")) == choices[name], name
