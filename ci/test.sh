@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite (what `make test` and CI run): lint, CUDA compile check, unit tests,
 # then tests/mpi under mpirun at np 1, 2, 3, 4 and with simulated nodes (2x2 and 2+1: the
-# multi-node algorithms, and the agreement over messages, which one node runs in shared memory).
+# multi-node algorithms, and the agreement over messages, which one node runs in shared memory),
+# then the numeric suites on torch's and NumPy's baseline code paths (ci/paths.sh).
 set -eu
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -20,4 +21,5 @@ ci/mpitest.sh 3
 ci/mpitest.sh 4
 ci/mpitest.sh 4 2 -k "hierarchical or auto or topology or agreement or join"
 ci/mpitest.sh 3 2 -k "hierarchical or auto or topology or agreement or join"
+ci/paths.sh
 echo "== all suites passed in $(( $(date +%s) - start ))s"

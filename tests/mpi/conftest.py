@@ -42,6 +42,33 @@ def comm() -> MPI.Comm:
     return MPI.COMM_WORLD
 
 
+def unit_roundoff(dtype) -> float:
+    """u: the largest relative error of one rounding to dtype (half its machine epsilon):
+    2**-24 for float32, 2**-53 for float64, 2**-11 for float16, 2**-8 for bfloat16."""
+    name = str(dtype).removeprefix("torch.")
+    return 2.0 ** -8 if name == "bfloat16" else float(np.finfo(name).eps) / 2
+
+
+def rounding_bound(dtype, roundings: float, magnitude):
+    """How far a value computed in dtype can lie from exact arithmetic, to first order:
+    roundings (the longest chain of roundings any element passes through: k - 1 for a sum
+    of k terms, in whatever order a kernel adds them) times u times magnitude (the sum of
+    the absolute values of what was added, or a bound on it). Tolerances of results that
+    the CPU's SIMD paths compute in another order come from this, not from one machine's
+    observed differences."""
+    return roundings * unit_roundoff(dtype) * magnitude
+
+
+#: A few steps of a small float32 model trained by ranks on their shards, against one
+#: process on the whole batch: every gradient's sums run in another order (and through
+#: whichever SIMD kernels torch picks), each off by at most (terms - 1) roundings of its
+#: terms' size (<= 16 features, <= 16 rows here); the optimizer carries a few steps of them,
+#: and each update rounds the parameter once. That stays within 168 roundings (u = 2**-24)
+#: of a parameter's size, 17 of them where it is near zero: rtol 1.0e-5, atol 1.0e-6. An
+#: error of the algorithm (a rank's gradient lost or counted twice) is >= 1e-3.
+FLOAT32_TRAINING = {"rtol": 168 * unit_roundoff("float32"), "atol": 17 * unit_roundoff("float32")}
+
+
 def make_input(dtype: str, shape: tuple, seed: int) -> np.ndarray:
     """Deterministic data on which every op is exact: full-range integers (sums and
     products wrap identically everywhere) and small integer-valued floats."""

@@ -170,6 +170,8 @@ def test_adasum_allreduce_matches_its_formula(comm):
         return
     got = hvd.allreduce(torch.from_numpy(x), op=hvd.Adasum)
     expected = _adasum_reference(comm.allgather(x))
+    # float64: dot products of 1000 terms (<= 999 roundings of 2**-53 each: 1.1e-13 of
+    # their terms' size) and a few scalings, in another order than the reference's
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-12)
     assert_same_on_all_ranks(comm, got.numpy(), "adasum")
     same = hvd.allreduce(torch.ones(4, dtype=torch.float32), op=hvd.Adasum)
@@ -193,6 +195,8 @@ def test_adasum_optimizer_combines_the_steps(comm):
     delta = (-0.1 * model.weight.grad).numpy().reshape(-1)
     opt.step()
     expected = start.numpy().reshape(-1) + _adasum_reference(comm.allgather(delta))
+    # float32 (u = 2**-24): 5-term dot products and norms, scaled and added to the weight:
+    # tens of roundings of the weight's size (168 u = 1e-5), of the step's near zero
     np.testing.assert_allclose(model.weight.detach().numpy().reshape(-1), expected, rtol=1e-5,
                                atol=1e-7)
     assert_same_on_all_ranks(comm, model.weight.detach().numpy(), "replicas")
