@@ -324,7 +324,10 @@ def test_reducescatter_compressed(comm, compression):
     x = torch.linspace(-1, 1, 6 * n, dtype=torch.float32).reshape(2 * n, 3) * (comm.Get_rank() + 1)
     plain = hvd.reducescatter(x)
     got = hvd.reducescatter(x, compression=compression)
-    assert got.shape == plain.shape and (got - plain).abs().max() <= 2e-2
+    # int8 holds rank q's values to 1/254 of its largest (q + 1), the average the mean of
+    # those; fp16 is far closer (2**-11 of values <= n)
+    bound = sum((q + 1) / 254 for q in range(n)) / n * 1.01
+    assert got.shape == plain.shape and (got - plain).abs().max() <= bound
     assert_same_on_all_ranks(comm, hvd.allgather(got).numpy(), "rows")
     leaf = x.clone().requires_grad_()
     hvd.reducescatter(leaf, compression=compression).sum().backward()
