@@ -68,7 +68,7 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
     # a tensor goes in by address: its dtype and shape are the described call's, so only
     # where it lives and its layout are left to check
     if type(x) is not _Tensor or not x.is_cpu or x.requires_grad and inplace \
-            or not x.is_contiguous():
+            or x.layout is not torch.strided or not x.is_contiguous():
         return None
     call = topo.state(calls.Calls).fast.get((op, x.dtype, x.shape, algorithm, inplace))
     if call is None:

@@ -11,6 +11,7 @@ copy to every transfer; benchmarks/README.md, GPU, has the staged call's times).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -169,20 +170,41 @@ def _unsupported(name: str, what: str) -> TypeError:
     return TypeError(f"{name}: unsupported {what}; expected one of {list(NAMES)}")
 
 
+def _stageable(name: str, x: Any, nbytes: int) -> None:
+    """ValueError naming `name` where a copy of x (a non-contiguous view: broadcast or
+    expanded, whose elements may share memory) would not fit in this machine's memory: the
+    copy would fail deep in NumPy or torch, or push the machine into swap."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if nbytes > memory:
+        raise ValueError(f"{name}: a non-contiguous view of {nbytes / 2**30:.1f} GiB (shape "
+                         f"{tuple(x.shape)}); it is copied to be sent, and this machine has "
+                         f"{memory / 2**30:.1f} GiB: pass a contiguous array of what you "
+                         "mean to reduce")
+
+
 def wrap(x: Any, name: str = "x") -> Buffer:
-    """View x as a Buffer, or TypeError naming `name` if x is not a supported array."""
+    """View x as a Buffer, or TypeError naming `name` if x is not a supported array
+    (ValueError where a non-contiguous x could not be copied)."""
     if isinstance(x, np.ndarray):
         dtype = NUMPY_NAMES.get(x.dtype)
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         contiguous = x.flags.c_contiguous
+        if not contiguous:
+            _stageable(name, x, x.nbytes)
         flat = x.reshape(-1) if contiguous else np.ascontiguousarray(x).reshape(-1)
         return Buffer(x, "numpy", flat, dtype, x.shape, not contiguous)
     if torch is not None and isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense tensor, got layout {x.layout}; pass "
+                            f"{name}.to_dense(), or reduce a sparse gradient with "
+                            "collectives.horovod.sparse_allreduce")
         dtype = torch_dtype_name(x.dtype)
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         t = x.detach() if x.requires_grad else x
+        if not t.is_contiguous():
+            _stageable(name, x, x.numel() * x.element_size())
         if t.is_cpu and t.is_contiguous() and dtype != "bfloat16":  # a view (the common case)
             return Buffer(x, "torch", t.numpy().reshape(-1), dtype, tuple(x.shape), False)
         if t.device.type == "cuda":

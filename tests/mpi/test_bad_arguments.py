@@ -31,6 +31,15 @@ CASES = {
                             ValueError, "op"),
     "allreduce torch bool": (lambda bad: C.allreduce(torch.zeros(4, dtype=torch.bool) if bad
                                                      else torch.ones(4)), TypeError, "bool"),
+    "allreduce sparse": (lambda bad: C.allreduce(torch.sparse_coo_tensor([[0]], [1.0], (4,))
+                                                 if bad else torch.ones(4)), TypeError, "dense"),
+    "allreduce_ sparse": (lambda bad: C.allreduce_(torch.sparse_coo_tensor([[0]], [1.0], (4,))
+                                                   if bad else torch.ones(4)), TypeError, "dense"),
+    "allreduce 8 TiB view": (lambda bad: C.allreduce(torch.zeros(1).expand(1 << 41) if bad
+                                                     else torch.ones(4)), ValueError, "GiB"),
+    "allgather 8 TiB view": (lambda bad: C.allgather(np.broadcast_to(np.zeros(1), (1 << 40, 1))
+                                                     if bad else np.ones((1, 1))),
+                             ValueError, "GiB"),
     "allreduce algorithm": (lambda bad: C.allreduce(GOOD, algorithm="butterfly" if bad else "ring"),
                             ValueError, "algorithm"),
     "allreduce compression": (lambda bad: C.allreduce(GOOD, compression="zip" if bad else None),
