@@ -11,11 +11,11 @@ May import: leaves, kernels, runtime, algorithms, auto, compression, api.
 
 Installed as `collectives.optim` (setup.py maps this folder there), its one name:
 `from collectives.optim import DistributedOptimizer`. The folder stays at the top of the
-repository; `import optim` from a checkout raises ImportError naming the package's name
-(loaded under a second name, every module here would exist twice).
+repository; importing it as top-level `optim` from a checkout raises ImportError naming
+the package's name (loaded under a second name, every module here would exist twice).
 """
 
-if __name__ != "collectives.optim":  # `import optim`, from a checkout's root
+if __name__ != "collectives.optim":  # imported as top-level `optim`, from a checkout's root
     raise ImportError("optim installs as collectives.optim: `from collectives.optim import "
                       "DistributedOptimizer`")
 
