@@ -45,8 +45,10 @@ allreduce folds each piece in a scratch buffer and streams it to its own buffer.
 allreduce (8 MiB and up) streams its result too where it is out of place, whose lines no
 cache holds, or while the buffers stream.
 
-A wait longer than Config.stall_timeout_s means a rank has left the collective: it raises
-(None: wait forever, as the rest of the library does).
+A wait longer than the communicator's stall timeout means a rank has left the collective:
+it raises (None: wait forever, as the rest of the library does). The timeout is the
+Topology's (Topology.set_timeout, torch's timeout=), read as each wait starts; on a
+communicator no Topology runs on, Config.stall_timeout_s when the window was made.
 
 Cost per rank for L ranks and m bytes (w = one counter wait, about a microsecond; copies and
 folds run at memory speed; waits overlap work across the pipeline):
@@ -79,6 +81,7 @@ from collectives import config, kernels
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.ops import ReduceOp
 from collectives.runtime.p2p import count, even_bounds, offsets
+from collectives.runtime.watchdog import limit_of
 from collectives.runtime.window import Window, ranks_on_machine, shares_memory
 
 #: Largest staging buffer per rank and chunk where every rank has a core of its own: chunks
@@ -122,7 +125,9 @@ def _window(comm: MPI.Comm, slot_bytes: int) -> Window:
         _forget(key)
         grown = max(slot_bytes, min(2 * w.slot_bytes, slot_limit(comm.Get_size())))
     timeout = config.get().stall_timeout_s
-    w = Window(comm, -(-grown // _ALIGN) * _ALIGN, DEPTH, math.inf if timeout is None else timeout)
+    limit = limit_of(comm)  # a Topology's communicator: its timeout, as it is when a wait starts
+    w = Window(comm, -(-grown // _ALIGN) * _ALIGN, DEPTH, math.inf if timeout is None else timeout,
+               None if limit is None else limit.native)
     comm.Set_attr(_on_free(), (key, w))
     _windows[key] = w
     return w

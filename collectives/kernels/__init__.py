@@ -42,11 +42,13 @@ def reduce(dst: Array, srcs: Sequence[Array], dtype: str, op: ReduceOp) -> None:
 
 def shm_window(addresses: list[int], rank: int, header_bytes: int, stride: int,
                slot_bytes: int, depth: int, spin_seconds: float, stall_seconds: float,
-               pids: list[int]) -> Any:
+               pids: list[int], limit: Any = None) -> Any:
     """A shared window's layout for the C++ stages below (csrc/runtime/shm.h); pids, one
-    per rank (or none), make a long wait check that the rank it waits for is alive."""
+    per rank (or none), make a long wait check that the rank it waits for is alive; limit
+    (a _C.StallLimit, or None), where given, is read in place of stall_seconds as each wait
+    starts."""
     return _C.ShmWindow(addresses, rank, header_bytes, stride, slot_bytes, depth, spin_seconds,
-                        stall_seconds, pids)
+                        stall_seconds, pids, limit)
 
 
 def shm_reduce(window: Any, send: np.ndarray, recv: np.ndarray, bounds: list[int],

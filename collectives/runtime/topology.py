@@ -88,6 +88,7 @@ class Topology:
         # the agreement over shared memory where the group is one node that shares it
         self.window = agreement.shared_window(self.comm) if len(self.nodes) == 1 else None
         self.limit = Limit(config.stall_timeout_s)  # how long a call here waits for others
+        self.limit.attach(self.comm)
         self.channel = agreement.channel(self.comm, watchdog, self.limit, self.window)
         self.stats = _C.Stats()  # calls and bytes: the engine writes them (C++)
         self._states: dict[type, Any] = {}  # the upper layers' objects: state()

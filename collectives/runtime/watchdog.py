@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import sys
 import threading
 import time
@@ -75,10 +76,46 @@ def bounded(seconds: float | None, what: str) -> Iterator[None]:
 
 class Limit:
     """One communicator's stall timeout in seconds (None: wait forever), owned by its
-    Topology; the waits of its agreement read it through on_wait."""
+    Topology: the waits of its agreement read it through on_wait, the meet reads it, and
+    the shared-memory windows made on its communicator read `native` (a _C.StallLimit) as
+    each wait starts, so a timeout set later (Topology.set_timeout, torch's timeout=)
+    reaches every wait. attach() ties it to a communicator; limit_of() finds it there."""
+
+    __slots__ = ("_timeout_s", "native")
 
     def __init__(self, timeout_s: float | None):
+        self.native = _C.StallLimit()
         self.timeout_s = timeout_s
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float | None) -> None:
+        self._timeout_s = seconds
+        self.native.seconds = math.inf if seconds is None else seconds
+
+    def attach(self, comm: MPI.Comm) -> None:
+        """Let the code that runs on comm find this limit (an MPI attribute: it goes with
+        comm, and MPI reuses no handle while comm lives)."""
+        comm.Set_attr(_limit_key(), self)
+
+
+_keyval: int | None = None  # created on first use: MPI must be initialized
+
+
+def _limit_key() -> int:
+    global _keyval
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval()
+    return _keyval
+
+
+def limit_of(comm: MPI.Comm) -> Limit | None:
+    """The Limit attached to comm (its Topology's), or None for a communicator no
+    Topology runs on."""
+    return comm.Get_attr(_limit_key())
 
 
 class Watchdog:

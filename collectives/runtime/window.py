@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -81,13 +82,15 @@ def mark_failed() -> None:
 
 class Window:
     """One communicator's shared window: each rank's counters and staging buffers
-    (collective over comm to make and to free). stall_seconds bounds a wait (inf: never).
+    (collective over comm to make and to free). stall_seconds bounds a wait (inf: never);
+    limit (a _C.StallLimit), where given, is read in its place as each wait starts.
     Its stages run in C++ on `native`, which also numbers the chunks (the same on every
     rank)."""
 
     __slots__ = ("win", "slot_bytes", "native", "__weakref__")
 
-    def __init__(self, comm: MPI.Comm, slot_bytes: int, depth: int, stall_seconds: float):
+    def __init__(self, comm: MPI.Comm, slot_bytes: int, depth: int, stall_seconds: float,
+                 limit: Any = None):
         self.slot_bytes = slot_bytes
         rank, size = comm.Get_rank(), comm.Get_size()
         info = MPI.Info.Create()
@@ -113,7 +116,7 @@ class Window:
         pids = comm.allgather(os.getpid()) if config.get().fault_tolerant else []
         self.native = kernels.shm_window(
             [np.frombuffer(b, np.uint8).ctypes.data for b in raw], rank, _HEADER, _STRIDE,
-            slot_bytes, depth, spin_seconds, stall_seconds, pids)
+            slot_bytes, depth, spin_seconds, stall_seconds, pids, limit)
         _live.add(self)
 
     def free(self) -> None:

@@ -28,7 +28,8 @@ py::dict store_counts(const StoreChoice& s) {
 ShmWindow make_shm_window(const std::vector<uintptr_t>& segments, int rank,
                           int64_t header_bytes, int64_t stride, int64_t slot_bytes,
                           int64_t depth, double spin_seconds, double stall_seconds,
-                          const std::vector<int64_t>& pids) {
+                          const std::vector<int64_t>& pids,
+                          std::shared_ptr<const StallLimit> limit) {
   if (rank < 0 || rank >= static_cast<int>(segments.size()))
     throw py::value_error("rank: out of range");
   if (!pids.empty() && pids.size() != segments.size())
@@ -44,6 +45,7 @@ ShmWindow make_shm_window(const std::vector<uintptr_t>& segments, int rank,
   w.depth = depth;
   w.spin_seconds = spin_seconds;
   w.stall_seconds = stall_seconds;
+  w.limit = std::move(limit);
   for (int64_t pid : pids) w.pids.push_back(static_cast<pid_t>(pid));
   return w;
 }
@@ -156,10 +158,22 @@ void bind_shm(py::module_& m) {
       .def("counts", &store_counts,
            "{(smallest bytes, allreduce, in place, Average): (plain calls, streaming calls, "
            "trials)} of the calls picked so far");
+  py::class_<StallLimit, std::shared_ptr<StallLimit>>(
+      m, "StallLimit",
+      "A communicator's stall limit, read by its windows' waits as each starts (shm.h)")
+      .def(py::init<>())
+      .def_property(
+          "seconds", [](const StallLimit& l) { return l.seconds.load(); },
+          [](StallLimit& l, double seconds) {
+            if (!(seconds >= 0)) throw py::value_error("seconds: expected >= 0 (inf: never)");
+            l.seconds.store(seconds);
+          },
+          "Seconds a wait may last (inf: forever)");
   py::class_<ShmWindow>(m, "ShmWindow", "A shared window's layout, seen from one rank (shm.h)")
       .def(py::init(&make_shm_window), py::arg("segments"), py::arg("rank"),
            py::arg("header_bytes"), py::arg("stride"), py::arg("slot_bytes"), py::arg("depth"),
-           py::arg("spin_seconds"), py::arg("stall_seconds"), py::arg("pids"))
+           py::arg("spin_seconds"), py::arg("stall_seconds"), py::arg("pids"),
+           py::arg("limit") = nullptr)
       .def(
           "mark_failed", [](const ShmWindow& w) { Sync::mark_failed(w); },
           "Tell the window's ranks that this one met a failure: their waits for it raise "

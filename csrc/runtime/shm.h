@@ -7,10 +7,12 @@
 #include <sys/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -140,6 +142,13 @@ struct StoreChoice {
   }
 };
 
+// A communicator's stall limit in seconds (inf: never), shared by its Topology
+// (collectives/runtime/watchdog.py: Limit, which Topology.set_timeout and torch's timeout=
+// write) and the windows made on its communicator, which read it as each wait starts.
+struct StallLimit {
+  std::atomic<double> seconds{0};
+};
+
 struct ShmWindow {
   std::vector<unsigned char*> segments;  // each rank's segment: counters page, then slots
   int rank = 0;
@@ -149,6 +158,7 @@ struct ShmWindow {
   int64_t depth = 0;          // staging buffers per rank
   double spin_seconds = 0;    // poll this long before yielding the core between polls
   double stall_seconds = 0;   // then give up: a rank has left the collective (inf: never)
+  std::shared_ptr<const StallLimit> limit;  // where set, the live stall_seconds (stall())
   double jitter_seconds = 0;  // tests only (set_jitter): sleep up to this long before a
                               // fifth of the posts, so ranks drift apart mid-call
   int64_t seq = 0;            // chunks begun on the window: the same count on every rank
@@ -156,6 +166,12 @@ struct ShmWindow {
   std::vector<pid_t> pids;    // fault-tolerant mode: each rank's process, checked alive by
                               // a long wait (empty: not checked; shm_sync.h)
   StoreChoice stores;         // plain or streaming stores into the buffers (shm_reduce)
+
+  // Seconds a wait may last before it gives up: the communicator's limit where the window
+  // has one, else the one it was made with.
+  double stall() const {
+    return limit ? limit->seconds.load(std::memory_order_relaxed) : stall_seconds;
+  }
 
   // The number of a call's first chunk; its nchunks chunks are counted as begun.
   int64_t begin(int64_t nchunks) {

@@ -67,14 +67,14 @@ class Sync {
   // Return once every rank has counted chunk g on counter c (at once for g < 0).
   void wait(int64_t c, int64_t g) {
     if (g < 0) return;
-    Clock clock(on_wait_ ? first_wait_ : w_.stall_seconds);
+    Clock clock(on_wait_ ? first_wait_ : w_.stall());
     for (int j = 0; j < size_; ++j) spin(j, c, g, clock);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
   }
 
   // Return once rank j has counted chunk g on counter c.
   void wait_for(int j, int64_t c, int64_t g) {
-    Clock clock(on_wait_ ? first_wait_ : w_.stall_seconds);
+    Clock clock(on_wait_ ? first_wait_ : w_.stall());
     spin(j, c, g, clock);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
   }
@@ -124,7 +124,7 @@ class Sync {
       static const char* const names[] = {"READY", "REDUCED", "DONE"};
       throw std::runtime_error("shm: rank " + std::to_string(j) + " has not counted chunk " +
                                std::to_string(g) + " as " + names[c] + " after " +
-                               std::to_string(w_.stall_seconds) +
+                               std::to_string(clock.deadline) +
                                " s; did it leave the collective?");
     }
   }

@@ -17,6 +17,7 @@ from conftest import DTYPES, assert_equal, assert_same_on_all_ranks, make_input,
 import collectives as C
 from collectives import config
 from collectives.algorithms import shm
+from collectives.runtime import topology
 
 pytestmark = pytest.mark.mpi
 
@@ -322,8 +323,29 @@ def test_large_out_of_place_results_streamed(comm, dtype):
     shm.shutdown(comm)  # no forced stores in later tests' windows
 
 
+def test_stall_limit_is_the_communicators_when_a_wait_starts(comm, monkeypatch):
+    """A window on a Topology's communicator waits as long as that Topology's timeout
+    allows when the wait starts: one set after the window was made (Topology.set_timeout,
+    which torch's timeout= calls) bounds its waits, not the config's at its making."""
+    monkeypatch.setattr(config, "_current", dataclasses.replace(config.get(), stall_timeout_s=5))
+    sub = comm.Split(0, key=comm.Get_rank())
+    topo = topology.of(sub)
+    w = shm._window(topo.comm, shm.MIN_SLOT_BYTES)  # made while the limit is 5 s
+    topo.set_timeout(0.3)
+    x = np.zeros(8, np.float32)
+    w.native.seq += 5  # chunk seq + 5 reuses the buffer of seq + 1, which nobody has finished
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"has not counted chunk \d+ as DONE after 0.3"):
+        shm.kernels.shm_reduce_single(w.native, x, x.copy(), 0, 8, "float32", C.Sum)
+    assert time.perf_counter() - start < 3
+    topo.set_timeout(None)
+    assert topo.limit.native.seconds == float("inf")
+    sub.Free()  # frees its Topology and the window
+
+
 def test_stall_limit_is_the_configs(comm, monkeypatch):
-    """A wait for a count no rank posts gives up after Config.stall_timeout_s."""
+    """A wait for a count no rank posts gives up after Config.stall_timeout_s (a window on
+    a communicator no Topology runs on)."""
     monkeypatch.setattr(config, "_current", dataclasses.replace(config.get(), stall_timeout_s=0.2))
     sub = comm.Split(0, key=comm.Get_rank())  # a fresh window, made under that config
     w = shm._window(sub, shm.MIN_SLOT_BYTES)
