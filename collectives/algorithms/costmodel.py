@@ -88,7 +88,8 @@ def tuning() -> dict:
 
 
 def install(tuning: dict) -> None:
-    """Make tuning the one in force (select.estimates_changed() after it)."""
+    """Make tuning the one in force; callers go through select.install_tuning, which also
+    drops the choices made under the old one."""
     global _installed
     _installed = tuning
 

@@ -270,8 +270,7 @@ def install(topo: Any, timed: Timed) -> None:
     job's communicator the cache's settled classes (its AutoState's memory) when it came
     from the cache or a fresh measurement."""
     tuning = setup(topo, timed)
-    costmodel.install(tuning)
-    select.estimates_changed()
+    select.install_tuning(tuning)
     k = tuning.get("key")
     if k is not None and not topo.config.tuning_file:
         state.of(topo).memory = Memory(cache_path(k), k, tuning.get("settled", {}), topo.rank)

@@ -158,6 +158,5 @@ def main(timed: autotune.Timed, argv: list[str] | None = None) -> None:
 
 def _use(tuning: dict) -> None:
     """Make `auto` in this process use the fresh tuning (for the printed table)."""
-    costmodel.install(tuning)
-    select.estimates_changed()
+    select.install_tuning(tuning)
 

@@ -73,6 +73,13 @@ MEMO_SIZE = 4096
 _version = 0  # of the estimates' inputs: estimates_changed() counts it up
 
 
+def install_tuning(tuning: dict) -> None:
+    """Put tuning in force (costmodel.install) and let every communicator's memo of
+    choices go stale with it: the one way to change the tuning."""
+    costmodel.install(tuning)
+    estimates_changed()
+
+
 def estimates_changed() -> None:
     """The estimates' inputs changed (the tuning in force, costmodel.install): every
     communicator's memo of choices is stale."""
