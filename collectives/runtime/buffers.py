@@ -203,15 +203,16 @@ def wrap(x: Any, name: str = "x") -> Buffer:
         if dtype is None:
             raise _unsupported(name, f"dtype {x.dtype}")
         t = x.detach() if x.requires_grad else x
-        if not t.is_contiguous():
-            _stageable(name, x, x.numel() * x.element_size())
-        if t.is_cpu and t.is_contiguous() and dtype != "bfloat16":  # a view (the common case)
+        contiguous = t.is_contiguous()
+        if t.is_cpu and contiguous and dtype != "bfloat16":  # a view (the common case)
             return Buffer(x, "torch", t.numpy().reshape(-1), dtype, tuple(x.shape), False)
+        if not contiguous:
+            _stageable(name, x, x.numel() * x.element_size())
         if t.device.type == "cuda":
             buf = _pinned_like(x, "torch", dtype, tuple(x.shape))
             buf.pinned.copy_(t)  # waits for the copy: the algorithms read it next
             return buf
-        staged = not t.is_contiguous() or t.device.type != "cpu"
+        staged = not contiguous or t.device.type != "cpu"
         t = t.contiguous().cpu().reshape(-1)
         if dtype == "bfloat16":
             t = t.view(torch.int16)
