@@ -25,6 +25,19 @@ class Config:
     autotune: bool = True
     #: Seconds a collective may wait for other ranks before it logs who is missing.
     stall_warning_s: float = 60.0
+    #: Calls each rank's flight recorder keeps (collectives/runtime/flight.py): written to
+    #: dump_dir on a StallError, MismatchError or RanksFailedError, on SIGUSR1 and by
+    #: collectives.dump_flight_recorder(); 0 keeps the current call alone.
+    flight_recorder: int = 1024
+    #: Folder of the flight recorder's dumps (one rank<R>.json per rank); None =
+    #: collectives-<job> in the system's temporary folder, named in the errors that dump.
+    dump_dir: str | None = None
+    #: A rank that costs the others more than this share of their time (waiting for it in
+    #: collectives) over a straggler window is named in one warning, by rank 0 of the job;
+    #: None = no warning. collectives.stats()["waited_for"] has the seconds either way.
+    straggler_share: float | None = 0.2
+    #: Seconds of each straggler window.
+    straggler_window_s: float = 30.0
     #: Seconds after which a waiting collective raises StallError (naming the ranks that never
     #: arrived and what each was doing); None = wait forever. The default is PyTorch's
     #: process-group timeout: long enough for a rank's evaluation or checkpoint between

@@ -1,5 +1,6 @@
 """The public API: every collective (validate, wrap, describe, submit), by family, and the
-features built on them (process sets, join, timeline, stats, Adasum, 1-bit).
+features built on them (process sets, join, timeline, stats, the flight recorder's dumps,
+Adasum, 1-bit).
 
 Owns: call descriptions (calls.py), the process-set registry, the timeline's recording.
 May import: leaves, kernels, runtime, algorithms, auto, compression.
@@ -58,6 +59,7 @@ from collectives.api.process_sets import (
     remove_process_set,
     shutdown,
 )
+from collectives.api.record import dump_flight_recorder
 from collectives.api.reducescatter import (
     grouped_reducescatter,
     grouped_reducescatter_async,
@@ -108,7 +110,7 @@ __all__ = [
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "compressed_allreduce", "compressed_allreduce_async", "compressed_reducescatter",
-    "compressed_reducescatter_async", "cross_rank", "cross_size",
+    "compressed_reducescatter_async", "cross_rank", "cross_size", "dump_flight_recorder",
     "global_process_set", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",

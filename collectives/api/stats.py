@@ -17,16 +17,21 @@ from collectives.api import process_sets
 
 
 def stats(comm: Any = None, process_set: Any = None) -> dict:
-    """{"bytes_sent", "bytes_received", "calls", "per_op": {"allreduce/ring": {...}}} of the
-    job's communicator, or of comm (an mpi4py communicator used in collectives), or of
-    process_set."""
+    """{"bytes_sent", "bytes_received", "calls", "per_op": {"allreduce/ring": {...}},
+    "waited_for": {rank: seconds}} of the job's communicator, or of comm (an mpi4py
+    communicator used in collectives), or of process_set. waited_for: the seconds the other
+    ranks spent waiting for each rank (numbered in that communicator) since it was made,
+    together (runtime/stragglers.py), ranks never waited for left out; the same on every
+    rank."""
     per_op, totals = {}, {"bytes_sent": 0, "bytes_received": 0, "calls": 0}
-    counters = process_sets.resolve(comm, process_set).stats.snapshot()
+    native = process_sets.resolve(comm, process_set).stats
+    counters = native.snapshot()
     for collective, algorithm, calls, sent, received in counters:
         per_op[f"{collective}/{algorithm}"] = {"bytes_sent": sent, "bytes_received": received,
                                                "calls": calls}
         totals["bytes_sent"] += sent
         totals["bytes_received"] += received
         totals["calls"] += calls
-    return dict(totals, per_op=per_op)
+    waited_for = {r: s for r, s in enumerate(native.waits()) if s > 0}
+    return dict(totals, per_op=per_op, waited_for=waited_for)
 

@@ -5,7 +5,8 @@ One row per rank (pid = job rank). Each call is an event named by its name= (els
 collective) with its agreed fields, algorithm and bytes sent as arguments, and three phases:
 `queued` (an async call waiting for the ones before it; on the row's second track),
 `agreement` (the exchange that checks every rank makes the same call; a small reduction
-rides in it) and `transfer/reduce` (the data movement), then an instant `done`. With
+rides in it; the call's arguments name the rank that arrived last in it and how long the
+others waited for it, together) and `transfer/reduce` (the data movement), then an instant `done`. With
 mark_cycles, an instant `cycle` marks each call's start: the engine negotiates every call on
 its own, so each call is one cycle.
 
@@ -135,11 +136,14 @@ def _events(rank: int, raw: list[tuple], origin: float, mark_cycles: bool) -> li
     out = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
            {"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "calls"}},
            {"name": "thread_name", "ph": "M", "pid": rank, "tid": 1, "args": {"name": "queue"}}]
-    for collective, detail, algorithm, queued, start, agreed, moved, end, nbytes in raw:
+    for (collective, detail, algorithm, queued, start, agreed, moved, end, nbytes, last,
+         waited) in raw:
         fields = _fields(detail)
         label = fields.get("name") or collective
         args = {**{k: str(v) for k, v in fields.items()}, "collective": collective,
                 "algorithm": algorithm, "bytes": nbytes}  # the algorithm that ran
+        if last >= 0:  # who the others waited for in the agreement, and how long together
+            args.update(last_to_arrive=last, others_waited_ms=round(waited * 1e3, 3))
 
         def span(name: str, t0: float, t1: float, tid: int = 0, **extra: Any) -> dict:
             return {"name": name, "ph": "X", "pid": rank, "tid": tid, "ts": us(t0),

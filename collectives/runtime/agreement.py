@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from mpi4py import MPI
 
 from collectives.kernels import _C
+from collectives.runtime import flight
 from collectives.runtime.window import Window, shares_memory
 
 if TYPE_CHECKING:
@@ -132,7 +133,9 @@ def channel(comm: MPI.Comm, watchdog: Watchdog, limit: Limit,
 def raise_mismatch(comm: MPI.Comm, collective: str, fields: tuple) -> None:
     """After an exchange found ranks that differ: every rank raises the same MismatchError
     naming the field, the values and the ranks."""
-    raise MismatchError(describe_mismatch(comm.allgather((collective, fields))))
+    text = describe_mismatch(comm.allgather((collective, fields)))
+    flight.dump(text.splitlines()[0])
+    raise MismatchError(f"{text}\n{flight.where('every rank')}")
 
 
 #: What may run while some ranks have joined (api/join.py): reductions, to which a joined rank

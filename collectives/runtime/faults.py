@@ -32,7 +32,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 from mpi4py import MPI
 
 from collectives.kernels import _C
-from collectives.runtime import window
+from collectives.runtime import flight, window
 
 S = TypeVar("S")
 
@@ -44,6 +44,7 @@ class Topology(Protocol):
     comm: MPI.Comm
     config: Any  # config.Config: fault_tolerant
     processes: list[tuple[str, int]]  # each rank's (host, pid)
+    stats: Any  # _C.Stats: its label names the communicator in the flight record
 
     def comms(self) -> list[MPI.Comm]: ...
 
@@ -138,6 +139,7 @@ def failure(topo: Topology, exc: BaseException) -> RanksFailedError | None:
             ranks = sorted(set(ranks) | set(_named(topo)))
         seen.lost = ranks
         _fence(topo, ranks)
+        flight.dump(f"ranks {ranks} of {topo.stats.label} failed")
     return RanksFailedError(seen.lost, str(exc).splitlines()[0] if str(exc) else "")
 
 

@@ -32,7 +32,9 @@ from mpi4py import MPI
 
 from collectives import config as _config
 from collectives.kernels import _C
-from collectives.runtime import agreement, faults
+from collectives.runtime import agreement, faults, flight
+from collectives.runtime.engine import ENGINE
+from collectives.runtime.stragglers import Stragglers
 from collectives.runtime.watchdog import Limit, Watchdog, bounded
 from collectives.runtime.window import cpus, ranks_on_machine
 
@@ -44,7 +46,7 @@ class Topology:
     communicator so our messages never match theirs. Creating one is collective over comm."""
 
     def __init__(self, comm: MPI.Comm, config: _config.Config, watchdog: Watchdog,
-                 generation: int = 0):
+                 generation: int = 0, label: str | None = None):
         self.config, self.watchdog = config, watchdog
         self.generation = generation  # shrinks after failures that led to this job's comm
         ranks_per_node = config.ranks_per_node
@@ -90,7 +92,9 @@ class Topology:
         self.limit = Limit(config.stall_timeout_s)  # how long a call here waits for others
         self.limit.attach(self.comm)
         self.channel = agreement.channel(self.comm, watchdog, self.limit, self.window)
-        self.stats = _C.Stats()  # calls and bytes: the engine writes them (C++)
+        # calls, bytes and waits: the engine writes them (C++); label: the flight recorder's
+        # name of this communicator (the job's, or its members' job ranks)
+        self.stats = _C.Stats(label if label is not None else _members(self.comm))
         self._states: dict[type, Any] = {}  # the upper layers' objects: state()
 
     def set_timeout(self, seconds: float | None) -> None:
@@ -170,7 +174,8 @@ def init(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Top
         _config.set(config)
         comm = MPI.COMM_WORLD if comm is None else comm
         watchdog = Watchdog(comm, config.stall_warning_s)
-        _topology = Topology(comm, config, watchdog)
+        _topology = Topology(comm, config, watchdog, label="job")
+        _watch(_topology)
         if not config.fault_tolerant:  # there a rank that exits is a failure survived
             _abort_on_uncaught_exceptions()
         else:
@@ -227,7 +232,8 @@ def replace(comm: MPI.Comm, generation: int) -> Topology:
     with bounded(REBUILD_TIMEOUT_S if limit is None else min(limit, REBUILD_TIMEOUT_S),
                  f"rebuilding the job's communicators ({old.size} to {comm.Get_size()} ranks)"):
         new = Topology(comm, old.config, Watchdog(comm, old.config.stall_warning_s),
-                       generation)
+                       generation, label=f"job.{generation}")
+        _watch(new)
     old.watchdog.stop()
     try:
         old.free()
@@ -237,6 +243,14 @@ def replace(comm: MPI.Comm, generation: int) -> Topology:
     for fn in _on_init:
         fn(new)
     return new
+
+
+def _watch(job: Topology) -> None:
+    """Start the job's flight recorder, and rank 0's straggler watch (collective)."""
+    flight.start(ENGINE.native, job.comm, job.stats)
+    if job.rank == 0 and job.config.straggler_share is not None:
+        job.watchdog.stragglers = Stragglers(job.stats, job.size, job.config.straggler_share,
+                                             job.config.straggler_window_s)
 
 
 def on_init(fn: Callable[[Topology], None]) -> None:
@@ -262,6 +276,22 @@ def of(comm: MPI.Comm | None) -> Topology:
         topo = Topology(comm, job.config, job.watchdog)
         comm.Set_attr(_keyval, topo)
     return topo
+
+
+def _members(comm: MPI.Comm) -> str:
+    """The job ranks of comm's members as text ("ranks 0-3,6"): the same on every member."""
+    job = get().comm.Get_group()
+    group = comm.Get_group()
+    ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), job)
+    group.Free()
+    job.Free()
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return "ranks " + ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _abort_on_uncaught_exceptions() -> None:

@@ -7,7 +7,9 @@ answers. A rank whose
 agreement step has waited longer than COLLECTIVES_STALL_WARNING_S asks every other rank
 for its record and logs which ranks have not joined and what they are doing; after
 its communicator's timeout (COLLECTIVES_STALL_TIMEOUT_S, default 1800 s, or a torch process
-group's `timeout`) it raises StallError. MPI cannot cancel a collective, so after a
+group's `timeout`) it writes its flight record (flight.py) and raises StallError. The
+responder thread also reads SIGUSR1 for the flight recorder and ticks rank 0's straggler
+watch. MPI cannot cancel a collective, so after a
 StallError the library refuses further calls."""
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from mpi4py import MPI
 
 from collectives.kernels import _C
-from collectives.runtime import window
+from collectives.runtime import flight, window
 from collectives.runtime.engine import ENGINE
 
 log = logging.getLogger("collectives")
@@ -124,6 +127,8 @@ class Watchdog:
         self.warn_s = warn_s
         self._stop = threading.Event()
         self._asked = 0
+        #: rank 0's straggler watch (stragglers.py), ticked by the thread; None elsewhere
+        self.stragglers: Any = None
         self._thread = threading.Thread(target=self._respond, name="collectives-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -140,6 +145,9 @@ class Watchdog:
         status = MPI.Status()
         try:
             while not self._stop.wait(0.05):
+                flight.poll_signal()
+                if self.stragglers is not None:
+                    self.stragglers.tick()
                 while req.Test(status):
                     asker, ask_id = status.Get_source(), bytes(buf[:8])
                     self.comm.send((ask_id, ENGINE.native.snapshot()), asker, TAG_ANSWER)
@@ -188,12 +196,15 @@ class Watchdog:
             _, calls, collective, _, _ = ENGINE.native.snapshot()
             why = timed_out(f"{collective} #{calls}", waited, "other ranks", timeout_s)
             ENGINE.native.fail(why)
-            raise StallError(why + "\n" + self._report(waited))
-        log.warning(self._report(waited))
+            report, survey = self._report(waited)
+            flight.dump(why, survey)
+            raise StallError(f"{why}\n{report}\n{flight.where('this rank and any other that timed out')}")
+        log.warning(self._report(waited)[0])
         next_warning = (int(waited / warn_s) + 1) * warn_s
         return next_warning if timeout_s is None else min(next_warning, timeout_s)
 
-    def _report(self, waited: float) -> str:
+    def _report(self, waited: float) -> tuple[str, dict[int, str]]:
+        """The stall's text, and what each other rank said (rank -> text)."""
         me = self.comm.Get_rank()
         _, calls, collective, detail, _ = ENGINE.native.snapshot()
         others = self.survey()
@@ -201,7 +212,7 @@ class Watchdog:
                    if s is None or s[0] == "idle" or s[1] != calls]
         lines = [f"collectives stall: rank {me} has waited {waited:.1f} s in "
                  f"{collective} #{calls} {detail}; not joined: ranks {missing}"]
-        for r, snap in sorted(others.items()):
-            text = describe(snap) if snap else "did not answer (dead or not progressing)"
-            lines.append(f"  rank {r}: {text}")
-        return "\n".join(lines)
+        survey = {r: describe(snap) if snap else "did not answer (dead or not progressing)"
+                  for r, snap in sorted(others.items())}
+        lines += [f"  rank {r}: {text}" for r, text in survey.items()]
+        return "\n".join(lines), survey

@@ -64,9 +64,10 @@ struct Call {
 Call make_call(int64_t digest, std::string collective, std::string detail, py::object stats,
                const std::string& algorithm, py::function mismatch, py::function on_joined) {
   static int64_t next_id = 0;
-  Counter* counter = stats.cast<Stats&>().counter(collective, algorithm);
+  Stats& on = stats.cast<Stats&>();
+  Counter* counter = on.counter(collective, algorithm);
   CallInfo info{next_id++, digest, {std::move(collective), std::move(detail), algorithm},
-                counter, nullptr, nullptr};
+                counter, &on, nullptr, nullptr};
   info.mismatch = [mismatch = std::move(mismatch)] {
     py::gil_scoped_acquire gil;
     mismatch();
@@ -146,8 +147,17 @@ struct PyEngine {
       const CallTexts& t = taken.texts[e.call];
       out.append(py::make_tuple(t.collective, t.detail,
                                 e.algorithm.empty() ? t.algorithm : e.algorithm, e.queued, e.start,
-                                e.agreed, e.moved, e.end, e.bytes));
+                                e.agreed, e.moved, e.end, e.bytes, e.last, e.waited));
     }
+    return out;
+  }
+
+  py::list history() const {
+    py::list out;
+    for (const Record::Flight& f : engine.record().history())
+      out.append(py::make_tuple(f.seq, f.comm, f.comm_seq, f.collective, f.detail, f.algorithm, f.queued, f.start,
+                                f.agreed_at, f.end, f.bytes, f.last, f.waited,
+                                Record::name(f.phase)));
     return out;
   }
 
@@ -270,9 +280,21 @@ void bind_engine(py::module_& m) {
                     [](PyEngine& s, bool on) { s.engine.timeline().set_on(on); },
                     "Whether calls are recorded for the timeline")
       .def("take_trace", &PyEngine::take_trace,
-           "[(collective, detail, algorithm, queued, start, agreed, moved, end, bytes)] "
-           "recorded since the last take, oldest first")
+           "[(collective, detail, algorithm, queued, start, agreed, moved, end, bytes, last, "
+           "waited)] recorded since the last take, oldest first")
       .def_static("clock", &steady_seconds, "The steady clock the timeline uses, in seconds")
+      .def("set_origin", [](PyEngine& s, double steady) { s.engine.set_origin(steady); },
+           py::arg("steady"),
+           "Make the steady clock's reading `steady` the job clock's zero on this rank "
+           "(every rank's at one moment: the agreement compares arrivals on it)")
+      .def_property(
+          "flight_capacity", [](const PyEngine& s) { return s.engine.record().capacity(); },
+          [](PyEngine& s, int64_t calls) { s.engine.record().set_capacity(calls); },
+          "Calls the flight recorder keeps (setting it forgets those kept)")
+      .def("history", &PyEngine::history,
+           "The flight recorder: [(seq, comm, comm_seq, collective, detail, algorithm, queued, start, agreed, "
+           "end, bytes, last, waited, phase)], oldest first; times on the steady clock (s), "
+           "0 where not reached, queued -1 where never queued")
       .def("join_step", &PyEngine::join_step, py::arg("channel"), py::arg("call"),
            py::arg("first"), "One agreement exchange of a joined rank: (ok, joined, "
            "first_active, last_joiner)")
@@ -352,13 +374,17 @@ void bind_fast_allreduce(py::module_& m) {
 void bind_runtime(py::module_& m) {
   py::register_exception<Unusable>(m, "StallError", PyExc_RuntimeError);
   py::class_<Stats>(m, "Stats", "One communicator's calls and bytes per (collective, algorithm)")
-      .def(py::init<>())
+      .def(py::init<std::string>(), py::arg("label") = "")
       .def("snapshot", [](const Stats& s) {
             py::list out;
             for (const auto& [collective, algorithm, c] : s.snapshot())
               out.append(py::make_tuple(collective, algorithm, c.calls, c.sent, c.received));
             return out;
-          }, "[(collective, algorithm, calls, bytes_sent, bytes_received)] of counters in use");
+          }, "[(collective, algorithm, calls, bytes_sent, bytes_received)] of counters in use")
+      .def_property_readonly("label", &Stats::label, "The same on every member, telling "
+                             "communicators apart (the flight recorder's name of it)")
+      .def("waits", &Stats::waits,
+           "Seconds the other ranks waited for each rank (by rank of the communicator)");
   py::class_<Call>(m, "Call", "A described call's native part (collectives/calls.py)")
       .def(py::init(&make_call), py::arg("digest"), py::arg("collective"), py::arg("detail"),
            py::arg("stats"), py::arg("algorithm"), py::arg("mismatch"), py::arg("on_joined"))

@@ -32,6 +32,10 @@ struct Header {
   int32_t dtype, op;     // the payload's, so that a joined rank can fold it later
   int32_t first_active;  // lowest active rank folded in; kNone: none yet
   int32_t last_joiner;   // highest rank folded in whose role is `joining`; -1: none
+  int32_t last;          // the active rank folded in that arrived latest; -1: none yet
+  int32_t unused = 0;
+  double latest;         // its arrival (the job's clock)
+  double arrivals;       // the sum of the active ranks' arrivals folded in
 };
 constexpr int64_t kHeader = sizeof(Header);
 
@@ -78,13 +82,16 @@ class Exchange {
  public:
   Exchange(MPI_Comm comm, int tag, int64_t digest, int64_t count, DType dtype, ReduceOp op,
            int64_t capacity, double first_wait, const OnWait& on_wait, unsigned char* mine,
-           unsigned char* theirs, int rank, Role role)
+           unsigned char* theirs, int rank, Role role, double arrival)
       : comm_(comm), tag_(tag), digest_(digest), count_(count),
         nbytes_(count * dtype_size(dtype)), capacity_(capacity), dtype_(dtype), op_(op),
         first_wait_(first_wait), on_wait_(on_wait), mine_(mine), theirs_(theirs),
         joined_(role == Role::active ? 0 : 1),
         first_active_(role == Role::active ? rank : kNone),
-        last_joiner_(role == Role::joining ? rank : -1) {
+        last_joiner_(role == Role::joining ? rank : -1),
+        last_(role == Role::active ? rank : -1),
+        latest_(role == Role::active ? arrival : -std::numeric_limits<double>::infinity()),
+        arrivals_(role == Role::active ? arrival : 0) {
     if (role != Role::active) nbytes_ = count_ = 0;
   }
 
@@ -94,6 +101,9 @@ class Exchange {
   int joined() const { return joined_; }
   int first_active() const { return first_active_; }
   int last_joiner() const { return last_joiner_; }
+  int last() const { return last_; }
+  // the active ranks' waits for the last one, together
+  double waited(int active) const { return last_ < 0 ? 0 : active * latest_ - arrivals_; }
 
   // Swap partial results with peer and fold (the lower rank's data first).
   void swap_with(int peer, bool peer_lower) {
@@ -141,7 +151,8 @@ class Exchange {
 
   void post_send(int peer, MPI_Request* req) {
     Header head{digest_, nbytes_, bad_ ? 1 : 0, joined_, static_cast<int32_t>(dtype_),
-                static_cast<int32_t>(op_), first_active_, last_joiner_};
+                static_cast<int32_t>(op_), first_active_, last_joiner_, last_, 0, latest_,
+                arrivals_};
     std::memcpy(mine_, &head, kHeader);
     check(MPI_Isend(mine_, static_cast<int>(kHeader + nbytes_), MPI_BYTE, peer, tag_,
                     comm_, req),
@@ -161,10 +172,18 @@ class Exchange {
       joined_ = head.joined;
       first_active_ = head.first_active;
       last_joiner_ = head.last_joiner;
+      last_ = head.last;
+      latest_ = head.latest;
+      arrivals_ = head.arrivals;
     } else {
       joined_ += head.joined;
       first_active_ = std::min(first_active_, head.first_active);
       last_joiner_ = std::max(last_joiner_, head.last_joiner);
+      arrivals_ += head.arrivals;  // commutative: both sides of a swap get the same bits
+      if (head.latest > latest_ || (head.latest == latest_ && head.last > last_)) {
+        latest_ = head.latest;
+        last_ = head.last;
+      }
     }
     if (!they_active) return;  // the identity: nothing to fold
     if (!i_active) {           // take the active ranks' call and data
@@ -229,7 +248,8 @@ class Exchange {
   const OnWait& on_wait_;
   unsigned char* mine_;    // header + this rank's partial result
   unsigned char* theirs_;  // receive space: header + capacity
-  int32_t joined_, first_active_, last_joiner_;
+  int32_t joined_, first_active_, last_joiner_, last_;
+  double latest_, arrivals_;
   bool bad_ = false;
   int64_t sent_ = 0;
 };
@@ -238,7 +258,8 @@ class Exchange {
 
 AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* send, void* out,
                            int64_t count, DType dtype, ReduceOp op, int64_t capacity,
-                           double first_wait, const OnWait& on_wait, Role role, Pool* large) {
+                           double first_wait, const OnWait& on_wait, Role role, Pool* large,
+                           double arrival) {
   const int64_t nbytes = role == Role::active ? count * dtype_size(dtype) : 0;
   if (nbytes > capacity)
     throw std::invalid_argument("payload of " + std::to_string(nbytes) +
@@ -257,7 +278,7 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
   Scratch b(need, need <= kKeep ? &kept_b : nullptr, large);
 
   Exchange ex(comm, tag, digest, count, dtype, op, capacity, first_wait, on_wait, a.data(),
-              b.data(), rank, role);
+              b.data(), rank, role, arrival);
   if (nbytes) std::memcpy(ex.payload(), send, nbytes);
   int p = 1;
   while (p * 2 <= n) p *= 2;
@@ -275,18 +296,19 @@ AgreeResult agree_exchange(MPI_Comm comm, int tag, int64_t digest, const void* s
   }
   if (!ex.bad() && nbytes) std::memcpy(out, ex.payload(), nbytes);
   const int first = ex.first_active() == kNone ? n : ex.first_active();
-  return {!ex.bad(), ex.sent(), ex.joined(), first, ex.last_joiner()};
+  return {!ex.bad(), ex.sent(), ex.joined(), first, ex.last_joiner(), ex.last(),
+          ex.waited(n - ex.joined())};
 }
 
 AgreeResult AgreeChannel::run(int64_t digest, const void* send, void* out, int64_t count,
-                              DType dtype, ReduceOp op, Role role) const {
+                              DType dtype, ReduceOp op, Role role, double arrival) const {
   if (count * dtype_size(dtype) > capacity)
     throw std::invalid_argument("count: the payload exceeds the channel's capacity");
   if (window != nullptr)
     return agree_shared(*window, digest, send, out, count, dtype, op, capacity, first_wait,
-                        on_wait, role);
+                        on_wait, role, arrival);
   return agree_exchange(comm, tag, digest, send, out, count, dtype, op, capacity, first_wait,
-                        on_wait, role);
+                        on_wait, role, nullptr, arrival);
 }
 
 void tree_allreduce(Engine& engine, MPI_Comm comm, int tag, const void* send, void* recv,

@@ -19,13 +19,15 @@ struct SharedHeader {
   int64_t nbytes;
   int32_t role;  // Role
   int32_t dtype, op;
+  double arrival;  // the job's clock
 };
 
 }  // namespace
 
 AgreeResult agree_shared(ShmWindow& w, int64_t digest, const void* send,
                          void* out, int64_t count, DType dtype, ReduceOp op, int64_t capacity,
-                         double first_wait, const OnWait& on_wait, Role role) {
+                         double first_wait, const OnWait& on_wait, Role role,
+                         double arrival) {
   const int64_t nbytes = role == Role::active ? count * dtype_size(dtype) : 0;
   if (nbytes > capacity)
     throw std::invalid_argument("payload of " + std::to_string(nbytes) +
@@ -34,9 +36,10 @@ AgreeResult agree_shared(ShmWindow& w, int64_t digest, const void* send,
   if (data_at + capacity > w.slot_bytes)
     throw std::invalid_argument("capacity: exceeds the window's buffers");
   const SharedHeader mine{digest, nbytes, static_cast<int32_t>(role),
-                          static_cast<int32_t>(dtype), static_cast<int32_t>(op)};
+                          static_cast<int32_t>(dtype), static_cast<int32_t>(op), arrival};
   const int n = static_cast<int>(w.segments.size());
   AgreeResult r{true, 0, 0, n, -1};
+  double latest = 0, arrivals = 0;
   shm_single(
       w, &mine, sizeof mine, send, nbytes,
       [&](const unsigned char* const* buffers) {
@@ -49,6 +52,11 @@ AgreeResult agree_shared(ShmWindow& w, int64_t digest, const void* send,
             ++r.joined;
             if (static_cast<Role>(head.role) == Role::joining) r.last_joiner = j;
             continue;
+          }
+          arrivals += head.arrival;  // in rank order: the same bits on every rank
+          if (r.last_arrival < 0 || head.arrival >= latest) {
+            latest = head.arrival;
+            r.last_arrival = j;
           }
           if (first == nullptr) {
             first = reinterpret_cast<const SharedHeader*>(buffers[j]);
@@ -63,6 +71,7 @@ AgreeResult agree_shared(ShmWindow& w, int64_t digest, const void* send,
       },
       &on_wait, first_wait);
   if (r.ok && nbytes) r.payload_sent = nbytes;
+  if (r.last_arrival >= 0) r.waited = (n - r.joined) * latest - arrivals;
   return r;
 }
 

@@ -7,22 +7,29 @@ namespace collectives {
 namespace {
 
 // Enters the stall record for the call and leaves it (and the running call) however the
-// call ends.
+// call ends: finished with what done() gave, else failed.
 class InCall {
  public:
-  InCall(Engine& engine, const CallInfo& call) : engine_(engine) {
+  InCall(Engine& engine, const CallInfo& call, double queued) : engine_(engine) {
     engine.check_usable();
-    engine.record().enter(call.texts.collective, call.texts.detail);
+    engine.record().enter(call.texts.collective, call.texts.detail, call.texts.algorithm,
+                          queued, call.stats->label(), call.stats->next_seq());
   }
   ~InCall() {
-    engine_.record().leave();
+    engine_.record().leave(finished_ ? &outcome_ : nullptr);
     engine_.running().joined = 0;
   }
   InCall(const InCall&) = delete;
   InCall& operator=(const InCall&) = delete;
+  void done(const Record::Outcome& outcome) {
+    outcome_ = outcome;
+    finished_ = true;
+  }
 
  private:
   Engine& engine_;
+  Record::Outcome outcome_{};
+  bool finished_ = false;
 };
 
 }  // namespace
@@ -38,18 +45,19 @@ void execute(Engine& engine, const AgreeChannel& channel, const CallInfo& call,
              const std::function<void()>& move) {
   const bool tracing = engine.timeline().on();
   const double start = tracing ? steady_seconds() : 0;
-  const InCall in_call(engine, call);
+  InCall in_call(engine, call, queued);
   Engine::Running& running = engine.running();
   running.credit = call.counter;
   running.algorithm = nullptr;
   const auto before = engine.bytes();
   const AgreeResult r = channel.run(call.digest, payload.send, payload.out, payload.count,
-                                    payload.dtype, payload.op);
+                                    payload.dtype, payload.op, Role::active, engine.clock());
   if (!r.ok) {
     call.mismatch();
     throw std::logic_error("the mismatch callback returned");
   }
   engine.add_bytes(r.payload_sent, r.payload_sent);
+  if (r.waited > 0) call.stats->add_wait(r.last_arrival, r.waited);
   const double agreed = tracing ? steady_seconds() : 0;
   if (r.joined) {
     running.joined = r.joined;
@@ -61,21 +69,24 @@ void execute(Engine& engine, const AgreeChannel& channel, const CallInfo& call,
   const auto after = engine.bytes();
   const int64_t sent = after.first - before.first;
   running.credit->add(1, sent, after.second - before.second);
+  in_call.done({sent, r.last_arrival, r.waited, running.algorithm});
   if (tracing && engine.timeline().on()) {  // (not the call whose move stopped it)
     const double end = steady_seconds();
     engine.timeline().add(call.id, call.texts,
                           {0, queued, start, agreed, move ? end : agreed, end, sent,
-                           running.algorithm ? *running.algorithm : std::string()});
+                           running.algorithm ? *running.algorithm : std::string(),
+                           r.last_arrival, r.waited});
   }
 }
 
 AgreeResult join_step(Engine& engine, const AgreeChannel& channel, const CallInfo& call,
                       bool first) {
-  const InCall in_call(engine, call);
+  InCall in_call(engine, call, -1);
   const AgreeResult r = channel.run(call.digest, nullptr, nullptr, 0, DType::u8,
                                     ReduceOp::sum, first ? Role::joining : Role::joined);
   engine.add_bytes(r.payload_sent, r.payload_sent);
   if (first) call.counter->add(1, 0, 0);
+  in_call.done({r.payload_sent, r.last_arrival, r.waited, nullptr});
   return r;
 }
 

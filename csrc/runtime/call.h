@@ -26,6 +26,7 @@ struct CallInfo {
   int64_t digest;
   CallTexts texts;
   Counter* counter;
+  Stats* stats;  // its communicator's: who the others waited for
   std::function<void()> mismatch;  // raises MismatchError on every rank; never returns
   // hands the call to the ranks that joined (collectives/api/join.py), called with (joined,
   // first_active); throws if the call cannot run with them
@@ -46,8 +47,9 @@ struct Payload {
 void divide_average(void* buf, int64_t count, DType dtype, int64_t divisor, int joined);
 
 // The call: its payload agreed and reduced (divided for Average, when divisor is not 1),
-// then move() if given (the data phase), under the stall record; its bytes counted on the
-// engine's running counter (call.counter unless the move credits another). queued: the
+// then move() if given (the data phase), under the stall record (which keeps it in the
+// flight recorder); its bytes counted on the engine's running counter (call.counter unless
+// the move credits another), the others' wait for the last rank to arrive on call.stats. queued: the
 // steady-clock seconds of its submission (-1: never queued), for the timeline.
 void execute(Engine& engine, const AgreeChannel& channel, const CallInfo& call,
              const Payload& payload, int64_t divisor, double queued,

@@ -25,12 +25,15 @@ class Timeline {
  public:
   // One call: which described call (an index into Taken::texts), seconds of its submission
   // (-1: run at once, never queued), start, agreement done, data moved, end; bytes sent;
-  // the algorithm that ran when it is not the described one (empty: the described one).
+  // the algorithm that ran when it is not the described one (empty: the described one);
+  // the rank of its communicator that arrived last and the others' wait for it, together.
   struct Event {
     size_t call;
     double queued, start, agreed, moved, end;
     int64_t bytes;
     std::string algorithm;
+    int last;
+    double waited;
   };
   struct Taken {
     std::vector<Event> events;  // oldest first

@@ -1,0 +1,63 @@
+"""The flight recorder's cases (tests/unit/test_flight_recorder.py), one per argv[1]:
+
+- stop: rank 2 stops itself (SIGSTOP) before its 21st allreduce; the others time out.
+- mismatch: after 10 allreduces rank 2 calls allgather where the others call allreduce.
+- straggler: rank 2 sleeps 30 ms before each of 80 allreduces, under a timeline.
+- signal: rank 1 sends SIGUSR1 to rank 0, which waits inside an allreduce, then joins it.
+- ring: 20 allreduces under COLLECTIVES_FLIGHT_RECORDER, then a dump on request."""
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import collectives as C
+
+logging.basicConfig(format="%(message)s")
+case = sys.argv[1]
+C.init()
+rank = C.rank()
+x = np.ones(100, np.float32)
+if case == "stop":
+    try:
+        for i in range(50):
+            if i == 20 and rank == 2:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            C.allreduce(x)
+    except C.StallError as exc:
+        print(f"rank {rank} StallError: {exc}", flush=True)
+        os._exit(0)  # rank 2 stays stopped: mpirun ends it once the others are gone
+elif case == "mismatch":
+    for _ in range(10):
+        C.allreduce(x)
+    try:
+        if rank == 2:
+            C.allgather(np.ones(3))
+        else:
+            C.allreduce(x)
+    except C.MismatchError as exc:
+        print(f"rank {rank} MismatchError: {exc}", flush=True)
+elif case == "straggler":
+    C.start_timeline(sys.argv[2])
+    for _ in range(80):
+        if rank == 2:
+            time.sleep(0.03)
+        C.allreduce(x)
+    C.stop_timeline()
+    print(f"rank {rank} waited_for {json.dumps(C.stats()['waited_for'])}", flush=True)
+elif case == "signal":
+    first = C.broadcast_object(os.getpid(), 0)
+    if rank == 1:
+        time.sleep(1)
+        os.kill(first, signal.SIGUSR1)
+        time.sleep(2)
+    C.allreduce(x)
+    print(f"rank {rank} done", flush=True)
+elif case == "ring":
+    for _ in range(20):
+        C.allreduce(x)
+    print(f"rank {rank} dumped {C.dump_flight_recorder('asked')}", flush=True)

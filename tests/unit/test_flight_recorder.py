@@ -1,0 +1,93 @@
+"""The flight recorder (collectives/runtime/flight.py), its analyzer (collectives/debug.py)
+and the straggler accounting (runtime/stragglers.py), in whole jobs under mpirun."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from test_failures import ROOT, mpirun
+
+STALL = {"COLLECTIVES_STALL_WARNING_S": "1", "COLLECTIVES_STALL_TIMEOUT_S": "3"}
+
+
+def analyze(folder) -> str:
+    out = subprocess.run([sys.executable, "-m", "collectives.debug", str(folder)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_a_stopped_rank_is_named_from_the_others_records(tmp_path):
+    env = dict(STALL, COLLECTIVES_DUMP_DIR=str(tmp_path))
+    code, out, elapsed = mpirun(3, "flight.py", "stop", env=env)
+    assert "rank 0 StallError" in out and "rank 1 StallError" in out, out
+    assert f"python -m collectives.debug {tmp_path}" in out, out  # the error says where
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+    report = analyze(tmp_path)
+    assert "flight records of 2 of 3 ranks; none from ranks [2]" in report, report
+    assert "last call every recorded rank finished: #20 allreduce" in report, report
+    assert "they part at #21 allreduce" in report, report
+    assert re.search(r"rank 0: entered it, waiting for the others to agree for [3-9]", report)
+    assert "rank 2: wrote no record; rank 0's watchdog found it did not answer" in report
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    rows = {e["pid"] for e in trace["traceEvents"] if e.get("name") == "allreduce"}
+    assert rows == {0, 1}, rows
+    assert elapsed < 40
+
+
+def test_ranks_out_of_step_are_named_as_a_mismatch(tmp_path):
+    code, out, _ = mpirun(3, "flight.py", "mismatch", env={"COLLECTIVES_DUMP_DIR": str(tmp_path)})
+    assert out.count("MismatchError") == 3, out
+    assert len(list(tmp_path.glob("rank*.json"))) == 3
+    report = analyze(tmp_path)
+    assert "last call every recorded rank finished: #10 allreduce" in report, report
+    assert "MISMATCH at #11: ranks [0, 1] called allreduce" in report, report
+    assert "ranks [2] called allgather" in report, report
+
+
+def test_a_straggler_is_named_and_leads_waited_for(tmp_path):
+    trace_file = tmp_path / "timeline.json"
+    env = {"COLLECTIVES_STRAGGLER_WINDOW_S": "1", "COLLECTIVES_DUMP_DIR": str(tmp_path)}
+    code, out, _ = mpirun(3, "flight.py", "straggler", str(trace_file), env=env)
+    assert code == 0, out
+    assert re.search(r"collectives straggler: the other ranks spent \d+% of their time in "
+                     r"the last \d s waiting for rank 2", out), out
+    assert out.count("collectives straggler: the other ranks spent") == 1, out  # said once
+    seen = [json.loads(m) for m in re.findall(r"rank \d waited_for (.*)", out)]
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2], seen  # alike on every rank
+    waited = {int(r): s for r, s in seen[0].items()}
+    # 80 sleeps of 30 ms, waited out by two ranks each
+    assert max(waited, key=waited.get) == 2 and 2 * 80 * 0.03 <= waited[2] < 10, waited
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    lasts = [e["args"]["last_to_arrive"] for e in events
+             if e.get("name") == "allreduce" and "last_to_arrive" in e.get("args", {})]
+    assert len(lasts) >= 3 * 80 and lasts.count(2) >= 0.9 * len(lasts), lasts
+
+
+def test_sigusr1_dumps_a_rank_waiting_inside_a_collective(tmp_path):
+    code, out, _ = mpirun(2, "flight.py", "signal", env={"COLLECTIVES_DUMP_DIR": str(tmp_path)})
+    assert code == 0 and "rank 0 done" in out, out
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert record["reason"] == "signal SIGUSR1", record["reason"]
+    state = record["state"]
+    assert state["state"] == "waiting" and state["collective"] == "allreduce", state
+    assert record["calls"][-1]["phase"] == "entered", record["calls"][-1]
+    assert not (tmp_path / "rank1.json").exists()
+
+
+def test_the_ring_keeps_the_last_calls(tmp_path):
+    env = {"COLLECTIVES_FLIGHT_RECORDER": "5", "COLLECTIVES_DUMP_DIR": str(tmp_path)}
+    code, out, _ = mpirun(2, "flight.py", "ring", env=env)
+    assert code == 0 and f"rank 1 dumped {tmp_path}/rank1.json" in out, out
+    record = json.loads((tmp_path / "rank1.json").read_text())
+    calls = record["calls"]
+    assert record["reason"] == "asked" and len(calls) == 5, calls
+    last = calls[-1]["comm_seq"]  # (init's measurement for `auto` may have run calls too)
+    assert [c["comm_seq"] for c in calls] == list(range(last - 4, last + 1)), calls
+    assert [c["seq"] for c in calls] == list(range(last - 4, last + 1)), calls
+    assert all(c["phase"] == "done" and c["comm"] == "job" and c["collective"] == "allreduce"
+               and "(100,)" in c["detail"] for c in calls), calls
+    assert all(c["start"] <= c["agreed"] <= c["end"] for c in calls), calls
