@@ -24,7 +24,7 @@ from collectives.auto import online, select
 from collectives.compression import Compression, check_compression
 from collectives.dtypes import FLOATING, NUMPY_NAMES, STORAGE, torch_dtype_name
 from collectives.ops import ReduceOp, check_op
-from collectives.runtime import faults, topology
+from collectives.runtime import faults, profiling, topology
 from collectives.runtime.buffers import (
     POOL_MIN_BYTES,
     Buffer,
@@ -51,8 +51,8 @@ ALLREDUCE_ALGORITHMS = (*algorithms.ALGORITHMS, on_device.NAME)
 def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: bool) -> Any:
     """The allreduce fast entry: a host NumPy array or CPU torch tensor whose call was
     described before and has a C++ path (calls.Call.fast) goes straight to it. None: not
-    taken."""
-    if type(op) is not ReduceOp:
+    taken (nor while a torch profiler records: the general path shows in it)."""
+    if type(op) is not ReduceOp or profiling.on():
         return None
     if type(x) is np.ndarray:
         call = topo.state(calls.Calls).fast.get((op, x.dtype, x.shape, algorithm, inplace))

@@ -27,13 +27,14 @@ import numpy as np
 
 from collectives.dtypes import CODES
 from collectives.kernels import _C
-from collectives.runtime import faults
+from collectives.runtime import faults, profiling
 
 
 class Communicator(Protocol):
     """What the engine reads of a communicator (runtime/topology.py's Topology)."""
 
     channel: Any  # _C.AgreeChannel: its agreement exchange
+    stats: Any  # _C.Stats: its label names it in the profiler's ranges
 
     def state(self, kind: type) -> Any: ...  # runtime/faults.py's Failures among them
 
@@ -42,6 +43,8 @@ class Described(Protocol):
     """What the engine reads of a described call (api/calls.py's Call)."""
 
     collective: str
+    fields: tuple  # ((name, value), ...): what the profiler's ranges show of it
+    algorithm: str
     native: Any  # _C.Call: digest, stall-record text, counter, mismatch report
 
 
@@ -67,11 +70,13 @@ class Job(NamedTuple):
 class Handle:
     """An in-flight collective: pass it to synchronize() for the result, poll() to ask."""
 
-    __slots__ = ("name", "queued", "_done", "_result", "_error", "_callbacks", "_fired")
+    __slots__ = ("name", "queued", "span", "_done", "_result", "_error", "_callbacks",
+                 "_fired")
 
     def __init__(self, name: str, queued: float = -1.0):
         self.name = name
         self.queued = queued  # when it was submitted, for the timeline (-1: not recorded)
+        self.span: Any = None  # its range in a torch profiler's trace, while one records
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
@@ -142,15 +147,20 @@ class Engine:
                                    "completion callback of an async one while other calls "
                                    "are queued; submit it async instead")
             return self.submit(topo, call, job).wait()
+        span = _begin(topo, call) if profiling.on() else None
         try:
             return _execute(native, topo, call, job)
         finally:
             native.release()
+            if span is not None:
+                profiling.end(span)
 
     def submit(self, topo: Communicator, call: Described, job: Job) -> Handle:
         """Queue the call behind everything submitted before; returns at once."""
         native = self.native
         handle = Handle(call.collective, native.clock() if native.tracing else -1.0)
+        if profiling.on():
+            handle.span = _begin(topo, call)
         if self._thread is None:
             with self._start:
                 if self._thread is None:
@@ -179,7 +189,13 @@ class Engine:
                 handle._run(functools.partial(_execute, native, topo, call, job, handle.queued))
             finally:
                 native.release()
+                if handle.span is not None:
+                    profiling.end(handle.span)
             handle._fire()
+
+
+def _begin(topo: Communicator, call: Described) -> Any:
+    return profiling.begin(topo.stats.label, call.collective, call.fields, call.algorithm)
 
 
 def _execute(native: Any, topo: Communicator, call: Described, job: Job, queued: float = -1.0) -> Any:

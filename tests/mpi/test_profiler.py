@@ -1,0 +1,74 @@
+"""Collectives in PyTorch's profiler (collectives/runtime/profiling.py): sync and async
+calls, the allreduce fast entry's and DDP's on the torch backend, as ranges named
+collectives.<collective> with the call's arguments, an async one over its whole span."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+
+import collectives as C
+
+
+def _ranges(prof: profile, tmp_path, rank: int) -> list[dict]:
+    path = tmp_path / f"trace{rank}.json"
+    prof.export_chrome_trace(str(path))
+    return [e for e in json.loads(path.read_text())["traceEvents"]
+            if e.get("ph") == "X" and str(e.get("name", "")).startswith("collectives.")]
+
+
+def test_sync_async_and_fast_entry_calls_are_ranges(comm, tmp_path):
+    rank = comm.Get_rank()
+    x = np.ones(1024, np.float32)
+    for _ in range(3):
+        C.allreduce(x)  # described: later calls of this shape take the fast entry
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(4):
+            C.allreduce(x)
+        C.broadcast(np.arange(6.0), 0)
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's async call waits for rank 1 after its submission
+        handle = C.allreduce_async(np.ones((3, 5), np.float64), C.Sum)
+        submitted = time.monotonic()
+        C.synchronize(handle)
+    ranges = _ranges(prof, tmp_path, rank)
+    names = [e["name"] for e in ranges]
+    assert names.count("collectives.allreduce") == 5 and names.count("collectives.broadcast") == 1, names
+    fast = ranges[0]["args"]
+    assert fast["bytes"] == 4096 and fast["dtype"] == "float32" and fast["op"] == "Average", fast
+    assert fast["process_set"] == "job" and fast["algorithm"] in C.ALGORITHMS, fast
+    last = ranges[-1]
+    assert last["args"]["shape"] == "(3, 5)" and last["args"]["bytes"] == 120, last
+    if rank == 0:  # the whole span, not only the submission
+        assert last["dur"] >= 0.2e6, (last["dur"], time.monotonic() - submitted)
+
+
+def test_ddp_buckets_on_the_backend_are_ranges(comm, tmp_path):
+    dist.init_process_group("collectives")
+    try:
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                        torch.nn.Linear(16, 1)))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                model(torch.randn(4, 8)).sum().backward()
+        names = [e["name"] for e in _ranges(prof, tmp_path, comm.Get_rank())]
+        assert names.count("collectives.allreduce") >= 2, names  # a bucket a step at least
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nothing_is_recorded_without_a_profiler(comm, monkeypatch):
+    from collectives.runtime import profiling
+
+    began = []
+    monkeypatch.setattr(profiling, "begin", lambda *a: began.append(a))
+    C.allreduce(np.ones(8, np.float32))
+    C.synchronize(C.allreduce_async(np.ones(8, np.float32)))
+    assert began == [] and not profiling.on()
