@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.runtime.p2p import irecv, isend
+from collectives.runtime.watchdog import wait_all
 
 TAG_SCATTER, TAG_GATHER = 51, 52
 
@@ -64,4 +65,4 @@ def exchange(comm: MPI.Comm, send: list[np.ndarray], recv: np.ndarray, tag: int)
     peers = [j for j in range(comm.Get_size()) if j != r]
     reqs = [irecv(comm, recv[j], j, tag) for j in peers]
     reqs += [isend(comm, send[j], j, tag) for j in peers]
-    MPI.Request.Waitall(reqs)
+    wait_all(comm, reqs, "1-bit exchange")

@@ -17,6 +17,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from collectives.runtime.watchdog import wait_all
+
 #: A workspace (both halves) grows to at least this (bytes), then by doubling.
 MIN_BYTES = 2 << 20
 
@@ -108,7 +110,7 @@ class Workspaces:
         """Wait until this rank's work on the stream is done, then until every rank's is:
         after it, what any rank wrote is visible to every rank's next launch."""
         self.stream.synchronize()
-        self.comm.Barrier()
+        wait_all(self.comm, [self.comm.Ibarrier()], "device sync")
 
     def close(self) -> None:
         """Close the peers' handles and free this rank's workspace (local)."""

@@ -26,6 +26,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from collectives import config
 from collectives.kernels import _C
 from collectives.runtime import flight, window
 from collectives.runtime.engine import ENGINE
@@ -75,6 +76,37 @@ def bounded(seconds: float | None, what: str) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+#: Polls of a bounded wait (wait_all) made back to back before it sleeps POLL_S between them.
+EAGER_POLLS = 100
+POLL_S = 1e-4
+
+
+def wait_all(comm: MPI.Comm, requests: list[MPI.Request], what: str) -> None:
+    """MPI.Request.Waitall, bounded by comm's stall timeout (its Topology's limit as it is
+    now, or COLLECTIVES_STALL_TIMEOUT_S on a communicator no Topology runs on): past it the
+    engine is marked failed, the flight record written and StallError raised, as for a
+    wait in the agreement. For the data phases that wait on MPI requests of their own (the
+    1-bit exchange, the device path's barrier). The requests are left pending: MPI cannot
+    cancel them, and the library refuses every later call."""
+    if MPI.Request.Testall(requests):
+        return
+    limit = limit_of(comm)
+    timeout_s = config.get().stall_timeout_s if limit is None else limit.timeout_s
+    if timeout_s is None:
+        MPI.Request.Waitall(requests)
+        return
+    start, polls = time.monotonic(), 0
+    while not MPI.Request.Testall(requests):
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            why = timed_out(what, waited, "other ranks", timeout_s)
+            ENGINE.native.fail(why)
+            flight.dump(why)
+            raise StallError(f"{why}\n{flight.where('this rank')}")
+        polls += 1
+        time.sleep(0 if polls < EAGER_POLLS else POLL_S)
 
 
 class Limit:

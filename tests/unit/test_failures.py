@@ -57,6 +57,17 @@ def test_a_barrier_beside_the_engine_warns_then_raises():
     assert elapsed < 30
 
 
+def test_a_data_phase_wait_ends_at_the_communicators_timeout(tmp_path):
+    """The 1-bit exchange waited in MPI_Waitall, unbounded: a rank whose messages never
+    came held the others forever, whatever the timeout."""
+    code, out, elapsed = mpirun(2, "data_phase_stall.py",
+                                env={"COLLECTIVES_DUMP_DIR": str(tmp_path)})
+    found = re.search(r"rank 0 StallError after ([0-9.]+) s: 1-bit exchange: Timed out "
+                      r"waiting \d+ms for other ranks \(timeout 1.5 s\)", out)
+    assert found and 1.5 <= float(found.group(1)) < 5, out
+    assert (tmp_path / "rank0.json").exists() and elapsed < 30, out
+
+
 @pytest.mark.parametrize("group", ["default", "new"])
 def test_a_torch_groups_timeout_ends_a_barrier_a_rank_skips(group):
     code, out, elapsed = mpirun(3, "torch_timeout.py", group)
