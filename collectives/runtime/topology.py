@@ -302,9 +302,15 @@ def _abort_on_uncaught_exceptions() -> None:
 
     def hook(kind, value, tb) -> None:
         previous(kind, value, tb)
-        sys.stderr.write(f"collectives: uncaught {kind.__name__} on rank "
-                         f"{MPI.COMM_WORLD.Get_rank()}; aborting the job\n")
-        sys.stderr.flush()
+        # torch's init_process_group wraps this hook in one that points sys.stderr at a
+        # buffer and writes the buffer out after the hook returns, which it never does:
+        # what the hooks wrote goes to the process's stderr here
+        out = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+        if sys.stderr is not out and hasattr(sys.stderr, "getvalue"):
+            out.write(sys.stderr.getvalue())
+        out.write(f"collectives: uncaught {kind.__name__} on rank "
+                  f"{MPI.COMM_WORLD.Get_rank()}; aborting the job\n")
+        out.flush()
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook

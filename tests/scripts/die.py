@@ -1,4 +1,5 @@
-"""Rank 1 dies mid-training in the way argv[1] names; the others keep calling allreduce.
+"""Rank 1 dies mid-training in the way argv[1] names (exception_under_torch: an exception
+after torch's init_process_group); the others keep calling allreduce.
 The job must end quickly with a non-zero exit, never hang."""
 
 import os
@@ -12,10 +13,14 @@ import collectives as C
 
 C.init()
 how = sys.argv[1]
+if how == "exception_under_torch":  # torch's init_process_group wraps the excepthook
+    import torch.distributed as dist
+
+    dist.init_process_group("collectives")
 x = np.ones(1 << 16, np.float32)
 for step in range(1000):
     if C.rank() == 1 and step == 5:
-        if how == "exception":
+        if how.startswith("exception"):
             raise RuntimeError("simulated failure on rank 1")
         if how == "exit":
             os._exit(3)
