@@ -160,7 +160,8 @@ class Engine:
         native = self.native
         handle = Handle(call.collective, native.clock() if native.tracing else -1.0)
         if profiling.on():
-            handle.span = _begin(topo, call)
+            handle.span = profiling.begin_async(topo.stats.label, call.collective,
+                                                call.fields, call.algorithm)
         if self._thread is None:
             with self._start:
                 if self._thread is None:
@@ -185,17 +186,26 @@ class Engine:
         native = self.native
         while True:
             handle, topo, call, job = native.next()  # claimed for this item
+            run = functools.partial(_execute, native, topo, call, job, handle.queued)
             try:
-                handle._run(functools.partial(_execute, native, topo, call, job, handle.queued))
+                handle._run(run if handle.span is None else
+                            functools.partial(_spanned, handle.span, run))
             finally:
                 native.release()
-                if handle.span is not None:
-                    profiling.end(handle.span)
             handle._fire()
 
 
 def _begin(topo: Communicator, call: Described) -> Any:
     return profiling.begin(topo.stats.label, call.collective, call.fields, call.algorithm)
+
+
+def _spanned(span: Any, run: Callable[[], Any]) -> Any:
+    """run(), then the end of its async profiler range: before its handle is done, so the
+    range ends when the call does, not when this thread next gets the GIL."""
+    try:
+        return run()
+    finally:
+        profiling.end_async(span)
 
 
 def _execute(native: Any, topo: Communicator, call: Described, job: Job, queued: float = -1.0) -> Any:

@@ -4,6 +4,7 @@ and the straggler accounting (runtime/stragglers.py), in whole jobs under mpirun
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -91,3 +92,20 @@ def test_the_ring_keeps_the_last_calls(tmp_path):
     assert all(c["phase"] == "done" and c["comm"] == "job" and c["collective"] == "allreduce"
                and "(100,)" in c["detail"] for c in calls), calls
     assert all(c["start"] <= c["agreed"] <= c["end"] for c in calls), calls
+
+
+def test_the_profile_example_draws_a_ddp_step(tmp_path):
+    """examples/profile_step.py, which draws README.md's picture: every bucket's allreduce
+    is a range in rank 0's trace."""
+    from test_failures import MPIRUN
+
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    out = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", sys.executable,
+                          str(ROOT / "examples" / "profile_step.py"), "--out",
+                          str(tmp_path / "step.png")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"\d+ allreduces; [0-9.]+ ms of them inside backward", out.stdout), out.stdout
+    assert (tmp_path / "step.png").stat().st_size > 0
+    trace = json.loads((tmp_path / "profile_step0.json").read_text())
+    assert any(e.get("name") == "collectives.allreduce" for e in trace["traceEvents"])
