@@ -68,6 +68,7 @@ from collectives.ops import ReduceOp
 from collectives.runtime import topology
 from collectives.runtime.p2p import even_bounds, irecv, isend, offsets
 from collectives.runtime.topology import Topology
+from collectives.runtime.watchdog import wait_all
 
 TAG_SCATTER, TAG_ROOT = 31, 32
 #: The registry runs this module's collectives on the Topology, not on a communicator.
@@ -356,9 +357,9 @@ def reducescatter(topo: Topology, send: np.ndarray, recv: np.ndarray, counts: li
         reqs = [isend(topo.node_comm, mine[offs[j]:offs[j + 1]], j, TAG_SCATTER)
                 for j in range(1, topo.local_size)]
         recv[...] = mine[offs[0]:offs[1]]
-        MPI.Request.Waitall(reqs)
+        wait_all(topo.node_comm, reqs, "hierarchical")
     else:
-        irecv(topo.node_comm, recv, 0, TAG_SCATTER).Wait()
+        wait_all(topo.node_comm, [irecv(topo.node_comm, recv, 0, TAG_SCATTER)], "hierarchical")
 
 
 def broadcast(topo: Topology, buf: np.ndarray, root: int) -> None:
@@ -368,9 +369,9 @@ def broadcast(topo: Topology, buf: np.ndarray, root: int) -> None:
     root_leader = topo.nodes[root_node][0]
     if root != root_leader:  # bring the data to the root node's leader
         if topo.rank == root:
-            isend(topo.comm, buf, root_leader, TAG_ROOT).Wait()
+            wait_all(topo.comm, [isend(topo.comm, buf, root_leader, TAG_ROOT)], "hierarchical")
         elif topo.rank == root_leader:
-            irecv(topo.comm, buf, root, TAG_ROOT).Wait()
+            wait_all(topo.comm, [irecv(topo.comm, buf, root, TAG_ROOT)], "hierarchical")
     if topo.local_rank == 0:
         level["inter_bcast"](topo.cross_comm, buf, root_node)
     level["intra_bcast"](topo.node_comm, buf, 0)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.runtime.p2p import irecv, isend, offsets
+from collectives.runtime.watchdog import wait_all
 
 TAG_ALLTOALL = 61
 
@@ -30,8 +31,8 @@ def alltoall(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, send_counts: li
     recv[ro[r]:ro[r + 1]] = send[so[r]:so[r + 1]]
     for k in range(1, n):
         dst, src = (r + k) % n, (r - k) % n
-        MPI.Request.Waitall([irecv(comm, recv[ro[src]:ro[src + 1]], src, TAG_ALLTOALL),
-                             isend(comm, send[so[dst]:so[dst + 1]], dst, TAG_ALLTOALL)])
+        wait_all(comm, [irecv(comm, recv[ro[src]:ro[src + 1]], src, TAG_ALLTOALL),
+                        isend(comm, send[so[dst]:so[dst + 1]], dst, TAG_ALLTOALL)], "pairwise")
 
 
 def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:

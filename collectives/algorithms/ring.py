@@ -29,6 +29,7 @@ from collectives import config, kernels
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.ops import ReduceOp
 from collectives.runtime.p2p import even_bounds, irecv, isend, offsets, segments
+from collectives.runtime.watchdog import wait_all
 
 TAG_RS, TAG_AG, TAG_BCAST = 11, 12, 13
 #: Largest single message: keeps MPI's int counts in range whatever the buffer size.
@@ -65,11 +66,11 @@ def _reduce_scatter(comm: MPI.Comm, send: np.ndarray, bounds: list[int], op: Red
         sends = [isend(comm, outgoing[a:b], right, TAG_RS) for a, b in segments(outgoing.size, seg)]
         out = dest(step, rc)
         for (a, b), req in zip(pieces, recvs):
-            req.Wait()
+            wait_all(comm, [req], "ring")
             kernels.reduce(out[a:b], [send[rlo + a:rlo + b], tmp[a:b]], dtype, op)
             if divisor > 1 and step == n - 2:
                 kernels.divide(out[a:b], dtype, divisor)
-        MPI.Request.Waitall(sends)
+        wait_all(comm, sends, "ring")
         outgoing = out
 
 
@@ -84,7 +85,7 @@ def _ring_allgather(comm: MPI.Comm, buf: np.ndarray, bounds: list[int]) -> None:
         seg = max(1, MAX_MESSAGE_BYTES // buf.itemsize)
         reqs = [irecv(comm, rblock[a:b], left, TAG_AG) for a, b in segments(rblock.size, seg)]
         reqs += [isend(comm, sblock[a:b], right, TAG_AG) for a, b in segments(sblock.size, seg)]
-        MPI.Request.Waitall(reqs)
+        wait_all(comm, reqs, "ring")
 
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
@@ -141,10 +142,10 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     sends = []
     for i, (a, b) in enumerate(pieces):
         if recvs:
-            recvs[i].Wait()
+            wait_all(comm, [recvs[i]], "ring")
         if pos < n - 1:
             sends.append(isend(comm, buf[a:b], nxt, TAG_BCAST))
-    MPI.Request.Waitall(sends)
+    wait_all(comm, sends, "ring")
 
 
 def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:

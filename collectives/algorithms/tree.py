@@ -34,6 +34,7 @@ from collectives.kernels import _C
 from collectives.ops import ReduceOp
 from collectives.runtime.engine import ENGINE
 from collectives.runtime.p2p import irecv, isend, offsets
+from collectives.runtime.watchdog import wait_all
 
 TAG_FOLD, TAG_RD, TAG_RH, TAG_BRUCK, TAG_BCAST = 21, 22, 23, 24, 25
 #: Largest allreduce message: MPI counts are C ints.
@@ -42,7 +43,7 @@ MAX_MESSAGE_BYTES = 1 << 30
 
 def _exchange(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, peer: int, tag: int) -> None:
     reqs = [irecv(comm, recv, peer, tag), isend(comm, send, peer, tag)]
-    MPI.Request.Waitall(reqs)
+    wait_all(comm, reqs, "tree")
 
 
 def fold_shape(n: int) -> tuple[int, int]:
@@ -69,9 +70,9 @@ def _fold(comm: MPI.Comm, buf: np.ndarray, tmp: np.ndarray, e: int, op: ReduceOp
     if r >= 2 * e:
         return
     if r % 2 == 0:
-        isend(comm, buf, r + 1, TAG_FOLD).Wait()
+        wait_all(comm, [isend(comm, buf, r + 1, TAG_FOLD)], "tree")
     else:
-        irecv(comm, tmp, r - 1, TAG_FOLD).Wait()
+        wait_all(comm, [irecv(comm, tmp, r - 1, TAG_FOLD)], "tree")
         kernels.reduce(buf, [tmp, buf], dtype, op)
 
 
@@ -126,9 +127,9 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
             d >>= 1
     if r < 2 * e:  # the odd rank holds both blocks of the pair
         if r % 2:
-            isend(comm, acc[bounds[r - 1]:bounds[r]], r - 1, TAG_FOLD).Wait()
+            wait_all(comm, [isend(comm, acc[bounds[r - 1]:bounds[r]], r - 1, TAG_FOLD)], "tree")
         else:
-            irecv(comm, acc[bounds[r]:bounds[r + 1]], r + 1, TAG_FOLD).Wait()
+            wait_all(comm, [irecv(comm, acc[bounds[r]:bounds[r + 1]], r + 1, TAG_FOLD)], "tree")
     recv[...] = acc[bounds[r]:bounds[r + 1]]
 
 
@@ -145,7 +146,7 @@ def allgather(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: list[i
         k = min(have, n - have)
         reqs = [irecv(comm, rotated[offs[have]:offs[have + k]], (r + have) % n, TAG_BRUCK),
                 isend(comm, rotated[:offs[k]], (r - have) % n, TAG_BRUCK)]
-        MPI.Request.Waitall(reqs)
+        wait_all(comm, reqs, "tree")
         have += k
     split = bounds[r]  # undo the rotation: blocks r.. go first in rotated, at bounds[r] in recv
     recv[split:] = rotated[:offs[n - r]]
@@ -161,7 +162,7 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
     mask = 1
     while mask < n:  # receive from the parent: clear the lowest set bit of rel
         if rel & mask:
-            irecv(comm, buf, (r - mask) % n, TAG_BCAST).Wait()
+            wait_all(comm, [irecv(comm, buf, (r - mask) % n, TAG_BCAST)], "tree")
             break
         mask <<= 1
     mask >>= 1
@@ -170,7 +171,7 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
         if rel + mask < n:
             sends.append(isend(comm, buf, (r + mask) % n, TAG_BCAST))
         mask >>= 1
-    MPI.Request.Waitall(sends)
+    wait_all(comm, sends, "tree")
 
 
 def doubling_steps(n: int) -> int:

@@ -90,7 +90,8 @@ class Topology:
         # the agreement over shared memory where the group is one node that shares it
         self.window = agreement.shared_window(self.comm) if len(self.nodes) == 1 else None
         self.limit = Limit(config.stall_timeout_s)  # how long a call here waits for others
-        self.limit.attach(self.comm)
+        for c in (self.comm, self.node_comm, self.cross_comm):  # every wait on them reads it
+            self.limit.attach(c)
         self.channel = agreement.channel(self.comm, watchdog, self.limit, self.window)
         # calls, bytes and waits: the engine writes them (C++); label: the flight recorder's
         # name of this communicator (the job's, or its members' job ranks)
@@ -119,6 +120,9 @@ class Topology:
                                 key=self.rank)
                 for s in range(self.max_local_size)
             ]
+            for c in self._shard_comms:
+                if c != MPI.COMM_NULL:
+                    self.limit.attach(c)
         return self._shard_comms[shard]
 
     def comms(self) -> list[MPI.Comm]:

@@ -78,8 +78,10 @@ def bounded(seconds: float | None, what: str) -> Iterator[None]:
         timer.cancel()
 
 
-#: Polls of a bounded wait (wait_all) made back to back before it sleeps POLL_S between them.
-EAGER_POLLS = 100
+#: A bounded wait (wait_all) polls back to back for SPIN_S, then yields the GIL between
+#: polls, then after YIELD_S sleeps POLL_S between them.
+SPIN_S = 1e-3
+YIELD_S = 0.1
 POLL_S = 1e-4
 
 
@@ -87,26 +89,29 @@ def wait_all(comm: MPI.Comm, requests: list[MPI.Request], what: str) -> None:
     """MPI.Request.Waitall, bounded by comm's stall timeout (its Topology's limit as it is
     now, or COLLECTIVES_STALL_TIMEOUT_S on a communicator no Topology runs on): past it the
     engine is marked failed, the flight record written and StallError raised, as for a
-    wait in the agreement. For the data phases that wait on MPI requests of their own (the
-    1-bit exchange, the device path's barrier). The requests are left pending: MPI cannot
-    cancel them, and the library refuses every later call."""
-    if MPI.Request.Testall(requests):
+    wait in the agreement. For the data phases, which wait on MPI requests of their own.
+    The requests are left pending: MPI cannot cancel them, and the library refuses every
+    later call."""
+    test = MPI.Request.Testall
+    if test(requests):
         return
+    start = time.monotonic()
+    while time.monotonic() - start < SPIN_S:  # as MPI_Waitall would spin
+        if test(requests):
+            return
     limit = limit_of(comm)
     timeout_s = config.get().stall_timeout_s if limit is None else limit.timeout_s
     if timeout_s is None:
         MPI.Request.Waitall(requests)
         return
-    start, polls = time.monotonic(), 0
-    while not MPI.Request.Testall(requests):
+    while not test(requests):
         waited = time.monotonic() - start
         if waited >= timeout_s:
             why = timed_out(what, waited, "other ranks", timeout_s)
             ENGINE.native.fail(why)
             flight.dump(why)
             raise StallError(f"{why}\n{flight.where('this rank')}")
-        polls += 1
-        time.sleep(0 if polls < EAGER_POLLS else POLL_S)
+        time.sleep(0 if waited < YIELD_S else POLL_S)
 
 
 class Limit:

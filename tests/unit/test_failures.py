@@ -62,12 +62,13 @@ def test_a_barrier_beside_the_engine_warns_then_raises():
     assert elapsed < 30
 
 
-def test_a_data_phase_wait_ends_at_the_communicators_timeout(tmp_path):
-    """The 1-bit exchange waited in MPI_Waitall, unbounded: a rank whose messages never
-    came held the others forever, whatever the timeout."""
-    code, out, elapsed = mpirun(2, "data_phase_stall.py",
+@pytest.mark.parametrize("case,what", [("onebit", "1-bit exchange"), ("ring", "ring")])
+def test_a_data_phase_wait_ends_at_the_communicators_timeout(tmp_path, case, what):
+    """The data phases waited in MPI_Waitall, unbounded: a rank whose messages never came
+    held the others forever, whatever the timeout."""
+    code, out, elapsed = mpirun(2, "data_phase_stall.py", case,
                                 env={"COLLECTIVES_DUMP_DIR": str(tmp_path)})
-    found = re.search(r"rank 0 StallError after ([0-9.]+) s: 1-bit exchange: Timed out "
+    found = re.search(rf"rank 0 StallError after ([0-9.]+) s: {what}: Timed out "
                       r"waiting \d+ms for other ranks \(timeout 1.5 s\)", out)
     assert found and 1.5 <= float(found.group(1)) < 5, out
     assert (tmp_path / "rank0.json").exists() and elapsed < 30, out
