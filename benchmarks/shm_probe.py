@@ -92,7 +92,7 @@ def main() -> None:
                 print(f"{op:<14}{text:>8}{t_shm * 1e6:>11.1f}{t_mpi * 1e6:>11.1f}"
                       f"{nbytes / t_shm * factor / 1e9:>10.2f}{nbytes / t_mpi * factor / 1e9:>10.2f}"
                       f"{t_mpi / t_shm:>7.2f}", flush=True)
-    shm.shutdown()
+    shm.shutdown(comm)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def main() -> None:
     send = np.ones(nbytes // 4, np.float32)
     recv, copied = np.empty_like(send), np.empty_like(send)
     shm.allreduce(comm, send, recv, C.Sum, "float32")
-    window = shm._windows[comm.handle].native
+    window = shm.window_of(comm).native
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     for _ in range(args.rounds):
         for way, mode in WAYS.items():

@@ -2,8 +2,9 @@
 allgather and broadcast through one shared window per communicator
 (collectives/runtime/window.py: per-rank counters and staging buffers).
 
-How it works. Every rank owns a segment of the communicator's window, kept across calls
-(grown on demand, collectively; freed by `shutdown`), holding DEPTH staging buffers of up
+How it works. Every rank owns a segment of the communicator's window, kept across calls on
+the communicator itself (grown on demand, collectively; freed with the communicator or by
+`shutdown`), holding DEPTH staging buffers of up
 to slot_limit() bytes. A call is cut into chunks; chunk g (numbered across calls) uses
 buffer g % DEPTH. The data is cut into one block per rank, and each chunk takes one piece
 of every block:
@@ -101,9 +102,8 @@ SMALL_BYTES = 256 << 10
 _ALIGN = 64  # pieces start on cache lines
 
 
-#: Live windows by communicator handle, in creation order (the same on every rank).
-_windows: dict[int, Window] = {}
-_keyval: int | None = None  # created on first use: MPI must be initialized
+_keyval: int | None = None  # the attribute holding a communicator's window: created on first
+                            # use (MPI must be initialized)
 
 
 #: allreduce takes divisor= and divides, inside its own reduction, what each rank reduces
@@ -113,8 +113,7 @@ FOLDS_AVERAGE = True
 def _window(comm: MPI.Comm, slot_bytes: int) -> Window:
     """comm's window with buffers of at least slot_bytes; creating or growing it is
     collective, and every rank asks for the same size because sizes are agreed."""
-    key = comm.handle
-    w = _windows.get(key)
+    w = window_of(comm)
     if w is not None and w.slot_bytes >= slot_bytes:
         return w
     if w is None:
@@ -122,37 +121,28 @@ def _window(comm: MPI.Comm, slot_bytes: int) -> Window:
         grown = max(slot_bytes, MIN_SLOT_BYTES)
     else:
         comm.Barrier()  # no rank still reads the old window
-        _forget(key)
+        comm.Delete_attr(_key())  # frees it
         grown = max(slot_bytes, min(2 * w.slot_bytes, slot_limit(comm.Get_size())))
     timeout = config.get().stall_timeout_s
     limit = limit_of(comm)  # a Topology's communicator: its timeout, as it is when a wait starts
     w = Window(comm, -(-grown // _ALIGN) * _ALIGN, DEPTH, math.inf if timeout is None else timeout,
                None if limit is None else limit.native)
-    comm.Set_attr(_on_free(), (key, w))
-    _windows[key] = w
+    comm.Set_attr(_key(), w)
     return w
 
 
-def _on_free() -> int:
-    """The attribute key that ties a window to its communicator: MPI reuses handles, so a
-    window must not outlive its communicator in _windows."""
+def window_of(comm: MPI.Comm) -> Window | None:
+    """comm's window, if it has one. The communicator holds it (an MPI attribute: MPI
+    reuses no handle while comm lives), so its owner (comm's Topology, or whoever made comm)
+    owns the window too, and freeing comm frees it."""
+    return None if _keyval is None else comm.Get_attr(_keyval)
+
+
+def _key() -> int:
     global _keyval
     if _keyval is None:
-        _keyval = MPI.Comm.Create_keyval(delete_fn=_comm_freed)
+        _keyval = MPI.Comm.Create_keyval(delete_fn=lambda _comm, _key, w: w.free())
     return _keyval
-
-
-def _comm_freed(comm: MPI.Comm, keyval: int, value: tuple[int, Window]) -> None:
-    """Attribute delete callback (the communicator is being freed): free its window."""
-    _forget(*value)
-
-
-def _forget(key: int, w: Window | None = None) -> None:
-    """Free the window registered under key (only if it is w, when given): collective."""
-    current = _windows.get(key)
-    if current is not None and (w is None or current is w):
-        del _windows[key]
-        current.free()
 
 
 def _check_shared(comm: MPI.Comm) -> None:
@@ -161,13 +151,11 @@ def _check_shared(comm: MPI.Comm) -> None:
                          "communicator")
 
 
-def shutdown(comm: MPI.Comm | None = None) -> None:
-    """Free comm's window (collective over comm), or every window if comm is None (collective
-    over each window's communicator, in creation order). Freeing a communicator frees its
-    window too."""
-    for key in list(_windows):
-        if comm is None or key == comm.handle:
-            _forget(key)
+def shutdown(comm: MPI.Comm) -> None:
+    """Free comm's window now, if it has one (collective over comm); the next call makes a
+    new one. Freeing comm frees it too."""
+    if window_of(comm) is not None:
+        comm.Delete_attr(_key())
 
 
 def stores(comm: MPI.Comm) -> dict[str, tuple[int, int, int]]:
@@ -175,7 +163,7 @@ def stores(comm: MPI.Comm) -> dict[str, tuple[int, int, int]]:
     csrc/runtime/shm.h): calls with plain stores, calls with streaming stores, trials of
     the way not running. Empty where comm has no window. For diagnosis: bandwidth.py
     --json keeps the job's."""
-    w = _windows.get(comm.handle)
+    w = window_of(comm)
     if w is None:
         return {}
     return {f"{'allreduce' if allreduce else 'reducescatter'} {lo}-{2 * lo - 1} B "

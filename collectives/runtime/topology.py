@@ -14,8 +14,8 @@ in an object of its own class, hung here by state() and freed with the Topology:
 descriptions and fast entries, `auto`'s choices and trials, process sets, the timeline's
 recording, Horovod's names in flight, faults' failed ranks, the device path's CUDA IPC
 workspaces. Only the layer that defines such a class writes it; another layer that needs
-it changed calls a function of that layer. (shm's algorithm windows are tied to the MPI
-communicator itself, see algorithms/shm.py.) The watchdog and the Config are the
+it changed calls a function of that layer. (shm's algorithm windows are an attribute of the
+MPI communicator they run on, freed with it: algorithms/shm.window_of.) The watchdog and the Config are the
 process's, shared by every communicator; the stall timeout is each communicator's
 (set_timeout)."""
 

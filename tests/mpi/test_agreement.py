@@ -253,10 +253,10 @@ def test_fast_entry_takes_the_new_window_after_a_regrowth(comm):
     x = np.ones(_pipelined("float32"), np.float32)
     for _ in range(2):  # the second call runs on the fast entry, which keeps the window
         assert_equal(C.allreduce(x, op=C.Sum, algorithm="shm"), x * n, "before")
-    old = shm._windows[topo.comm.handle]
+    old = shm.window_of(topo.comm)
     big = np.ones(8 * old.slot_bytes // 4, np.float32)
     assert_equal(C.allreduce(big, op=C.Sum, algorithm="shm"), big * n, "the regrowing call")
-    assert shm._windows[topo.comm.handle] is not old
+    assert shm.window_of(topo.comm) is not old
     for i in range(3):
         assert_equal(C.allreduce(x * i, op=C.Sum, algorithm="shm"), x * i * n, "after")
     shm.shutdown(topo.comm)  # freed outright: the next call makes a window again

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import DTYPES, assert_equal, assert_same_on_all_ranks, make_input, reference_reduce
+from mpi4py import MPI
 
 import collectives as C
 from collectives import config
 from collectives.algorithms import shm
 from collectives.runtime import topology
+from collectives.runtime import window as runtime_window
 
 pytestmark = pytest.mark.mpi
 
@@ -39,7 +41,7 @@ def path(request, monkeypatch) -> str:
 @pytest.fixture(scope="module", autouse=True)
 def free_windows():
     yield
-    shm.shutdown()
+    shm.shutdown(MPI.COMM_WORLD)
 
 
 def counts_for(path: str, n: int) -> list[int]:
@@ -212,10 +214,10 @@ def test_freed_communicator_frees_its_window(comm):
         sub = comm.Split(0, key=n - 1 - r if i % 2 else r)
         check_allgather(sub, make_input("int32", (3000 + sub.Get_rank(),), seed=i * 13 + r),
                         f"communicator {i}")
-        key = sub.handle
-        assert key in shm._windows
+        made = shm.window_of(sub)
+        assert made is not None and made in runtime_window._live
         sub.Free()
-        assert key not in shm._windows
+        assert made not in runtime_window._live  # freed with its communicator
 
 
 def test_delays_between_stages(comm, monkeypatch):
@@ -238,7 +240,7 @@ def test_delays_between_stages(comm, monkeypatch):
                             f"reducescatter call {i}")
         check_allgather(comm, x[:count - (i % 7) * r], f"allgather call {i}")
         check_broadcast(comm, x, i % n, f"broadcast call {i}")
-    assert shm._windows[comm.handle] is jittery  # never regrown: every call drifted
+    assert shm.window_of(comm) is jittery  # never regrown: every call drifted
     shm.shutdown(comm)  # no jitter in later tests' windows
 
 
@@ -268,7 +270,7 @@ def test_stores_into_the_buffers(comm, monkeypatch, stores):
     summed = reference_reduce(comm.allgather(send), C.Sum, "float32", n)
     assert_equal(recv, (summed / np.float32(n)).astype(np.float32), f"{stores} average")
     assert_same_on_all_ranks(comm, recv, f"{stores} average")
-    assert shm._windows[comm.handle] is window
+    assert shm.window_of(comm) is window
     shm.shutdown(comm)
 
 
@@ -315,7 +317,7 @@ def test_large_out_of_place_results_streamed(comm, dtype):
         assert_equal(readable(recv, dtype), expected, f"{dtype} out of place")
         assert_same_on_all_ranks(comm, recv, f"{dtype} out of place")
         assert_equal(send, before, f"{dtype}: input modified")
-        window = shm._windows.get(comm.handle)  # the one this size took (one rank: none)
+        window = shm.window_of(comm)  # the one this size took (one rank: none)
         for stores in (0, 1):
             if window is not None:
                 window.native.set_stores(stores)

@@ -11,7 +11,10 @@ of collectives/ and optim/:
   chain starts at `self` with that field (a class writing its own attribute);
 - `.state(Kind)` is asked for only inside Kind's layer: another layer calls a function of
   the owner;
-- a field of a state class is written only inside its owner's layer."""
+- a field of a state class is written only inside its owner's layer;
+- no module keeps a communicator's state in a module-level dict keyed by the communicator
+  (its handle, or a `comm` / `topo` argument): such state belongs on its owner (a state
+  object, or an attribute of the MPI communicator itself)."""
 
 from __future__ import annotations
 
@@ -139,6 +142,64 @@ def violations(trees: dict[Path, str] = TREES) -> list[str]:
     return out
 
 
+#: Names that hold a communicator (or its Topology) where they are used as a key.
+COMMUNICATOR_NAMES = {"comm", "topo", "communicator"}
+
+
+def _module_dicts(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level to a dict ({...}, dict(...), or annotated
+    dict[...])."""
+    out = set()
+    for node in tree.body:
+        value, targets = None, []
+        if isinstance(node, ast.Assign):
+            value, targets = node.value, node.targets
+        elif isinstance(node, ast.AnnAssign):
+            value, targets = node.value, [node.target]
+            if "dict" in ast.unparse(node.annotation).lower():
+                out |= {t.id for t in targets if isinstance(t, ast.Name)}
+        if isinstance(value, ast.Dict) or (isinstance(value, ast.Call)
+                                           and getattr(value.func, "id", None) == "dict"):
+            out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _communicator_key(key: ast.AST, handles: set[str]) -> bool:
+    """Whether a key expression is a communicator: it reads a .handle, or is (or holds) a
+    name that does."""
+    return any((isinstance(n, ast.Attribute) and n.attr == "handle")
+               or (isinstance(n, ast.Name) and (n.id in handles or n.id in COMMUNICATOR_NAMES))
+               for n in ast.walk(key))
+
+
+def keyed_by_communicator(trees: dict[Path, str] = TREES) -> list[str]:
+    """Every use of a module-level dict with a communicator as its key."""
+    out = []
+    for path in _modules(trees).values():
+        tree = ast.parse(path.read_text(), str(path))
+        dicts = _module_dicts(tree)
+        if not dicts:
+            continue
+        handles = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                   and any(isinstance(n, ast.Attribute) and n.attr == "handle"
+                           for n in ast.walk(node.value))
+                   for t in node.targets if isinstance(t, ast.Name)}
+        here = path.relative_to(path.parents[1])
+        for node in ast.walk(tree):
+            key, used = None, None
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+                key, used = node.slice, node.value.id
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and isinstance(node.func.value, ast.Name) and node.args:
+                key, used = node.args[0], node.func.value.id
+            elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                    and isinstance(node.comparators[0], ast.Name):
+                key, used = node.left, node.comparators[0].id
+            if used in dicts and _communicator_key(key, handles):
+                out.append(f"{here}:{node.lineno}: module-level {used} keyed by a communicator")
+    return out
+
+
 def _package(tmp_path: Path, files: dict[str, str]) -> dict[Path, str]:
     """A copy of collectives/ and optim/ under tmp_path with files (relative paths) set."""
     trees = {}
@@ -179,3 +240,17 @@ def test_a_write_of_another_layers_state_is_reported(tmp_path):
     assert any("auto/online.py" in f and ".fast" in f for f in found), found
     assert any("horovod/common.py" in f and "asks for AutoState" in f for f in found), found
     assert any("horovod/common.py" in f and ".settled" in f for f in found), found
+
+
+def test_no_module_keeps_a_communicators_state_in_a_module_dict():
+    assert keyed_by_communicator() == []
+
+
+def test_a_module_dict_keyed_by_a_communicator_is_reported(tmp_path):
+    """As shm's windows were kept (a dict by communicator handle), and by a Topology."""
+    trees = _package(tmp_path, {"collectives/algorithms/shm.py": (
+        "\n\n_by_handle: dict[int, object] = {}\n_by_topo = {}\n\n\n"
+        "def _bad(comm, topo):\n    key = comm.handle\n    _by_handle[key] = 1\n"
+        "    return _by_topo.get(topo)\n")})
+    found = keyed_by_communicator(trees)
+    assert len(found) == 2 and all("algorithms/shm.py" in f for f in found), found
