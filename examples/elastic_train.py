@@ -14,7 +14,7 @@ learning rate in a reset callback, and trains on: the survivors share what is le
 epoch (ElasticSampler) and finish every epoch. With --max-size N the job grows back to N
 ranks instead: a replacement started after the first failure joins at a later commit (kill
 once, or far apart: a rank that dies while a replacement starts ends the job with this
-Open MPI, README.md "When a rank dies"). With --discovery FILE (a file, or an executable
+Open MPI, docs/elastic.md). With --discovery FILE (a file, or an executable
 printing `host:slots` lines: Horovod's host-discovery script) the job also grows into the
 slots listed there, at a commit, within the slots its launch reserved (the second command:
 2 ranks started, 4 slots reserved and listed; 4 ranks once the new processes have started,

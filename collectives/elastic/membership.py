@@ -3,7 +3,7 @@
 The target is `run`'s max_size, else Config.elastic_max_size; with a host-discovery source
 (`run`'s discovery, else Config.elastic_discovery: elastic/discovery.py) it is the slots
 the source lists, capped by max_size when both are set. Without either the job only
-shrinks (growth is opted into: across hosts a join can hang, README.md says why). After
+shrinks (growth is opted into: across hosts a join can hang, docs/elastic.md says why). After
 ranks died and the survivors shrank, rank 0 starts replacements for the missing ranks
 (runtime/spawn.py: on a thread, nothing waits for them); when the source lists more slots
 than the job has ranks, rank 0 starts the new ranks the same way at a commit. At every

@@ -19,7 +19,7 @@ The thread ends when Spawn returns; rank 0 looks for the batch's "ready" on its 
 with a probe at each commit, not in a receive left waiting on the thread: with Open MPI
 5.0.11, a thread blocked in that receive while the job's thread runs MPI_Comm_agree (the
 elastic commit of a ZeroOptimizer) can make the agreement answer "failed" on every rank
-though every rank passed "ok" (README.md, "When a rank dies").
+though every rank passed "ok" (docs/elastic.md).
 
 MPI_Comm_accept/connect, not the spawn's own intercommunicator, joins the batch to every
 rank: the spawn made only rank 0 known to it. Costs: the spawning thread makes MPI calls

@@ -216,7 +216,7 @@ def shrink() -> Topology:
 
 #: Seconds a rebuild of the job's communicators (after a shrink or a growth) may take before
 #: the job ends with an error, or the stall timeout if shorter. A rebuild takes milliseconds;
-#: Open MPI 5.0.11 can hang in one (a job that grew back and lost a rank again: README.md).
+#: Open MPI 5.0.11 can hang in one (a job that grew back and lost a rank again: docs/elastic.md).
 REBUILD_TIMEOUT_S = 60.0
 
 

@@ -1,7 +1,7 @@
 """An elastic job of 3 ranks that grows back (max_size 3) after launch rank 2 dies at step
 10, then loses launch rank 1 at step 40, once the replacement has joined. With Open MPI
 5.0.11 the survivors then may hang inside MPI while rebuilding their communicators
-(README.md, replacement limits); the job must end with an error saying so, or go on at 2
+(docs/elastic.md, replacement limits); the job must end with an error saying so, or go on at 2
 ranks, not hang."""
 
 import os

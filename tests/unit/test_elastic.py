@@ -141,7 +141,7 @@ def test_dead_ranks_are_replaced(tmp_path, layout, api, dying):
     shrink join at a later commit, the job runs at full size again, and every rank (the
     replacements too) ends with the replay's parameters. (Only the job's first failure is
     replaced, and a rank that dies while a replacement is inside MPI_Init ends the job:
-    README.md, "When a rank dies", says why.)"""
+    docs/elastic.md says why.)"""
     np_ = LAYOUTS[layout][0]
     dead = [int(r) for r in dying.split(",")] if dying else [np_ - 1]
     env = {"VICTIMS": ",".join(map(str, dead)), "GROW": "1", "STEP_S": "0.05",

@@ -1,8 +1,8 @@
-"""Every fenced snippet in README.md runs as written.
+"""Every fenced snippet in README.md and in docs/*.md runs as written.
 
 Python blocks run as scripts under `mpirun -np 2` (they use collectives); shell blocks run
-line by line from the repository root. `make test` is the one line not run here: this
-test is part of it."""
+line by line from the repository root, but for the lines in NOT_RUN; `text` blocks (output,
+signatures, fragments) are not run."""
 
 from __future__ import annotations
 
@@ -16,18 +16,33 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+#: The pages whose snippets run: README.md and every page of docs/.
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MPIRUN = Path(sys.executable).parent / "mpirun"
 #: Shell lines this test does not run, and why.
 _SLURM = "needs a Slurm cluster: ci/slurm.sh runs these in CI"
+_SUITE = "minutes of the suite, which ci/test.sh runs"
 NOT_RUN = {"make test": "this test is part of it",
+           "ci/mpitest.sh 3": _SUITE,
+           'ci/mpitest.sh 2 "" -k "test_zero"': _SUITE,
+           "ci/mpitest.sh 4 2 -k hierarchical": _SUITE,
+           'MPITEST_TIMEOUT_S=120 ci/mpitest.sh 2 "" -k "allreduce and random_floats"': _SUITE,
+           "ci/paths.sh": _SUITE,
+           'ATEN_CPU_CAPABILITY=default ci/mpitest.sh 2 "" -k test_zero': _SUITE,
            "sbatch examples/slurm/train.sbatch": _SLURM,
            "sbatch --nodes=2 --ntasks-per-node=4 examples/slurm/train.sbatch --compression fp16": _SLURM,
            "PMIX_MCA_psec=native srun --mpi=pmix -n 2 .venv/bin/python examples/train.py": _SLURM}
 
 
-def snippets() -> list[tuple[str, str]]:
-    """(language, code) of every fenced block in README.md."""
-    return re.findall(r"^```(\w+)\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+def snippets(page: Path = README) -> list[tuple[str, str]]:
+    """(language, code) of every fenced block in page."""
+    return re.findall(r"^```(\w+)\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+
+
+def _cases(language: str) -> list:
+    """(page, index) of every block of language, named page:index."""
+    return [pytest.param(page, i, id=f"{page.relative_to(ROOT)}:{i}") for page in PAGES
+            for i, (lang, _) in enumerate(snippets(page)) if lang == language]
 
 
 def _env() -> dict[str, str]:
@@ -35,25 +50,26 @@ def _env() -> dict[str, str]:
                 PYTHONPATH=str(ROOT), PATH=f"{MPIRUN.parent}{os.pathsep}{os.environ['PATH']}")
 
 
-def test_the_readme_has_snippets_of_known_languages():
-    found = snippets()
-    assert {lang for lang, _ in found} <= {"python", "bash"}
-    assert sum(lang == "python" for lang, _ in found) >= 2
+def test_the_pages_have_snippets_of_known_languages():
+    for page in PAGES:
+        assert {lang for lang, _ in snippets(page)} <= {"python", "bash", "text"}, page
+    assert sum(lang == "python" for lang, _ in snippets()) >= 2
+    assert len(_cases("python")) >= 8  # the docs' pages too
 
 
-@pytest.mark.parametrize("index", [i for i, (lang, _) in enumerate(snippets()) if lang == "python"])
-def test_python_snippet_runs_under_mpirun(index, tmp_path):
+@pytest.mark.parametrize("page,index", _cases("python"))
+def test_python_snippet_runs_under_mpirun(page, index, tmp_path):
     script = tmp_path / f"snippet{index}.py"
-    script.write_text(snippets()[index][1])
+    script.write_text(snippets(page)[index][1])
     proc = subprocess.run([str(MPIRUN), "-np", "2", "--oversubscribe", sys.executable,
                            str(script)], capture_output=True, text=True, env=_env(),
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("index", [i for i, (lang, _) in enumerate(snippets()) if lang == "bash"])
-def test_shell_snippet_runs(index):
-    for line in snippets()[index][1].splitlines():
+@pytest.mark.parametrize("page,index", _cases("bash"))
+def test_shell_snippet_runs(page, index):
+    for line in snippets(page)[index][1].splitlines():
         command = line.split("#")[0].strip()
         if not command or command in NOT_RUN:
             continue
