@@ -69,8 +69,8 @@ _lock = threading.Lock()    # dumps from the watchdog's thread and the caller's
 
 
 def start(engine: Any, comm: MPI.Comm, stats: Any) -> None:
-    """Collective over the job's comm: mark the job clock's zero on every rank (after a
-    barrier), agree on the dump folder, size the engine's ring (config.flight_recorder) and
+    """Collective over the job's comm: mark the job clock's zero on every rank (_origin),
+    agree on the dump folder, size the engine's ring (config.flight_recorder) and
     watch SIGUSR1. engine: the _C.Engine; stats: the job communicator's counters. (The
     engine's module imports this layer's fault handling, which dumps: it is passed in.)"""
     global _job
