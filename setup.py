@@ -90,6 +90,7 @@ setup(
             extra_compile_args=["-O3", "-fno-math-errno", "-Wall"],
         )
     ],
+    entry_points={"console_scripts": ["collectives-run = collectives.run:main"]},
     cmdclass={"build_ext": BuildExt},
     zip_safe=False,
 )

@@ -11,9 +11,9 @@ swaps with another rank). At step --kill-at the
 last rank dies (SIGKILL); rank 0 then prints how long the survivors took, from the kill, to
 raise RanksFailedError, to have restored the commit and shrunk the job (the reset callback
 runs), and to finish their first step on the smaller job (sync from rank 0 included).
-With --max-size the job grows back (collectives.elastic.run's max_size): rank 0 also prints
-when the replacement had joined (the reset callbacks run at full size again) and when the
-first step on the full job was done, from the kill."""
+With --snapshots async every commit is also written to disk by a background thread
+(elastic/snapshot.py); with --snapshots blocking the step waits for each write; rank 0
+then also prints the median time of a whole step (its commit and any wait included)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,17 @@ def main() -> None:
     ap.add_argument("--killfile", default=os.path.join(tempfile.gettempdir(), "elastic-kill"),
                     help="where the dying rank writes the time of its death (a path every "
                          "rank reads)")
-    ap.add_argument("--max-size", type=int, default=None,
-                    help="grow back to this many ranks after the failure (default: shrink only)")
+    ap.add_argument("--snapshots", choices=["none", "async", "blocking"], default="none",
+                    help="write each commit to --snapshot-dir on a thread (async), or wait "
+                         "for each write (blocking)")
+    ap.add_argument("--snapshot-dir", default=None,
+                    help="default: a new folder under the temporary folder")
     ap.add_argument("--optimizer", choices=["distributed", "zero1", "zero2"],
                     default="distributed")
     args = ap.parse_args()
+    if args.snapshots != "none":
+        os.environ["COLLECTIVES_SNAPSHOT_DIR"] = args.snapshot_dir or \
+            tempfile.mkdtemp(prefix="elastic-bench-")
     C.init()
     first_size = C.size()
     killfile = args.killfile
@@ -58,18 +64,19 @@ def main() -> None:
     state = elastic.TorchState(model=model, optimizer=opt, step=0)
     steps: list[float] = []
     commits: list[float] = []
+    whole: list[float] = []
     marks: dict[str, float] = {}
 
     def on_reset() -> None:
-        key = "grown" if "reset" in marks and C.size() == first_size else "reset"
-        marks.setdefault(key, time.time())
-        marks.setdefault(f"{key}_size", C.size())
+        marks.setdefault("reset", time.time())
+        marks.setdefault("reset_size", C.size())
 
     state.register_reset_callbacks([on_reset])
 
-    @elastic.run(max_size=args.max_size)
+    @elastic.run
     def train(state: elastic.TorchState) -> None:
         while state.step < args.steps:
+            began = time.perf_counter()
             if state.step == args.kill_at and C.size() == first_size \
                     and C.rank() == C.size() - 1:
                 with open(killfile, "w") as f:
@@ -85,13 +92,14 @@ def main() -> None:
                 raise
             if "reset" in marks and "stepped" not in marks:
                 marks["stepped"] = time.time()
-            if "grown" in marks and "grown_stepped" not in marks:
-                marks["grown_stepped"] = time.time()
             steps.append(time.perf_counter() - start)
             start = time.perf_counter()
             state.step += 1
             state.commit()
+            if args.snapshots == "blocking":
+                state.flush_snapshots()
             commits.append(time.perf_counter() - start)
+            whole.append(time.perf_counter() - began)
 
     train(state)
     if C.rank() != 0:
@@ -99,7 +107,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     print(f"{first_size} ranks, {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB), "
           f"Adam, {args.optimizer}: step {statistics.median(steps) * 1e3:.1f} ms, commit "
-          f"{statistics.median(commits) * 1e3:.1f} ms (medians of {len(steps)})")
+          f"{statistics.median(commits) * 1e3:.1f} ms, whole step with snapshots "
+          f"{args.snapshots}: {statistics.median(whole) * 1e3:.1f} ms (medians of {len(steps)})")
     if "raised" in marks:
         with open(killfile) as f:
             killed = float(f.read())
@@ -107,9 +116,6 @@ def main() -> None:
         print(f"from the kill: raised {marks['raised'] - killed:.3f} s, restored and shrunk "
               f"to {marks['reset_size']} ranks {marks['reset'] - killed:.3f} s, first step done "
               f"{marks['stepped'] - killed:.3f} s")
-        if "grown" in marks:
-            print(f"back to {first_size} ranks {marks['grown'] - killed:.3f} s after the kill, "
-                  f"first step on them done {marks['grown_stepped'] - killed:.3f} s")
 
 
 if __name__ == "__main__":

@@ -67,15 +67,20 @@ class Config:
     failure_detector_timeout_s: float | None = None
     #: Fault-tolerant mode: seconds between the detector's heartbeats.
     failure_detector_period_s: float = 0.5
-    #: The number of ranks an elastic job grows back to after ranks died (replacements
-    #: spawned by rank 0 join at a commit: collectives/elastic/membership.py); None = it
-    #: only shrinks. collectives.elastic.run's max_size overrides it.
-    elastic_max_size: int | None = None
-    #: A file or executable script listing `host:slots` lines (Horovod's host-discovery
-    #: script, collectives/elastic/discovery.py): an elastic job grows into the slots it
-    #: lists, up to elastic_max_size if set; None = no discovery.
-    #: collectives.elastic.run's discovery overrides it.
-    elastic_discovery: str | None = None
+    #: Folder of an elastic job's snapshots (collectives/elastic/snapshot.py): each commit
+    #: under collectives.elastic.run is written there by a background thread, one folder
+    #: per host, and the job starts from the newest snapshot its hosts hold; None = none.
+    #: The launcher (collectives-run) sets it.
+    snapshot_dir: str | None = None
+    #: Seconds between two snapshots (a commit is snapshotted once this long has passed
+    #: since the last); 0 = every commit.
+    snapshot_interval_s: float = 0.0
+    #: The launcher's run folder, through which it stops the job for a restart on new hosts
+    #: (collectives/elastic/membership.py); set by collectives-run, None = not launched.
+    run_dir: str | None = None
+    #: The command collectives-run starts jobs with, split as a shell would (e.g.
+    #: "netrig.sh mpirun"); None = `mpirun` on PATH.
+    mpirun: str | None = None
 
 
 def _parse(field: dataclasses.Field, text: str):

@@ -2,8 +2,8 @@
 
     mpirun --with-ft ulfm -np 4 --oversubscribe python examples/elastic_train.py --kill-at 30,60
     echo localhost:4 > hosts.txt
-    mpirun --with-ft ulfm -np 2 --host localhost:4 --bind-to none \
-        python examples/elastic_train.py --discovery hosts.txt --epochs 30
+    collectives-run -np 2 --host-discovery-script hosts.txt --mpi-args="--bind-to none" \
+        python examples/elastic_train.py --epochs 30
 
 Under `mpirun --with-ft ulfm` (collectives' fault-tolerant mode) the last rank kills
 itself (SIGKILL) at each step of --kill-at (30,60: two ranks die, one after the other).
@@ -11,14 +11,12 @@ Every survivor raises RanksFailedError within a second; collectives.elastic.run 
 the last commit (model, optimizer, the sampler's place in the epoch, epoch and step,
 committed every --commit-every steps), shrinks the job to the survivors, rescales the
 learning rate in a reset callback, and trains on: the survivors share what is left of the
-epoch (ElasticSampler) and finish every epoch. With --max-size N the job grows back to N
-ranks instead: a replacement started after the first failure joins at a later commit (kill
-once, or far apart: a rank that dies while a replacement starts ends the job with this
-Open MPI, docs/elastic.md). With --discovery FILE (a file, or an executable
-printing `host:slots` lines: Horovod's host-discovery script) the job also grows into the
-slots listed there, at a commit, within the slots its launch reserved (the second command:
-2 ranks started, 4 slots reserved and listed; 4 ranks once the new processes have started,
-8-9 s in on this machine). --zero 1|2
+epoch (ElasticSampler) and finish every epoch. Under the launcher (the second command)
+the job also grows: hosts.txt lists the hosts and slots it may use (a file, or an
+executable printing `host:slots` lines: Horovod's host-discovery script); when it lists
+more, the job stops at its next commit, every rank snapshots it, and the launcher starts
+the job again at the new size, which resumes from the snapshot (and a dead rank is
+replaced the same way, after the job went on without it). --zero 1|2
 trains with ZeroOptimizer instead of DistributedOptimizer: each rank's shard of the
 optimizer state is copied to a buddy rank at every commit, and the survivors reshard it.
 Without `--with-ft ulfm` the same script trains normally, and a failure ends the job.
@@ -48,12 +46,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--commit-every", type=int, default=1, help="steps between commits")
     ap.add_argument("--kill-at", default="",
                     help="steps at which the last rank dies, comma-separated (none: '')")
-    ap.add_argument("--max-size", type=int, default=None,
-                    help="grow back to this many ranks after the first failure (default: "
-                         "the job only shrinks)")
-    ap.add_argument("--discovery", default=None,
-                    help="a file or script listing host:slots lines: the job grows into the "
-                         "slots listed (default: no discovery)")
     ap.add_argument("--zero", type=int, choices=[1, 2], default=None,
                     help="ZeroOptimizer of this stage (default: DistributedOptimizer)")
     ap.add_argument("--seed", type=int, default=0)
@@ -87,7 +79,7 @@ def main() -> None:
 
     state.register_reset_callbacks([on_reset])
 
-    @elastic.run(max_size=args.max_size, discovery=args.discovery)
+    @elastic.run
     def train(state: elastic.TorchState) -> None:
         while state.epoch < args.epochs:
             model.train()

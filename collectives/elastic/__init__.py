@@ -27,12 +27,13 @@ May import: the leaves, kernels, runtime, algorithms, auto, compression, api, op
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
-from collectives.elastic import membership
-from collectives.elastic.membership import HostsUpdatedInterrupt
+from collectives.api.gather import broadcast_object
+from collectives.elastic import snapshot
+from collectives.elastic.membership import HostsUpdatedInterrupt, Membership
+from collectives.elastic.snapshot import Writer
 from collectives.elastic.state import ObjectState, State
 from collectives.runtime import faults, topology
 from collectives.runtime.faults import RanksFailedError
@@ -41,50 +42,52 @@ __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "RanksFaile
            "State", "TorchState", "run"]
 
 
-def run(func: Callable[..., Any] | None = None, *, min_size: int = 1,
-        max_size: int | None = None, discovery: str | None = None) -> Any:
+def run(func: Callable[..., Any] | None = None, *, min_size: int = 1) -> Any:
     """Decorate func(state, *args, **kwargs) so that a failure of ranks restores `state`'s
     last commit, shrinks the job to the survivors and calls func again (on every survivor;
     Horovod's hvd.elastic.run). func starts after state is synced from rank 0. With fewer
     than min_size survivors the job ends instead (SystemExit naming the dead ranks, on every
     survivor): `@run(min_size=4)`.
 
-    With max_size (or Config.elastic_max_size) the job grows back to that many ranks: after
-    a shrink rank 0 starts replacements, which join at a later commit
-    (elastic/membership.py); without, it only shrinks. With discovery (or
-    Config.elastic_discovery), the path of a file or script listing `host:slots` lines
-    (Horovod's host-discovery script, elastic/discovery.py), the job also grows into the
-    slots listed, up to max_size if set. In a new process, run first waits for the job to
-    take it in, then syncs state from rank 0 and calls the reset callbacks like every
-    rank."""
+    With a snapshot folder (Config.snapshot_dir: COLLECTIVES_SNAPSHOT_DIR, which the
+    launcher sets), commits are also written to disk on a thread (elastic/snapshot.py), and
+    the job starts from the newest snapshot its hosts hold, at whatever size it now has
+    (then the reset callbacks run). Under the launcher (`collectives-run`,
+    collectives/run.py), a commit at which the launcher changes the job's hosts ends every
+    process once the commit is on disk (SystemExit(0)); the launcher starts the job again
+    on the new hosts, from that commit."""
     if func is None:
-        return functools.partial(run, min_size=min_size, max_size=max_size,
-                                 discovery=discovery)
+        return functools.partial(run, min_size=min_size)
     if not isinstance(min_size, int) or min_size < 1:
         raise ValueError(f"min_size: expected an int >= 1, got {min_size!r}")
-    if max_size is not None and (not isinstance(max_size, int) or max_size < min_size):
-        raise ValueError(f"max_size: expected None or an int >= min_size={min_size}, "
-                         f"got {max_size!r}")
-    if discovery is not None and not isinstance(discovery, (str, os.PathLike)):
-        raise TypeError(f"discovery: expected the path of a file or script listing "
-                        f"host:slots lines, got {type(discovery).__name__}")
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(state, State):
             raise TypeError(f"state: expected a collectives.elastic State, got "
                             f"{type(state).__name__}")
-        membership.set_target(max_size, None if discovery is None else os.fspath(discovery))
-        if membership.is_replacement():
-            membership.join()
-            state.on_reset()
+        config = topology.get().config
+        members = None if config.run_dir is None else Membership(config.run_dir)
+        writer = None if config.snapshot_dir is None else Writer(config.snapshot_dir)
+        if members is not None and writer is None:
+            raise ValueError("snapshot_dir: the launcher sets COLLECTIVES_RUN_DIR and "
+                             "COLLECTIVES_SNAPSHOT_DIR together; got no snapshot folder")
+        state.attach(members, writer, config.snapshot_interval_s)
+        resumed = None if writer is None else snapshot.resume(state, config.snapshot_dir)
         while True:
             try:
                 state.sync()
-                return func(state, *args, **kwargs)
+                state.commits = broadcast_object(state.commits, 0)
+                if resumed is not None:
+                    state.commits, resumed = resumed, None
+                    state.run_callbacks()
+                result = func(state, *args, **kwargs)
+                state.flush_snapshots()
+                if members is not None:
+                    members.report(state.commits, "done")
+                return result
             except HostsUpdatedInterrupt:
-                membership.grow()
-                state.on_reset()
+                raise SystemExit(0) from None  # the launcher starts the job on new hosts
             except Exception as exc:
                 if not _failed(exc):
                     raise
@@ -94,10 +97,8 @@ def run(func: Callable[..., Any] | None = None, *, min_size: int = 1,
                 if topology.size() < min_size:
                     raise SystemExit(
                         f"collectives.elastic: ranks {lost} failed and {topology.size()} are "
-                        f"left, fewer than min_size={min_size}; ending the job. Its commits "
-                        f"were in memory: go on from your last checkpoint on disk.") from exc
+                        f"left, fewer than min_size={min_size}; ending the job") from exc
                 state.on_reset()
-                membership.replace_missing()
 
     return wrapper
 

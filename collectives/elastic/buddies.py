@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from collectives import api as C
-from collectives.elastic import membership
 from collectives.optim import ZeroOptimizer
 from collectives.optim.zero_shards import part_of
 from collectives.runtime import faults, p2p, topology
@@ -147,15 +146,17 @@ class Buddies:
         self.rank: int | None = None
         self.held_from: int | None = None
 
-    def commit(self) -> None:
+    def commit(self, snapshots: bool = False) -> None:
         """Collective: pack this rank's shard, swap copies with the buddies, then keep both
-        if every rank did (else RanksFailedError on every survivor, the last commit kept)."""
+        if every rank did (else RanksFailedError on every survivor, the last commit kept).
+        Outside fault-tolerant mode a failure ends the job: only the shard is packed, for
+        snapshots, or nothing without them."""
         topo = topology.get()
-        if not topo.config.fault_tolerant or membership.is_replacement():
-            return  # a failure ends the job; a replacement has no shard of the job's yet
-        if topo.size == 1:
+        if not topo.config.fault_tolerant and not snapshots:
+            return
+        if topo.size == 1 or not topo.config.fault_tolerant:
             self.own.pack(self.optimizer.live_shard())
-            self.job, self.rank, self.held_from = (topo.generation, 1), 0, None
+            self.job, self.rank, self.held_from = (topo.generation, topo.size), topo.rank, None
             return
         order = buddy_order(topo.nodes)
         at = order.index(topo.rank)
@@ -194,49 +195,76 @@ class Buddies:
             faults.reraise(topo, exc)
 
     def parts(self) -> list[dict[str, Any]]:
-        """Collective over the job as it is now (after a shrink or a growth), whose
-        optimizer has been laid out for it (ZeroOptimizer.reshard): the parts of every
-        shard of the last commit's job over this rank's new pieces, each shard sent from
-        its owner or, if the owner died, from its buddy (one alltoall: a rank receives
-        at most 1/N of the optimizer state, less what its own shard already covers, which
-        stays here). A rank that was not in that job (a replacement yet to commit) sends
-        none. RuntimeError on every rank if a shard is lost."""
-        topo = topology.get()
-        seen = C.allgather_object((self.job, self.rank, self.held_from,
-                                   self.optimizer.placement))
-        jobs = {job for job, _, _, _ in seen if job is not None}
+        """Collective over the job as it is now (after a shrink), whose optimizer has been
+        laid out for it (ZeroOptimizer.reshard): the parts of every shard of the last
+        commit's job over this rank's new pieces (regather), each shard sent from its
+        owner or, if the owner died, from its buddy. RuntimeError on every rank if a shard
+        is lost."""
+        seen = C.allgather_object((self.job, self.rank, self.held_from))
+        jobs = {job for job, _, _ in seen if job is not None}
         if len(jobs) != 1:  # every commit is agreed, so the survivors' last one is the same
             raise RuntimeError(f"collectives.elastic: the ranks' last commits were made in "
                                f"different jobs {sorted(jobs)}; cannot rebuild the "
                                f"ZeroOptimizer's shards")
         old_size = jobs.pop()[1]
-        owner = {rank: r for r, (job, rank, _, _) in enumerate(seen) if job is not None}
-        holder = {held: r for r, (job, _, held, _) in enumerate(seen)
+        owner = {rank: r for r, (job, rank, _) in enumerate(seen) if job is not None}
+        holder = {held: r for r, (job, _, held) in enumerate(seen)
                   if job is not None and held is not None}
-        lost = [d for d in range(old_size) if d not in owner and d not in holder]
-        if lost:
-            raise RuntimeError(
-                f"collectives.elastic: the ZeroOptimizer shards of ranks {lost} died with "
-                f"the ranks that kept their copies; go on from your last checkpoint on disk")
-        mine = {d: (self.own if d in owner else self.held).unpack(copy=False)
-                for d in range(old_size) if owner.get(d, holder.get(d)) == topo.rank}
-        placements = [placement for _, _, _, placement in seen]
-        outgoing = [_laid_out({d: part_of(shard, placement) for d, shard in mine.items()})
-                    if mine and r != topo.rank else None
-                    for r, placement in enumerate(placements)]
-        sizes = [0 if blob is None else _blob_size(blob) for blob in outgoing]
-        send = np.empty(sum(sizes), np.uint8)  # each part copied once, into here
-        for blob, start, size in zip(outgoing, np.cumsum([0, *sizes]), sizes):
-            if blob is not None:
-                _write_blob(blob, send[start:start + size])
-        # a one-off call: a fixed algorithm, not auto's trials
-        got, counts = C.alltoall(send, splits=sizes, algorithm="pairwise")
-        # this rank's own parts stay here: most of its new pieces overlap its old ones
-        parts = {d: part_of(shard, placements[topo.rank]) for d, shard in mine.items()}
-        for blob in np.split(got, np.cumsum(counts)[:-1]):
-            if blob.size:
-                parts.update(_unblob(blob))
-        return [parts[d] for d in range(old_size)]
+        me = topology.rank()
+        mine = {d: self.own if d in owner else self.held
+                for d in range(old_size) if owner.get(d, holder.get(d)) == me}
+        return regather(self.optimizer, old_size, mine)
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """This rank's part of a snapshot of the last commit: its shard and the copy it
+        keeps, as (skeleton, bytes); None before a commit."""
+        if self.job is None:
+            return None
+        held = None if self.held_from is None else (self.held.skeleton, self.held.buffer)
+        return {"own": (self.own.skeleton, self.own.buffer), "held": held}
+
+
+def from_snapshot(part: tuple[bytes, np.ndarray]) -> Packed:
+    """A shard as Buddies.snapshot wrote it."""
+    packed = Packed()
+    packed.skeleton, packed.buffer = part
+    packed.nbytes = packed.buffer.nbytes
+    return packed
+
+
+def regather(optimizer: ZeroOptimizer, old_size: int,
+             mine: dict[int, Packed]) -> list[dict[str, Any]]:
+    """Collective over the job as it is now, whose optimizer is laid out for it: the parts
+    of the old_size shards of an earlier layout over this rank's new pieces, in old rank
+    order. Each old shard is sent by the one rank that passes it in mine (one alltoall: a
+    rank receives at most 1/N of the optimizer state, less what it holds itself, which
+    stays here). RuntimeError on every rank, naming them, if shards are passed by no rank."""
+    topo = topology.get()
+    seen = C.allgather_object((sorted(mine), optimizer.placement))
+    passed = {d for held, _ in seen for d in held}
+    lost = [d for d in range(old_size) if d not in passed]
+    if lost:
+        raise RuntimeError(
+            f"collectives.elastic: the ZeroOptimizer shards of ranks {lost} died with "
+            f"the ranks that kept their copies; go on from your last checkpoint on disk")
+    shards = {d: packed.unpack(copy=False) for d, packed in mine.items()}
+    placements = [placement for _, placement in seen]
+    outgoing = [_laid_out({d: part_of(shard, placement) for d, shard in shards.items()})
+                if shards and r != topo.rank else None
+                for r, placement in enumerate(placements)]
+    sizes = [0 if blob is None else _blob_size(blob) for blob in outgoing]
+    send = np.empty(sum(sizes), np.uint8)  # each part copied once, into here
+    for blob, start, size in zip(outgoing, np.cumsum([0, *sizes]), sizes):
+        if blob is not None:
+            _write_blob(blob, send[start:start + size])
+    # a one-off call: a fixed algorithm, not auto's trials
+    got, counts = C.alltoall(send, splits=sizes, algorithm="pairwise")
+    # this rank's own parts stay here: most of its new pieces overlap its old ones
+    parts = {d: part_of(shard, placements[topo.rank]) for d, shard in shards.items()}
+    for blob in np.split(got, np.cumsum(counts)[:-1]):
+        if blob.size:
+            parts.update(_unblob(blob))
+    return [parts[d] for d in range(old_size)]
 
 
 def _laid_out(shards: dict[int, dict[str, Any]]) -> Packed:

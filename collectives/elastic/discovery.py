@@ -1,20 +1,14 @@
-"""Host discovery in Horovod's form: a source that lists the slots a job may grow into,
-one `host:slots` line per host (`host` alone: one slot), read again every POLL_S seconds.
+"""Host discovery in Horovod's form: a source that lists the hosts a job may run on, one
+`host:slots` line per host (`host` alone: one slot), read again every POLL_S seconds by the
+launcher (collectives/run.py), which grows the job into slots listed and moves it off hosts
+that leave the listing.
 
 The source is a path: an executable is run and its standard output read (Horovod's
 `--host-discovery-script`), any other file is read as it is. Blank lines and lines from
-`#` on are skipped. The job grows to the slots listed (up to run's max_size) at a commit
-(elastic/membership.py). Only slots the launch reserved can be filled: Open MPI 5.0.11
-spawns new processes into the job's allocation (`--host localhost:4`, a hostfile's slots)
-and cannot add a host to a running job, so a listed host outside it leaves the spawn
-refused, with a warning, and the job at its size. A host that leaves the listing does not
-shrink the job: ranks leave a job only by dying (Horovod's removal of hosts has no
-counterpart here).
-
-Reading runs on a thread of the process that asks (the job's rank 0), so a slow script
-never holds up a commit; a read that fails (the script's status, a line that is not
-`host[:slots]`, SCRIPT_TIMEOUT_S passed) warns once and keeps the last good listing.
-Cost: a script run or a file read per POLL_S on one rank; nothing on the others."""
+`#` on are skipped. Reading runs on a thread, so a slow script never holds up the
+launcher; a read that fails (the script's status, a line that is not `host[:slots]`,
+SCRIPT_TIMEOUT_S passed) warns once and keeps the last good listing. Cost: a script run or
+a file read per POLL_S, in the launcher."""
 
 from __future__ import annotations
 
@@ -68,14 +62,14 @@ class Discovery:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def slots(self) -> int | None:
-        """Slots listed in all, as last read (None until a read has succeeded)."""
+    def hosts(self) -> dict[str, int] | None:
+        """host -> slots as last read (None until a read has succeeded)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._poll, name="collectives-discovery",
                                             daemon=True)
             self._thread.start()
         with self._lock:
-            return None if self._hosts is None else sum(self._hosts.values())
+            return None if self._hosts is None else dict(self._hosts)
 
     def _poll(self) -> None:
         while True:

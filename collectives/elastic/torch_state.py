@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from collectives.elastic.buddies import Buddies
+from collectives.elastic.buddies import Buddies, from_snapshot, regather
 from collectives.elastic.state import ObjectState
 from collectives.optim import ZeroOptimizer, broadcast_optimizer_state, broadcast_parameters
 from collectives.runtime import topology
@@ -98,7 +98,8 @@ class TorchState(ObjectState):
 
     def save(self) -> None:
         if self._buddies is not None:
-            self._buddies.commit()  # first: every rank commits, or none does
+            # first: every rank commits, or none does
+            self._buddies.commit(snapshots=self._writer is not None)
         saved: dict[str, Any] = {"samplers": {k: s.state_dict()
                                               for k, s in self._samplers.items()}}
         last = self._saved_torch
@@ -128,6 +129,28 @@ class TorchState(ObjectState):
             s.load_state_dict(self._bcast_object(s.state_dict(), 0))
         super().sync()
         self.save()
+
+    def replicated_snapshot(self) -> Any:
+        return {"values": self._saved, "torch": self._saved_torch}
+
+    def load_replicated(self, replicated: Any) -> None:
+        self._saved_torch = replicated["torch"]
+        self._saved = replicated["values"]
+        self.restore()
+
+    def shard_snapshot(self) -> tuple[Any, int | None]:
+        if self._buddies is None:
+            return None, None
+        return self._buddies.snapshot(), self._buddies.held_from
+
+    @property
+    def sharded(self) -> bool:
+        return self._buddies is not None
+
+    def load_shards(self, old_size: int, parts: dict[int, Any]) -> None:
+        self.optimizer.reshard()
+        self.optimizer.load_state_dict(regather(
+            self.optimizer, old_size, {d: from_snapshot(p) for d, p in parts.items()}))
 
     def reset(self) -> None:
         if self._buddies is not None:

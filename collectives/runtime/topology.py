@@ -214,22 +214,17 @@ def shrink() -> Topology:
     return replace(old.comm.Shrink(), old.generation + 1)
 
 
-#: Seconds a rebuild of the job's communicators (after a shrink or a growth) may take before
+#: Seconds a rebuild of the job's communicators (after a shrink) may take before
 #: the job ends with an error, or the stall timeout if shorter. A rebuild takes milliseconds;
-#: Open MPI 5.0.11 can hang in one (a job that grew back and lost a rank again: docs/elastic.md).
+#: a rebuild that MPI does not finish ends the job with an error instead of hanging it.
 REBUILD_TIMEOUT_S = 60.0
 
 
 def replace(comm: MPI.Comm, generation: int) -> Topology:
     """Make the job's Topology one over comm (collective over comm), with `generation`, free
     the old one's windows and upper layers' state and run init's hooks: a shrink's
-    survivors, or the job grown by replacements (collectives.elastic). comm itself is left
-    as it is (the Topology works on a duplicate), unfreed by its callers.
-
-    In fault-tolerant mode the old communicators are not freed: Open MPI 5.0.11 fails every
-    later MPI_Comm_spawn ("PRTE ERROR: Not found" in its launcher) once a freed
-    communicator's id has been taken by a new one, and the elastic job spawns its
-    replacements after this; a handful of communicators per change of size is the cost."""
+    survivors (collectives.elastic). comm itself is left as it is (the Topology works on a
+    duplicate), unfreed by its callers."""
     global _topology
     old = get()
     limit = old.config.stall_timeout_s

@@ -14,13 +14,8 @@ The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default 
 rank; "none": no rank dies) die at step DIE_AT (with IN_COMMIT=1, at the next commit, step
 21, as the others enter it; IN_COMMIT=exchange: within that commit's exchange of
 ZeroOptimizer copies, once the copies' descriptions went out, before their data); with
-SECOND_AT set, the last rank of the shrunk job dies at that step too; MIN_SIZE and
-MAX_SIZE are the elastic run's min_size and max_size (unset: the job only shrinks). With
-GROW=1 and MAX_SIZE training goes on past its steps, at STEP_S a step from the first
-failure, until the job has run 3 steps at its launch size again: replacements take the
-dead ranks' places (each REPLACEMENT_WAIT_S seconds late, with COMMIT_EVERY steps between
-commits; default 3); with FULL_SIZE, until 3 steps ran at that size instead (a job that
-grows into discovered slots, paced from its start when no rank dies). A victim writes the
+SECOND_AT set, the last rank of the shrunk job dies at that step too; MIN_SIZE is the
+elastic run's min_size; COMMIT_EVERY the steps between commits (default 3). A victim writes the
 time of its death to KILLFILE first, so survivors can say how long they took to notice
 (raise) or to recover (train)."""
 
@@ -39,7 +34,7 @@ import numpy as np
 import collectives as C
 from collectives import elastic
 from collectives.elastic import buddies
-from collectives.runtime import spawn, topology
+from collectives.runtime import topology
 
 DIE_AT = 20  # the victim dies at this step
 COMMIT_EVERY = int(os.environ.get("COMMIT_EVERY", 3))  # steps between two commits (train)
@@ -132,8 +127,6 @@ def train_scenario(killfile: str, api: str) -> None:
     import torch
 
     steps, dim, batch, lr = 2 * DIE_AT, 8, 24, 0.02
-    grow, pace = os.environ.get("GROW") == "1", float(os.environ.get("STEP_S", 0))
-    full = 3  # steps at the launch size that end a GROW run
 
     dtype = torch.float32 if api.endswith("onebit") else torch.float64  # 1-bit: float32 only
 
@@ -177,25 +170,13 @@ def train_scenario(killfile: str, api: str) -> None:
 
     state.register_reset_callbacks([on_reset])
     recovered: list[float] = []
-    regrown: list[float] = []
     dying = victims(C.size())
     second_at = int(os.environ.get("SECOND_AT", -1))
     in_commit = os.environ.get("IN_COMMIT", "")
 
-    max_size = int(os.environ["MAX_SIZE"]) if "MAX_SIZE" in os.environ else None
-
-    def full_size(state: elastic.TorchState) -> int:
-        return int(os.environ.get("FULL_SIZE", state.sizes[0] if state.sizes else C.size()))
-
-    def going(state: elastic.TorchState) -> bool:
-        if state.step < steps:
-            return True  # then, with GROW, until 3 steps ran at the full size
-        return grow and state.step < 50 * steps \
-            and state.sizes[-full:] != [full_size(state)] * full
-
-    @el.run(min_size=int(os.environ.get("MIN_SIZE", 1)), max_size=max_size)
+    @el.run(min_size=int(os.environ.get("MIN_SIZE", 1)))
     def train(state: elastic.TorchState) -> None:
-        while going(state):
+        while state.step < steps:
             if state.step == DIE_AT and not resets and C.rank() in dying and not in_commit \
                     or state.step == second_at and len(resets) == 1 \
                     and C.rank() == C.size() - 1:
@@ -209,10 +190,6 @@ def train_scenario(killfile: str, api: str) -> None:
             opt.step()
             if resets and not recovered and resets[0] < state.sizes[0]:  # a survivor
                 recovered.append(since(killfile))
-            if resets and resets[-1] == full_size(state) and not regrown:
-                regrown.append(since(killfile))
-            if resets or not dying:
-                time.sleep(pace)
             state.sizes = state.sizes + [n]
             state.step += 1
             if state.step % COMMIT_EVERY == 0:
@@ -248,13 +225,10 @@ def train_scenario(killfile: str, api: str) -> None:
     runs = [(n, len(list(g))) for n, g in itertools.groupby(state.sizes)]
     print(f"rank {C.rank()}: trained {state.step} steps, steps at each size {at}, "
           f"resets {resets}, recovered {recovered[0] if recovered else -1:.3f} s after the "
-          f"kill, max error {err:.2e}, digest {digest!r}; sizes in order {runs}, back to "
-          f"full size {regrown[0] if regrown else -1:.3f} s after the kill", flush=True)
+          f"kill, max error {err:.2e}, digest {digest!r}; sizes in order {runs}", flush=True)
 
 
 def main() -> None:
-    if spawn.parent() is not None:  # a replacement: REPLACEMENT_WAIT_S before it is ready
-        time.sleep(float(os.environ.get("REPLACEMENT_WAIT_S", 0)))
     C.init()
     if sys.argv[1] == "raise":
         raise_scenario(sys.argv[2], sys.argv[3])

@@ -1,0 +1,128 @@
+"""An elastic training job for collectives-run (tests/unit/test_launcher.py): SGD with
+momentum on a linear model, one global batch split over the ranks, committed at every
+step, for STEPS steps (STEP_S seconds each at least), through DistributedOptimizer
+(`train`) or ZeroOptimizer stage 2 (`zero`). Membership changes happen at steps, once per
+run (a marker file in EVENTS, a folder, claims each):
+- GROW_AT=S:LISTING: rank 0 writes LISTING (`;` between lines) into the discovery file
+  DISCOVERY at step S: the launcher grows (or moves) the job;
+- KILL_AT=K:N: the last rank SIGKILLs itself once the job has run K steps in a row at N
+  ranks: the job shrinks in place;
+- KILL_HOST_AT=S:HOST: rank 0 writes the time and HOST into EVENTS/kill-host (the test
+  kills the host) and the job goes on until it is gone.
+Every rank prints its steps, the sizes they ran at, its error against a float64
+single-process replay of those sizes, and a digest of its parameters."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+import time
+
+import collectives.optim  # noqa: F401 (C.optim)
+import torch
+
+import collectives as C
+from collectives import elastic
+
+STEPS = int(os.environ.get("STEPS", 40))
+EVENTS = os.environ["EVENTS"]
+
+
+def claim(name: str) -> bool:
+    """Whether this call is the first of the run to claim the event name."""
+    try:
+        os.close(os.open(os.path.join(EVENTS, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def events(step: int, sizes: list[int]) -> None:
+    grow = os.environ.get("GROW_AT")
+    if grow and C.rank() == 0:
+        at, listing = grow.split(":", 1)
+        if step == int(at) and claim("grow"):
+            path = os.environ["DISCOVERY"]
+            with open(path + ".tmp", "w") as f:
+                f.write(listing.replace(";", "\n") + "\n")
+            os.replace(path + ".tmp", path)
+    kill = os.environ.get("KILL_AT")
+    if kill:
+        k, n = map(int, kill.split(":"))
+        if sizes[-k:] == [n] * k and C.size() == n and C.rank() == n - 1 and claim("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    host = os.environ.get("KILL_HOST_AT")
+    if host and C.rank() == 0:
+        at, name = host.split(":")
+        if step == int(at) and claim("kill-host-asked"):
+            with open(os.path.join(EVENTS, "kill-host.tmp"), "w") as f:
+                f.write(name)
+            os.replace(os.path.join(EVENTS, "kill-host.tmp"), os.path.join(EVENTS, "kill-host"))
+
+
+def main() -> None:
+    api = sys.argv[1]
+    C.init()
+    steps_s = float(os.environ.get("STEP_S", 0.05))
+    dim, batch, lr = 8, 24, 0.02
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(batch, dim, generator=g, dtype=torch.float64)
+        return x, x @ torch.arange(1.0, dim + 1, dtype=torch.float64)
+
+    model = torch.nn.Linear(dim, 1, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    sgd = torch.optim.SGD(model.parameters(), lr=lr * C.size(), momentum=0.9)
+    opt = C.optim.ZeroOptimizer(sgd, stage=2) if api == "zero" \
+        else C.optim.DistributedOptimizer(sgd)
+    state = elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
+
+    def on_reset() -> None:
+        for group in opt.param_groups:
+            group["lr"] = lr * C.size()
+
+    state.register_reset_callbacks([on_reset])
+
+    @elastic.run
+    def train(state: elastic.TorchState) -> None:
+        while state.step < STEPS:
+            began = time.monotonic()
+            events(state.step, state.sizes)
+            x, y = data(state.step)
+            n, r = C.size(), C.rank()
+            lo, hi = r * batch // n, (r + 1) * batch // n
+            opt.zero_grad()
+            (((model(x[lo:hi]).squeeze(1) - y[lo:hi]) ** 2).sum() * n / batch).backward()
+            opt.step()
+            time.sleep(max(0.0, steps_s - (time.monotonic() - began)))
+            state.sizes = state.sizes + [n]
+            state.step += 1
+            state.commit()
+
+    train(state)
+    ref = torch.nn.Linear(dim, 1, bias=False).double()
+    torch.nn.init.zeros_(ref.weight)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+    for step, n in enumerate(state.sizes):
+        x, y = data(step)
+        ref_opt.param_groups[0]["lr"] = lr * n
+        ref_opt.zero_grad()
+        (((ref(x).squeeze(1) - y) ** 2).sum() / batch).backward()
+        ref_opt.step()
+    err = (model.weight - ref.weight).abs().max().item()
+    if api == "zero":
+        whole = opt.consolidated_state_dict()
+        if whole is not None:
+            momentum = whole["state"][0]["momentum_buffer"]
+            err = max(err, (momentum - ref_opt.state[ref.weight]["momentum_buffer"])
+                      .abs().max().item())
+    runs = [(n, len(list(g))) for n, g in itertools.groupby(state.sizes)]
+    print(f"rank {C.rank()} of {C.size()}: trained {state.step} steps, sizes in order "
+          f"{runs}, max error {err:.2e}, digest {float(model.weight.detach().sum())!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

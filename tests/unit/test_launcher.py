@@ -1,0 +1,248 @@
+"""The launcher of elastic jobs (collectives-run, collectives/run.py) and its pieces: host
+sources, host discovery, snapshots; whole runs that grow a job, shrink it in place and
+grow it back, on this machine's reserved slots (tests/scripts/launched.py)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from collectives.elastic import discovery, hosts, snapshot
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def discovery_source(tmp: Path, kind: str, listing: str) -> Path:
+    """A host-discovery file, or an executable script printing the listing."""
+    if kind == "file":
+        path = tmp / "hosts.txt"
+        path.write_text(listing)
+    else:
+        path = tmp / "discover.sh"
+        path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{listing}EOF\n")
+        path.chmod(0o755)
+    return path
+
+
+def test_discovery_listings(tmp_path):
+    """host:slots lines (host alone: one slot; comments and blank lines skipped); a line
+    that is not one raises naming the source and the line; a script's output is read."""
+    assert discovery.parse("a:2\n\n# c\nb  # one\na:1\n", "src") == {"a": 3, "b": 1}
+    with pytest.raises(ValueError, match=r"src, line 2: expected host\[:slots\], got 'b:x'"):
+        discovery.parse("a:2\nb:x\n", "src")
+    script = discovery_source(tmp_path, "script", "h1:2\nh2:2\n")
+    assert discovery.read(str(script)) == {"h1": 2, "h2": 2}
+    assert first_listing(discovery.Discovery(str(script))) == {"h1": 2, "h2": 2}
+
+
+def first_listing(found: discovery.Discovery) -> dict[str, int] | None:
+    """found's hosts once its thread has read the source (None: no read within 10 s)."""
+    for _ in range(1000):
+        if (listed := found.hosts()) is not None:
+            return listed
+        time.sleep(0.01)
+    return None
+
+
+def test_a_failing_discovery_keeps_its_last_listing(tmp_path, monkeypatch):
+    """A read that fails warns once and leaves the last good listing in force. (The
+    thread reads once and then sleeps past the test: the reads below are the test's.)"""
+    source = discovery_source(tmp_path, "file", "h:3\n")
+    monkeypatch.setattr(discovery, "POLL_S", 3600.0)
+    found = discovery.Discovery(str(source))
+    assert first_listing(found) == {"h": 3}
+    source.write_text("h:three\n")
+    with pytest.warns(UserWarning, match="host discovery from .* failed .*line 1"):
+        found._read_once()
+    assert found.hosts() == {"h": 3}
+    source.write_text("h:5\n")
+    found._read_once()
+    assert found.hosts() == {"h": 5}
+
+
+def test_host_sources(tmp_path):
+    """-H, a hostfile in either form, a Slurm allocation, and mpirun's --host for a size."""
+    assert hosts.from_list("a:2,b,c:1") == {"a": 2, "b": 1, "c": 1}
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=2\nb:3\n# c\n")
+    assert hosts.from_hostfile(str(hostfile)) == {"a": 2, "b": 3}
+    assert hosts.expand_nodelist("node[01-03,07],login1,x[9-10]") == \
+        ["node01", "node02", "node03", "node07", "login1", "x9", "x10"]
+    slurm = {"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),1"}
+    assert hosts.from_slurm(slurm) == {"n1": 2, "n2": 2, "n3": 1}
+    assert hosts.from_slurm({}) is None
+    assert hosts.mpirun_hosts({"a": 2, "b": 2, "c": 2}, 3) == "a:2,b:1"
+
+
+def entry(commit: int, rank: int, size: int, parts: str, held: int | None = None):
+    return snapshot.Entry(commit, rank, size, "r" in parts, "s" in parts, held, "")
+
+
+def test_the_newest_whole_snapshot_is_chosen():
+    """Replicated state: the newest commit any host holds. Sharded: the newest whose every
+    shard is held (its own file or its buddy's copy); an incomplete newer one is passed."""
+    assert snapshot.choose([entry(3, 0, 2, "r"), entry(5, 0, 2, "r")], False) == 5
+    assert snapshot.choose([entry(5, 1, 2, "s")], False) is None
+    shards = [entry(4, 0, 3, "rs", 2), entry(4, 1, 3, "s", 0), entry(4, 2, 3, "s", 1),
+              entry(6, 0, 3, "r"), entry(6, 1, 3, "s", 0)]  # 6: shard 2 missing
+    assert snapshot.choose(shards, True) == 4
+    # shard 2 of commit 6 lives on as rank 0's copy: 6 is whole without rank 2's file
+    whole = [entry(6, 0, 3, "rs", 2), entry(6, 1, 3, "s", 0)]
+    assert snapshot.choose(shards + whole, True) == 6
+    assert snapshot.choose(whole[1:], True) is None  # no replicated part
+
+
+def test_a_writer_keeps_the_last_two_snapshots(tmp_path):
+    writer = snapshot.Writer(str(tmp_path))
+    for commit in range(1, 6):
+        writer.write(commit, 0, 1, {"step": commit}, None, None)
+    writer.wait()
+    found = sorted(e.commit for e in snapshot.entries(str(tmp_path)))
+    assert found == [4, 5]
+    newest = snapshot.entries(str(tmp_path))[0]
+    assert snapshot.load(newest.path)["replicated"]["step"] == newest.commit
+
+
+def launcher(tmp: Path, *args: str, timeout: float = 240,
+             **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               COLLECTIVES_AUTOTUNE="0", XDG_CACHE_HOME=str(tmp),
+               PATH=f"{BIN}:{os.environ['PATH']}", **env_vars)
+    return subprocess.run([str(BIN / "collectives-run"), *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def test_an_unwritable_snapshot_folder_is_refused_at_start(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = launcher(tmp_path, "--snapshot-dir", str(tmp_path / "file" / "snaps"), "-np", "1",
+                    "true")
+    assert done.returncode != 0
+    assert "snapshot_dir" in done.stderr and "cannot be written" in done.stderr, done.stderr
+
+
+def test_too_few_slots_end_the_run_after_the_start_timeout(tmp_path):
+    start = time.monotonic()
+    done = launcher(tmp_path, "-np", "3", "-H", "localhost:2", "--start-timeout", "1", "true")
+    assert done.returncode != 0
+    assert "2 slots listed" in done.stderr and "fewer than --min-np=3" in done.stderr, \
+        done.stderr
+    assert time.monotonic() - start < 30
+
+
+def finished(out: str, steps: int) -> list[tuple]:
+    """Every rank's line: (rank, size, sizes in order, error, digest)."""
+    found = re.findall(r"rank (\d+) of (\d+): trained (\d+) steps, sizes in order (\[.*?\]), "
+                       r"max error (\S+), digest (\S+)", out)
+    assert found and all(int(f[2]) == steps for f in found), out
+    return [(int(r), int(n), ast.literal_eval(runs), float(err), digest)
+            for r, n, _, runs, err, digest in found]
+
+
+@pytest.mark.parametrize("api", ["train", "zero"])
+def test_a_job_grows_shrinks_in_place_and_grows_back(tmp_path, api):
+    """Started at 2 ranks from a discovery file listing 2 slots; the job lists a third at
+    step 8 (the launcher stops it at a commit and starts it at 3, from the snapshot);
+    its last rank dies after 3 steps at 3 ranks (the job shrinks in place to 2, and the
+    launcher grows it back to 3). The job exits 0, every step ran once at
+    the sizes recorded, every rank ends with the same parameters, which match a float64
+    replay of those sizes."""
+    events = tmp_path / "events"
+    events.mkdir()
+    listing = discovery_source(tmp_path, "file", "localhost:2\n")
+    steps = 60
+    done = launcher(tmp_path, "-np", "2", "--host-discovery-script", str(listing),
+                    "--mpi-args=--oversubscribe",
+                    "--snapshot-dir", str(tmp_path / "snaps"),
+                    sys.executable, str(ROOT / "tests" / "scripts" / "launched.py"), api,
+                    EVENTS=str(events), DISCOVERY=str(listing), GROW_AT="8:localhost:3",
+                    KILL_AT="3:3", STEPS=str(steps), STEP_S="0.1")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    ranks = finished(out, steps)
+    assert sorted(r for r, *_ in ranks) == [0, 1, 2] and {n for _, n, *_ in ranks} == {3}, out
+    runs = ranks[0][2]
+    assert [n for n, _ in runs] == [2, 3, 2, 3], out
+    assert all(err < 1e-10 for *_, err, _ in ranks), out
+    assert len({digest for *_, digest in ranks}) == 1, out
+    assert all(r[2] == runs for r in ranks), out
+    assert re.search(r"job 2: 3 ranks on localhost:3 \(3 slots for 2 ranks\)", out), out
+    assert re.search(r"job 3: 3 ranks on localhost:3 \(ranks failed; 3 slots for 2 ranks\)",
+                     out), out
+    assert "trains at 3 ranks" in out and "finished at 3 ranks" in out, out
+
+
+RIG = Path(os.environ.get("NETRIG", ROOT.parent / "shared" / "netrig")) / "netrig.sh"
+
+
+@pytest.fixture(scope="module")
+def rig():
+    """Three emulated hosts at 1 Gbit/s (../shared/netrig, or $NETRIG); skips where the rig
+    is missing or cannot come up (it needs root and network namespaces)."""
+    if not RIG.exists() or os.geteuid() != 0:
+        pytest.skip(f"no rig: {RIG} missing or not root")
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    up = subprocess.run([str(RIG), "up", "3", "1gbit", "0"], capture_output=True, text=True,
+                        env=env, timeout=120)
+    if up.returncode != 0:
+        pytest.skip(f"the rig did not come up: {up.stderr[-500:]}")
+    yield env
+    subprocess.run([str(RIG), "down"], capture_output=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("api", ["train", "zero"])
+def test_on_three_hosts_a_job_grows_survives_a_rank_and_a_host(tmp_path, api, rig):
+    """On the rig: started on host0 and host1 from a discovery script; host2 is listed at
+    step 8 (the job grows to 3); the rank on host2 dies after 3 steps at 3 ranks (the job
+    shrinks in place and grows back); at step 45, host1 is killed whole (its daemon and
+    rank) and unlisted: Open MPI ends the job, and the launcher starts it again on host0
+    and host2 from the last snapshot. Every step ran, the ranks agree and match the
+    replay."""
+    events = tmp_path / "events"
+    events.mkdir()
+    listing = discovery_source(tmp_path, "script", "host0:1\nhost1:1\n")
+    hosts_file = tmp_path / "hosts.txt"
+    hosts_file.write_text("host0:1\nhost1:1\n")
+    listing.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    steps = 70
+    env = dict(rig, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               COLLECTIVES_AUTOTUNE="0", XDG_CACHE_HOME=str(tmp_path),
+               COLLECTIVES_MPIRUN=f"{RIG} mpirun", EVENTS=str(events),
+               DISCOVERY=str(hosts_file), GROW_AT="8:host0:1;host1:1;host2:1",
+               KILL_AT="3:3", KILL_HOST_AT="45:host1", STEPS=str(steps), STEP_S="0.1")
+    proc = subprocess.Popen(
+        [str(BIN / "collectives-run"), "-np", "2", "--min-np", "2",
+         "--host-discovery-script", str(listing), "--snapshot-dir", str(tmp_path / "snaps"),
+         sys.executable, str(ROOT / "tests" / "scripts" / "launched.py"), api],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    killed = None
+    deadline = time.monotonic() + 300
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if killed is None and (events / "kill-host").exists():
+                hosts_file.write_text("host0:1\nhost2:1\n")
+                subprocess.run([str(RIG), "kill-host", "host1"], env=env, timeout=60,
+                               capture_output=True)
+                killed = time.monotonic()
+            time.sleep(0.1)
+        out = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert killed is not None, out
+    ranks = finished(out, steps)
+    assert sorted(r for r, *_ in ranks) == [0, 1] and {n for _, n, *_ in ranks} == {2}, out
+    runs = ranks[0][2]
+    assert [n for n, _ in runs] == [2, 3, 2, 3, 2], out
+    assert all(err < 1e-10 for *_, err, _ in ranks), out
+    assert len({digest for *_, digest in ranks}) == 1 and all(r[2] == runs for r in ranks), out
+    assert "lost host host1" in out and re.search(r"job \d: 2 ranks on host0:1,host2:1", out), \
+        out
