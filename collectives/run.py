@@ -153,9 +153,12 @@ class Job:
         env = dict(os.environ, COLLECTIVES_RUN_DIR=run_dir,
                    COLLECTIVES_SNAPSHOT_DIR=snapshot_dir,
                    COLLECTIVES_SNAPSHOT_INTERVAL_S=str(args.snapshot_interval))
+        if epoch > 1:  # as after a shrink: `auto` on the cache or its model, no measuring
+            env.setdefault("COLLECTIVES_AUTOTUNE", "0")
         mpirun = shlex.split(_config.from_env().mpirun or "mpirun")
         given = [a for v in ("COLLECTIVES_RUN_DIR", "COLLECTIVES_SNAPSHOT_DIR",
-                             "COLLECTIVES_SNAPSHOT_INTERVAL_S") for a in ("-x", v)]
+                             "COLLECTIVES_SNAPSHOT_INTERVAL_S", "COLLECTIVES_AUTOTUNE")
+                 if v in env for a in ("-x", v)]
         cmd = [*mpirun, "--with-ft", "ulfm", "-np", str(np_),
                "--host", _hosts.mpirun_hosts(hosts, np_), *given,
                *shlex.split(args.mpi_args), *args.command]
@@ -254,31 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         np_ = size_for(args, usable, epoch == 1)
         job = Job(args, epoch, usable, np_, run_dir, snapshot_dir)
         say(start, f"job {epoch}: {np_} ranks on {_hosts.mpirun_hosts(usable, np_)} ({why})")
-        shown, asked = None, False
         try:
-            while job.proc.poll() is None:
-                time.sleep(POLL_S)
-                now = status(run_dir, epoch)
-                if now is not None and now["state"] == "running" and \
-                        (now["size"], now["hosts"]) != shown:
-                    shown = (now["size"], now["hosts"])
-                    took = now["time"] - wall_offset() - since
-                    say(start, f"job {epoch} trains at {now['size']} ranks on "
-                               f"{','.join(now['hosts'])}, {took:.1f} s after {why}")
-                if asked or now is None:
-                    continue
-                failed = now["size"] < job.np
-                change = wanted_change(args, hosts.usable(), now)
-                if change:
-                    with open(os.path.join(run_dir, "stop.tmp"), "w") as f:
-                        f.write(str(epoch))
-                    os.replace(os.path.join(run_dir, "stop.tmp"), os.path.join(run_dir, "stop"))
-                    asked = True
-                    if failed:  # timed from the failure, as rank 0 reported it
-                        why, since = f"ranks failed; {change}", now["time"] - wall_offset()
-                    else:
-                        why, since = change, time.monotonic()
-                    say(start, f"job {epoch}: stopping at its next commit ({why})")
+            why, since = watch(job, args, hosts, run_dir, start, why, since)
         except KeyboardInterrupt:
             job.stop()
             job.wait()
@@ -312,6 +292,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         last_commits = max(last_commits, commits)
         say(start, f"job {epoch} ended without finishing ({why}); starting again from the "
                    f"last snapshot")
+
+
+def watch(job: Job, args: argparse.Namespace, hosts: Hosts, run_dir: str, start: float,
+          why: str, since: float) -> tuple[str, float]:
+    """Until the job's mpirun ends: say when it trains at a new size, and ask it to stop at
+    its next commit once the hosts call for another size (wanted_change). Returns why the
+    next job starts, if one does, and since when (this clock)."""
+    shown, asked = None, False
+    while job.proc.poll() is None:
+        time.sleep(POLL_S)
+        now = status(run_dir, job.epoch)
+        if now is not None and now["state"] == "running" and \
+                (now["size"], now["hosts"]) != shown:
+            shown = (now["size"], now["hosts"])
+            took = now["time"] - wall_offset() - since
+            say(start, f"job {job.epoch} trains at {now['size']} ranks on "
+                       f"{','.join(now['hosts'])}, {took:.1f} s after {why}")
+        if asked or now is None:
+            continue
+        change = wanted_change(args, hosts.usable(), now)
+        if change:
+            with open(os.path.join(run_dir, "stop.tmp"), "w") as f:
+                f.write(str(job.epoch))
+            os.replace(os.path.join(run_dir, "stop.tmp"), os.path.join(run_dir, "stop"))
+            asked = True
+            if now["size"] < job.np:  # timed from the failure, as rank 0 reported it
+                why, since = f"ranks failed; {change}", now["time"] - wall_offset()
+            else:
+                why, since = change, time.monotonic()
+            say(start, f"job {job.epoch}: stopping at its next commit ({why})")
+    return why, since
 
 
 def wanted_change(args: argparse.Namespace, usable: dict[str, int], now: dict) -> str:

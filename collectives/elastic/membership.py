@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
 from collectives.api.gather import broadcast_object
@@ -41,9 +42,22 @@ class Membership:
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
-        with open(os.path.join(run_dir, "epoch")) as f:
-            self.epoch = int(f.read())
+        self._epoch: int | None = None  # read by the first rank 0 that needs it
         self._reported: tuple[int, int] | None = None  # (generation, size) said last
+
+    @property
+    def epoch(self) -> int:
+        """The number the launcher gave this job (read from the run folder)."""
+        if self._epoch is None:
+            try:
+                with open(os.path.join(self.run_dir, "epoch")) as f:
+                    self._epoch = int(f.read())
+            except FileNotFoundError as exc:
+                raise RuntimeError(
+                    f"run_dir: the launcher's run folder {self.run_dir!r} is not on this host "
+                    f"({socket.gethostname()}); give collectives-run a --run-dir that every "
+                    f"host of the job sees (a shared filesystem)") from exc
+        return self._epoch
 
     def stop_wanted(self) -> bool:
         """Rank 0: whether the launcher wants this job stopped at this commit."""

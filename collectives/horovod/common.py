@@ -30,7 +30,8 @@ Adasum = "Adasum"
 HorovodInternalError = _C.StallError
 
 
-#: Raised by an elastic commit at which replacement ranks join (collectives.elastic).
+#: Raised by an elastic commit at which the launcher moves the job to new hosts
+#: (collectives.elastic).
 HostsUpdatedInterrupt = membership.HostsUpdatedInterrupt
 
 

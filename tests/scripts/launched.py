@@ -9,8 +9,11 @@ run (a marker file in EVENTS, a folder, claims each):
   ranks: the job shrinks in place;
 - KILL_HOST_AT=S:HOST: rank 0 writes the time and HOST into EVENTS/kill-host (the test
   kills the host) and the job goes on until it is gone.
-Every rank prints its steps, the sizes they ran at, its error against a float64
-single-process replay of those sizes, and a digest of its parameters."""
+Rank 0 appends `time job step size` to EVENTS/steps at every step (wall-clock time, the
+launcher's number of the job, the step about to run, the job's size): what
+benchmarks/elastic_launch.py times changes by. Every rank prints its steps, the sizes they
+ran at, its error against a float64 single-process replay of those sizes, and a digest of
+its parameters."""
 
 from __future__ import annotations
 
@@ -85,11 +88,16 @@ def main() -> None:
             group["lr"] = lr * C.size()
 
     state.register_reset_callbacks([on_reset])
+    with open(os.path.join(os.environ["COLLECTIVES_RUN_DIR"], "epoch")) as f:
+        job = int(f.read())
 
     @elastic.run
     def train(state: elastic.TorchState) -> None:
         while state.step < STEPS:
             began = time.monotonic()
+            if C.rank() == 0:
+                with open(os.path.join(EVENTS, "steps"), "a") as f:
+                    f.write(f"{time.time()!r} {job} {state.step} {C.size()}\n")
             events(state.step, state.sizes)
             x, y = data(state.step)
             n, r = C.size(), C.rank()

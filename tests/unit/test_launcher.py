@@ -246,3 +246,28 @@ def test_on_three_hosts_a_job_grows_survives_a_rank_and_a_host(tmp_path, api, ri
     assert len({digest for *_, digest in ranks}) == 1 and all(r[2] == runs for r in ranks), out
     assert "lost host host1" in out and re.search(r"job \d: 2 ranks on host0:1,host2:1", out), \
         out
+
+
+def test_a_job_that_fails_before_any_commit_is_not_started_forever(tmp_path):
+    """A command that ends with an error before its first commit, 3 times in a row, ends
+    the run with its status (a failure that makes progress is started again)."""
+    done = launcher(tmp_path, "-np", "1", sys.executable, "-c", "raise SystemExit(3)")
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.count("job 1 ended") + done.stderr.count("ended with status 3") >= 3
+    assert "3 times in a row; giving up" in done.stderr, done.stderr
+
+
+def test_what_makes_the_launcher_restart_a_job():
+    """More slots than ranks (up to --max-np), or a host of the job unlisted (while the
+    others keep --min-np slots); a host listed and unlisted again before the launcher
+    acted changes nothing; this machine's aliases are its hostname."""
+    from collectives import run
+    args = run.parse_args(["-np", "1", "--max-np", "3", "true"])
+    here = hosts.canonical("localhost")
+    job = {"size": 1, "hosts": ["h0"]}
+    assert run.wanted_change(args, {"h0": 1}, job) == ""
+    assert run.wanted_change(args, {"h0": 1, "h1": 1}, job) == "2 slots for 1 ranks"
+    assert run.wanted_change(args, {"h0": 4}, job) == "3 slots for 1 ranks"  # --max-np
+    assert run.wanted_change(args, {"h0": 1}, job) == ""  # h1 unlisted again: no change
+    assert run.wanted_change(args, {"h1": 1}, job) == "host h0 no longer listed"
+    assert run.wanted_change(args, {"localhost": 1}, {"size": 1, "hosts": [here]}) == ""
