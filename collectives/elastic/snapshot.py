@@ -271,6 +271,15 @@ def _remove(path: str) -> None:
         pass
 
 
+def first_on_host(topo: Any) -> bool:
+    """Whether this rank is the first of the job's ranks on its host (by hostname where the
+    job knows its processes, fault-tolerant mode; else the first of its node)."""
+    if topo.processes is None:
+        return topo.local_rank == 0
+    host = socket.gethostname()
+    return topo.rank == min(r for r, (h, _) in enumerate(topo.processes) if h == host)
+
+
 def resume(state: Any, root: str) -> int | None:
     """Collective over the job: load into state the newest snapshot under root that the
     job's hosts hold together (choose), and return its commit; None if there is none. The
@@ -280,9 +289,7 @@ def resume(state: Any, root: str) -> int | None:
     from collectives.api.gather import allgather_object
     from collectives.runtime import topology
     topo = topology.get()
-    host = socket.gethostname()
-    first = min(r for r, (h, _) in enumerate(topo.processes) if h == host)
-    announced = allgather_object(entries(root) if topo.rank == first else [])
+    announced = allgather_object(entries(root) if first_on_host(topo) else [])
     files = [(r, e) for r, found in enumerate(announced) for e in found]
     commit = choose((e for _, e in files), state.sharded)
     if commit is None:

@@ -10,7 +10,6 @@ commit is where the job stops for a restart on new hosts (elastic/membership.py)
 from __future__ import annotations
 
 import copy
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,7 @@ from collectives import api as C
 from collectives.api.gather import broadcast_object
 from collectives.elastic import membership
 from collectives.elastic.membership import HostsUpdatedInterrupt, Membership
-from collectives.elastic.snapshot import Writer
+from collectives.elastic.snapshot import Writer, first_on_host
 from collectives.runtime import topology
 
 
@@ -106,11 +105,9 @@ class State:
         """Hand this rank's part of the last commit to the snapshot writer (the replicated
         part on the first rank of each host only)."""
         topo = topology.get()
-        host = socket.gethostname()
-        first = min(r for r, (h, _) in enumerate(topo.processes) if h == host)
         shard, held = self.shard_snapshot()
         self._writer.write(self.commits, topo.rank, topo.size,
-                           self.replicated_snapshot() if topo.rank == first else None,
+                           self.replicated_snapshot() if first_on_host(topo) else None,
                            shard, held, block)
 
     def replicated_snapshot(self) -> Any:
