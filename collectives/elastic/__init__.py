@@ -74,13 +74,15 @@ def run(func: Callable[..., Any] | None = None, *, min_size: int = 1) -> Any:
                              "COLLECTIVES_SNAPSHOT_DIR together; got no snapshot folder")
         state.attach(members, writer, config.snapshot_interval_s)
         resumed = None if writer is None else snapshot.resume(state, config.snapshot_dir)
+        if resumed is not None:
+            state.commits = resumed
         while True:
             try:
                 state.sync()
                 state.commits = broadcast_object(state.commits, 0)
-                if resumed is not None:
-                    state.commits, resumed = resumed, None
+                if resumed is not None:  # laid out at this size already: the callbacks only
                     state.run_callbacks()
+                    resumed = None
                 result = func(state, *args, **kwargs)
                 state.flush_snapshots()
                 if members is not None:

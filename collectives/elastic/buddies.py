@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from collectives import api as C
+from collectives.elastic.tree import map_leaves
 from collectives.optim import ZeroOptimizer
 from collectives.optim.zero_shards import part_of
 from collectives.runtime import faults, p2p, topology
@@ -81,19 +82,15 @@ class Packed:
 
         def strip(obj: Any) -> Any:
             nonlocal end
-            if isinstance(obj, torch.Tensor):
-                t = obj.detach().cpu().contiguous()
-                slot = _Slot(end, t.dtype, tuple(t.shape))
-                end += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-                self._tensors.append((slot, t))
-                return slot
-            if isinstance(obj, dict):
-                return {k: strip(v) for k, v in obj.items()}
-            if isinstance(obj, (list, tuple)):
-                return type(obj)(strip(v) for v in obj)
-            return obj
+            if not isinstance(obj, torch.Tensor):
+                return obj
+            t = obj.detach().cpu().contiguous()
+            slot = _Slot(end, t.dtype, tuple(t.shape))
+            end += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            self._tensors.append((slot, t))
+            return slot
 
-        self.skeleton = pickle.dumps(strip(shard))
+        self.skeleton = pickle.dumps(map_leaves(shard, strip))
         self.nbytes = end
 
     def pack_into(self, out: np.ndarray) -> None:
@@ -110,17 +107,13 @@ class Packed:
         whole = torch.from_numpy(self.buffer)
 
         def fill(obj: Any) -> Any:
-            if isinstance(obj, _Slot):
-                nbytes = int(np.prod(obj.shape, dtype=np.int64)) * obj.dtype.itemsize
-                raw = whole[obj.offset:obj.offset + nbytes]
-                return (raw.clone() if copy else raw).view(obj.dtype).reshape(obj.shape)
-            if isinstance(obj, dict):
-                return {k: fill(v) for k, v in obj.items()}
-            if isinstance(obj, (list, tuple)):
-                return type(obj)(fill(v) for v in obj)
-            return obj
+            if not isinstance(obj, _Slot):
+                return obj
+            nbytes = int(np.prod(obj.shape, dtype=np.int64)) * obj.dtype.itemsize
+            raw = whole[obj.offset:obj.offset + nbytes]
+            return (raw.clone() if copy else raw).view(obj.dtype).reshape(obj.shape)
 
-        return fill(pickle.loads(self.skeleton))
+        return map_leaves(pickle.loads(self.skeleton), fill)
 
 
 def buddy_order(nodes: list[list[int]]) -> list[int]:

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from collectives.elastic.tree import map_leaves
+
 _NAME = re.compile(r"commit(\d+)\.rank(\d+)\.of(\d+)\.(r|s|rs)(?:\.held(\d+))?\.snap$")
 
 
@@ -50,10 +52,6 @@ class Entry:
     shard: bool
     held: int | None  # the rank whose shard's copy it also holds
     path: str
-
-    @property
-    def name(self) -> str:
-        return os.path.basename(self.path)
 
 
 def file_name(commit: int, rank: int, size: int, replicated: bool, shard: bool,
@@ -151,26 +149,22 @@ def dump(payload: Any, path: str) -> None:
         nonlocal end
         torch = sys.modules.get("torch")  # tensors only where torch is in use
         is_torch = torch is not None and isinstance(obj, torch.Tensor)
-        if is_torch or isinstance(obj, np.ndarray):
-            if is_torch:
-                t = obj.detach().cpu().contiguous()
-                dtype, shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
-                raw = t.reshape(-1).view(torch.uint8).numpy()
-            else:
-                raw = np.ascontiguousarray(obj)
-                dtype, shape = raw.dtype.str, raw.shape
-                raw = raw.reshape(-1).view(np.uint8)
-            slot = _Slot(end, raw.nbytes, dtype, shape, is_torch)
-            arrays.append(memoryview(raw))
-            end += raw.nbytes
-            return slot
-        if isinstance(obj, dict):
-            return {k: strip(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(strip(v) for v in obj)
-        return obj
+        if not is_torch and not isinstance(obj, np.ndarray):
+            return obj
+        if is_torch:
+            t = obj.detach().cpu().contiguous()
+            dtype, shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+        else:
+            raw = np.ascontiguousarray(obj)
+            dtype, shape = raw.dtype.str, raw.shape
+            raw = raw.reshape(-1).view(np.uint8)
+        slot = _Slot(end, raw.nbytes, dtype, shape, is_torch)
+        arrays.append(memoryview(raw))
+        end += raw.nbytes
+        return slot
 
-    header = pickle.dumps(strip(payload), protocol=pickle.HIGHEST_PROTOCOL)
+    header = pickle.dumps(map_leaves(payload, strip), protocol=pickle.HIGHEST_PROTOCOL)
     with open(path, "wb") as f:
         f.write(len(header).to_bytes(8, "little"))
         f.write(header)
@@ -188,19 +182,15 @@ def load(path: str) -> Any:
         f.readinto(memoryview(data))
 
     def fill(obj: Any) -> Any:
-        if isinstance(obj, _Slot):
-            raw = data[obj.offset:obj.offset + obj.nbytes]
-            if obj.torch:
-                import torch
-                return torch.from_numpy(raw).view(getattr(torch, obj.dtype)).reshape(obj.shape)
-            return raw.view(np.dtype(obj.dtype)).reshape(obj.shape)
-        if isinstance(obj, dict):
-            return {k: fill(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(fill(v) for v in obj)
-        return obj
+        if not isinstance(obj, _Slot):
+            return obj
+        raw = data[obj.offset:obj.offset + obj.nbytes]
+        if obj.torch:
+            import torch
+            return torch.from_numpy(raw).view(getattr(torch, obj.dtype)).reshape(obj.shape)
+        return raw.view(np.dtype(obj.dtype)).reshape(obj.shape)
 
-    return fill(skeleton)
+    return map_leaves(skeleton, fill)
 
 
 class Writer:
@@ -254,14 +244,6 @@ class Writer:
                 self._mine = [m for m in self._mine if m[0] >= commits[-2]]
         except BaseException as exc:  # handed to the next wait()
             self._error = exc
-
-
-def prune(root: str, keep_from: int) -> None:
-    """Remove this host's files of commits before keep_from (after a resume from it: the
-    files the new job writes replace them)."""
-    for e in entries(root):
-        if e.commit < keep_from:
-            _remove(e.path)
 
 
 def _remove(path: str) -> None:

@@ -25,6 +25,7 @@ import time
 
 import collectives.optim  # noqa: F401 (C.optim)
 import torch
+from replay import data, replay
 
 import collectives as C
 from collectives import elastic
@@ -71,11 +72,6 @@ def main() -> None:
     steps_s = float(os.environ.get("STEP_S", 0.05))
     dim, batch, lr = 8, 24, 0.02
 
-    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(batch, dim, generator=g, dtype=torch.float64)
-        return x, x @ torch.arange(1.0, dim + 1, dtype=torch.float64)
-
     model = torch.nn.Linear(dim, 1, bias=False).double()
     torch.nn.init.zeros_(model.weight)
     sgd = torch.optim.SGD(model.parameters(), lr=lr * C.size(), momentum=0.9)
@@ -99,7 +95,7 @@ def main() -> None:
                 with open(os.path.join(EVENTS, "steps"), "a") as f:
                     f.write(f"{time.time()!r} {job} {state.step} {C.size()}\n")
             events(state.step, state.sizes)
-            x, y = data(state.step)
+            x, y = data(state.step, batch, dim)
             n, r = C.size(), C.rank()
             lo, hi = r * batch // n, (r + 1) * batch // n
             opt.zero_grad()
@@ -111,22 +107,12 @@ def main() -> None:
             state.commit()
 
     train(state)
-    ref = torch.nn.Linear(dim, 1, bias=False).double()
-    torch.nn.init.zeros_(ref.weight)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
-    for step, n in enumerate(state.sizes):
-        x, y = data(step)
-        ref_opt.param_groups[0]["lr"] = lr * n
-        ref_opt.zero_grad()
-        (((ref(x).squeeze(1) - y) ** 2).sum() / batch).backward()
-        ref_opt.step()
-    err = (model.weight - ref.weight).abs().max().item()
-    if api == "zero":
+    weight, momentum = replay(state.sizes, batch, dim, lr)
+    err = (model.weight - weight).abs().max().item()
+    if api == "zero":  # the momentum, put together from every rank's shard
         whole = opt.consolidated_state_dict()
         if whole is not None:
-            momentum = whole["state"][0]["momentum_buffer"]
-            err = max(err, (momentum - ref_opt.state[ref.weight]["momentum_buffer"])
-                      .abs().max().item())
+            err = max(err, (whole["state"][0]["momentum_buffer"] - momentum).abs().max().item())
     runs = [(n, len(list(g))) for n, g in itertools.groupby(state.sizes)]
     print(f"rank {C.rank()} of {C.size()}: trained {state.step} steps, sizes in order "
           f"{runs}, max error {err:.2e}, digest {float(model.weight.detach().sum())!r}", flush=True)

@@ -125,15 +125,11 @@ def train_scenario(killfile: str, api: str) -> None:
     must end with the parameters a single process gets by replaying the steps at the sizes
     they ran at: the steps since the last commit are rolled back and run again."""
     import torch
+    from replay import data, replay
 
     steps, dim, batch, lr = 2 * DIE_AT, 8, 24, 0.02
 
     dtype = torch.float32 if api.endswith("onebit") else torch.float64  # 1-bit: float32 only
-
-    def data(step: int, dtype: torch.dtype = dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(batch, dim, generator=g, dtype=torch.float64)
-        return x.to(dtype), (x @ torch.arange(1.0, dim + 1, dtype=torch.float64)).to(dtype)
 
     model = torch.nn.Linear(dim, 1, bias=False).to(dtype)
     torch.nn.init.zeros_(model.weight)
@@ -181,7 +177,7 @@ def train_scenario(killfile: str, api: str) -> None:
                     or state.step == second_at and len(resets) == 1 \
                     and C.rank() == C.size() - 1:
                 die(killfile)
-            x, y = data(state.step)
+            x, y = data(state.step, batch, dim, dtype)
             n, r = C.size(), C.rank()
             lo, hi = r * batch // n, (r + 1) * batch // n
             opt.zero_grad()
@@ -202,24 +198,12 @@ def train_scenario(killfile: str, api: str) -> None:
                 state.commit()
 
     train(state)
-    # the replay: full-batch SGD with the world size each step ran at
-    ref = torch.nn.Linear(dim, 1, bias=False).double()
-    torch.nn.init.zeros_(ref.weight)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
-    for step, n in enumerate(state.sizes):
-        x, y = data(step, torch.float64)
-        ref_opt.param_groups[0]["lr"] = lr * n
-        ref_opt.zero_grad()
-        # the mean of n per-rank losses, each scaled by n / batch, is the full-batch loss
-        (((ref(x).squeeze(1) - y) ** 2).sum() / batch).backward()
-        ref_opt.step()
-    err = (model.weight - ref.weight).abs().max().item()
+    weight, momentum = replay(state.sizes, batch, dim, lr)
+    err = (model.weight - weight).abs().max().item()
     if api.startswith("zero"):  # the momentum, put together from every rank's shard
         whole = opt.consolidated_state_dict()
         if whole is not None:
-            momentum = whole["state"][0]["momentum_buffer"]
-            err = max(err, (momentum - ref_opt.state[ref.weight]["momentum_buffer"]).abs()
-                      .max().item())
+            err = max(err, (whole["state"][0]["momentum_buffer"] - momentum).abs().max().item())
     digest = float(model.weight.detach().sum())
     at = {n: state.sizes.count(n) for n in sorted(set(state.sizes), reverse=True)}
     runs = [(n, len(list(g))) for n, g in itertools.groupby(state.sizes)]
