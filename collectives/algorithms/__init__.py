@@ -37,7 +37,7 @@ from collectives.algorithms import flat, hierarchical, pairwise
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.dtypes import CODES
 from collectives.ops import KERNEL_OP, ReduceOp
-from collectives.runtime.engine import ENGINE
+from collectives.runtime.engine import ENGINE, contributors
 from collectives.runtime.topology import Topology
 
 #: Every algorithm by name: the flat ones (flat.py), then the two-level one; a tie in cost
@@ -96,9 +96,8 @@ def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: Re
     bits are the same either way: each element is its Sum divided once."""
     if op is ReduceOp.Average and type(recv) is np.ndarray \
             and getattr(REGISTRY[algo], "FOLDS_AVERAGE", False):
-        contributed = topo.size - ENGINE.native.joined
         function(algo, "allreduce")(_group(algo, topo), send, recv, KERNEL_OP[op], dtype,
-                                    divisor=max(contributed, 1))
+                                    divisor=max(contributors(topo.size), 1))
         return
     allreduce(algo, topo, send, recv, KERNEL_OP[op], dtype)
     average(recv, dtype, op, topo.size)
@@ -106,15 +105,14 @@ def reduce(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray, op: Re
 
 def average(out: np.ndarray, dtype: str, op: ReduceOp, n: int) -> None:
     """Finish an Average over n ranks that moved as a Sum, in place (floor division for
-    integers); nothing for the other ops. The engine divides (_C: divide_average), by n
-    less the ranks inside join() (collectives/api/join.py), which contributed the identity:
-    the one rule every Average of the library follows, the agreement's payload included."""
+    integers); nothing for the other ops. It divides by the ranks that contributed
+    (runtime/engine.contributors: n less the ranks inside join())."""
     if op is not ReduceOp.Average:
         return
     if isinstance(out, np.ndarray):
         ENGINE.native.divide_average(out, CODES[dtype], n)
-    elif n - ENGINE.native.joined > 1:  # device memory (a CuPy array): the same rule
-        kernels.divide(out, dtype, n - ENGINE.native.joined)
+    elif contributors(n) > 1:  # device memory (a CuPy array): the same rule
+        kernels.divide(out, dtype, contributors(n))
 
 
 def reducescatter(algo: str, topo: Topology, send: np.ndarray, recv: np.ndarray,

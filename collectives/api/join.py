@@ -17,6 +17,7 @@ some have, one broadcast of the call's signature per call."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -102,11 +103,7 @@ def join(*, comm: Any = None, process_set: Any = None) -> int:
                 agreement.check_joinable(collective, fields, joined, topo.size)
             except agreement.MismatchError:
                 continue  # the others raise it; this rank waits on, as in Horovod
-            native.joined = joined  # an Average's divisor where this rank divides its part
-            try:
-                _contribute(topo, collective, fields)
-            finally:
-                native.joined = 0
+            native.contribute(joined, functools.partial(_contribute, topo, collective, fields))
     except Exception as exc:  # a failure of ranks: RanksFailedError (fault-tolerant mode)
         faults.reraise(topo, exc)
     finally:

@@ -32,7 +32,7 @@ from collectives.compression import Compressor
 from collectives.compression.onebit import ONEBIT, OnebitState, check_block
 from collectives.ops import ReduceOp
 from collectives.runtime.buffers import is_device_data, wrap
-from collectives.runtime.engine import ENGINE, Job
+from collectives.runtime.engine import Job, contributors
 from collectives.runtime.ipc import IpcError
 from collectives.runtime.topology import Topology
 
@@ -107,7 +107,7 @@ def allreduce(topo: Topology, x: Any, op: ReduceOp, algorithm: str,
         if send.size:
             try:
                 done = device.allreduce(topo, ws, send, recv, op, dtype,
-                                        topo.size - ENGINE.native.joined, ready)
+                                        contributors(topo.size), ready)
             except IpcError:
                 if algorithm != "auto":
                     raise
@@ -198,7 +198,7 @@ def contribute(topo: Topology, op: ReduceOp, dtype: str, identity: Any) -> None:
         data = cupy.asarray(identity)
         cupy.cuda.get_current_stream().synchronize()
         try:
-            device.allreduce(topo, ws, data, data, op, dtype, topo.size - ENGINE.native.joined,
+            device.allreduce(topo, ws, data, data, op, dtype, contributors(topo.size),
                              None).synchronize()
         except IpcError:
             algorithms.reduce(select.concrete(topo, "allreduce", "auto", identity.nbytes), topo,

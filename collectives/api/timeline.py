@@ -73,8 +73,8 @@ def start_timeline(file_path: str | os.PathLike, mark_cycles: bool = False) -> N
     with calls.Prepared(job, "start_timeline", None) as p:
         p.call, p.job = _start(job, file_path, mark_cycles)
     path = p.run()
-    job.state(Recording).current = {"path": path, "mark_cycles": mark_cycles, "origin": ENGINE.native.clock()}
-    ENGINE.native.tracing = True
+    job.state(Recording).current = {"path": path, "mark_cycles": mark_cycles,
+                                    "origin": ENGINE.native.start_trace()}
     if not _at_exit_registered:  # the file is written even if stop_timeline() never is
         atexit.register(_stop_at_exit)
         _at_exit_registered = True
@@ -85,10 +85,10 @@ def _stop(job: topology.Topology) -> tuple[calls.Call, Job]:
 
     def move() -> None:
         state = job.state(Recording).current
-        ENGINE.native.tracing = False
+        taken = ENGINE.native.take_trace()
         if state is None:  # on every rank alike: start and stop are collective
             return
-        mine = _events(job.rank, ENGINE.native.take_trace(), state["origin"],
+        mine = _events(job.rank, taken, state["origin"],
                        state["mark_cycles"])
         everyone = job.comm.gather(mine, root=0)
         if job.rank == 0:

@@ -49,7 +49,7 @@ from collectives.algorithms import costmodel, shm
 from collectives.auto import select, state
 from collectives.auto.autotune import Memory
 from collectives.kernels import _C
-from collectives.runtime.engine import ENGINE
+from collectives.runtime.engine import ENGINE, contributors
 from collectives.runtime.topology import Topology
 
 #: Candidates `auto` rates within this multiple of the best are tried: wide enough to take
@@ -130,8 +130,8 @@ def checks(topo: Topology, nbytes: int) -> bool:
     algorithm when they run): the job measured its machine (a tuning file is the user's
     word; without measurement nothing is close) and the call does not ride in the
     agreement (a riding call runs the agreement's own algorithm, whatever its class)."""
-    return (topo.config.autotune and not topo.config.tuning_file and topo.size > 1
-            and nbytes > topo.channel.capacity)
+    return (topo.config.autotune and not topo.config.tuning_file
+            and topo.size > 1 and nbytes > topo.channel.capacity)
 
 
 def settled_on(topo: Topology, c: int, nbytes: int, inplace: bool, algorithm: str,
@@ -162,7 +162,7 @@ def run(topo: Topology, c: int, nbytes: int, inplace: bool,
     reduce(algorithm) with a trial's candidate, else with `auto`'s choice. The choice is
     made here, in submission order, not when the call was described: a caller's thread may
     describe a call while the engine's settles its class."""
-    joined = ENGINE.native.joined
+    joined = contributors(topo.size) < topo.size
     auto = state.of(topo)
     watch = None if joined else auto.watches.get(c)
     if watch is not None and not watch.native.take():  # due

@@ -219,3 +219,12 @@ def _execute(native: Any, topo: Communicator, call: Described, job: Job, queued:
 
 
 ENGINE = Engine()
+
+
+def contributors(size: int) -> int:
+    """The ranks of a world of size whose data the running call reduces: size less the ranks
+    inside join() that took part with no data (the engine's count, set by the call's
+    agreement, or by `contribute` on a joined rank). An Average divides by it: one rule for
+    every Average of the library, the agreement's payload (csrc/runtime/call.cpp) included."""
+    return size - ENGINE.native.joined
+

@@ -140,7 +140,12 @@ struct PyEngine {
     return py::make_tuple(r.ok, r.joined, r.first_active, r.last_joiner);
   }
 
+  void contribute(int joined, py::handle move) {
+    collectives::contribute(engine, joined, [&] { move(); });
+  }
+
   py::list take_trace() {
+    engine.timeline().set_on(false);
     const Timeline::Taken taken = engine.timeline().take();
     py::list out;
     for (const Timeline::Event& e : taken.events) {
@@ -276,12 +281,19 @@ void bind_engine(py::module_& m) {
            py::arg("divisor"), py::arg("move"), py::arg("queued") = -1.0,
            "One claimed call: record, agreement (with payload), move(), stats; queued: "
            "when it was submitted (steady clock, s), for the timeline")
-      .def_property("tracing", [](PyEngine& s) { return s.engine.timeline().on(); },
-                    [](PyEngine& s, bool on) { s.engine.timeline().set_on(on); },
-                    "Whether calls are recorded for the timeline")
+      .def_property_readonly("tracing", [](PyEngine& s) { return s.engine.timeline().on(); },
+                             "Whether calls are recorded for the timeline")
+      .def(
+          "start_trace",
+          [](PyEngine& s) {
+            s.engine.timeline().set_on(true);
+            return steady_seconds();
+          },
+          "Record every call from now on for the timeline; returns the steady clock's reading "
+          "(s) at the start, the trace's origin")
       .def("take_trace", &PyEngine::take_trace,
-           "[(collective, detail, algorithm, queued, start, agreed, moved, end, bytes, last, "
-           "waited)] recorded since the last take, oldest first")
+           "Stop recording; [(collective, detail, algorithm, queued, start, agreed, moved, end, "
+           "bytes, last, waited)] recorded since the start, oldest first")
       .def_static("clock", &steady_seconds, "The steady clock the timeline uses, in seconds")
       .def("set_origin", [](PyEngine& s, double steady) { s.engine.set_origin(steady); },
            py::arg("steady"),
@@ -298,15 +310,14 @@ void bind_engine(py::module_& m) {
       .def("join_step", &PyEngine::join_step, py::arg("channel"), py::arg("call"),
            py::arg("first"), "One agreement exchange of a joined rank: (ok, joined, "
            "first_active, last_joiner)")
-      .def_property(
+      .def_property_readonly(
           "joined", [](PyEngine& s) { return s.engine.running().joined; },
-          [](PyEngine& s, int joined) {
-            if (joined < 0) throw py::value_error("joined: must be >= 0");
-            s.engine.running().joined = joined;
-          },
-          "Ranks that joined in the running call's agreement; a joined rank sets it while it "
-          "takes part in the others' call (collectives/api/join.py), so that the part it "
-          "reduces of an Average is divided by the ranks that contributed")
+          "Ranks inside join() that took part in the running call (0 outside a call): set by "
+          "its agreement, or by contribute() on a joined rank")
+      .def("contribute", &PyEngine::contribute, py::arg("joined"), py::arg("move"),
+           "A joined rank's part of the others' call (collectives/api/join.py): move() with "
+           "the running call's joined count set to joined, so that the part it reduces of an "
+           "Average is divided by the ranks that contributed")
       .def(
           "divide_average",
           [](PyEngine& s, py::handle buf, int dtype_code, int64_t divisor) {

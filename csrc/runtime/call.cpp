@@ -90,4 +90,14 @@ AgreeResult join_step(Engine& engine, const AgreeChannel& channel, const CallInf
   return r;
 }
 
+void contribute(Engine& engine, int joined, const std::function<void()>& move) {
+  if (joined < 1) throw std::invalid_argument("joined: must be >= 1");
+  struct Reset {
+    Engine::Running& running;
+    ~Reset() { running.joined = 0; }
+  } reset{engine.running()};
+  reset.running.joined = joined;
+  move();
+}
+
 }  // namespace collectives

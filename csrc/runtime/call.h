@@ -60,4 +60,9 @@ void execute(Engine& engine, const AgreeChannel& channel, const CallInfo& call,
 AgreeResult join_step(Engine& engine, const AgreeChannel& channel, const CallInfo& call,
                       bool first);
 
+// A joined rank's part of the others' call, after the join_step that handed it over: move()
+// with the running call's joined count set to joined (what an Average divides by, on this
+// rank as on the active ones), and 0 again however move() ends.
+void contribute(Engine& engine, int joined, const std::function<void()>& move);
+
 }  // namespace collectives

@@ -14,7 +14,9 @@ of collectives/ and optim/:
 - a field of a state class is written only inside its owner's layer;
 - no module keeps a communicator's state in a module-level dict keyed by the communicator
   (its handle, or a `comm` / `topo` argument): such state belongs on its owner (a state
-  object, or an attribute of the MPI communicator itself)."""
+  object, or an attribute of the MPI communicator itself);
+- the engine's state (`ENGINE.native`, C++) is written only in runtime/: other layers call
+  its methods (a joined rank's count is set by `contribute`, not assigned from join())."""
 
 from __future__ import annotations
 
@@ -142,6 +144,33 @@ def violations(trees: dict[Path, str] = TREES) -> list[str]:
     return out
 
 
+def engine_writes(trees: dict[Path, str] = TREES) -> list[str]:
+    """Every write of an attribute of `ENGINE.native` (directly, or through a name bound to
+    it) outside runtime/."""
+    out = []
+    for name, path in _modules(trees).items():
+        if name.startswith("collectives.runtime"):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                   and _is_engine(node.value) for t in node.targets if isinstance(t, ast.Name)}
+        here = path.relative_to(path.parents[1])
+        for node in ast.walk(tree):
+            for target in _targets(node):
+                chain = _chain(target)
+                if chain and (any(_is_engine(a) for a in chain) or (
+                        isinstance(chain[-1].value, ast.Name) and chain[-1].value.id in aliases)):
+                    out.append(f"{here}:{node.lineno}: writes the engine's "
+                               f"{'.'.join(a.attr for a in reversed(chain))}")
+    return out
+
+
+def _is_engine(node: ast.AST) -> bool:
+    """Whether node is `ENGINE.native`."""
+    return isinstance(node, ast.Attribute) and node.attr == "native" \
+        and isinstance(node.value, ast.Name) and node.value.id == "ENGINE"
+
+
 #: Names that hold a communicator (or its Topology) where they are used as a key.
 COMMUNICATOR_NAMES = {"comm", "topo", "communicator"}
 
@@ -240,6 +269,22 @@ def test_a_write_of_another_layers_state_is_reported(tmp_path):
     assert any("auto/online.py" in f and ".fast" in f for f in found), found
     assert any("horovod/common.py" in f and "asks for AutoState" in f for f in found), found
     assert any("horovod/common.py" in f and ".settled" in f for f in found), found
+
+
+def test_only_the_runtime_writes_the_engines_state():
+    assert engine_writes() == []
+
+
+def test_a_write_of_the_engines_state_elsewhere_is_reported(tmp_path):
+    """As join() set the engine's joined count, and the timeline its recording flag."""
+    trees = _package(tmp_path, {
+        "collectives/api/join.py": (
+            "\n\ndef _bad(n):\n    native = ENGINE.native\n    native.joined = n\n"),
+        "collectives/api/timeline.py": "\n\ndef _bad():\n    ENGINE.native.tracing = True\n"})
+    found = engine_writes(trees)
+    assert len(found) == 2, found
+    assert any("api/join.py" in f and "joined" in f for f in found), found
+    assert any("api/timeline.py" in f and "tracing" in f for f in found), found
 
 
 def test_no_module_keeps_a_communicators_state_in_a_module_dict():
