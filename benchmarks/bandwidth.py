@@ -27,6 +27,7 @@ from __future__ import annotations  # noqa: I001  (collectives first: see below)
 import argparse
 import csv
 import json
+import os
 import sys
 import time
 from typing import Any, NamedTuple
@@ -425,6 +426,20 @@ def sweep_arguments(p: argparse.ArgumentParser, largest: str, calls: int,
     p.add_argument("-n", type=int, default=calls, help="iterations per round (fewer above 1 MiB)")
     p.add_argument("-w", type=int, default=warmup, help="warmup iterations")
     p.add_argument("-r", "--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--frozen", action=Frozen, help="hold the library's run-time choices "
+                   "still (COLLECTIVES_FROZEN=1, docs/adaptive.md): a reproducible run")
+
+
+class Frozen(argparse.Action):
+    """--frozen: sets COLLECTIVES_FROZEN=1 as it is parsed, before the script's init reads
+    the options."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        os.environ["COLLECTIVES_FROZEN"] = "1"
+        setattr(namespace, self.dest, True)
 
 
 def main(argv: list[str] | None = None) -> None:

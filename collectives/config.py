@@ -23,6 +23,11 @@ class Config:
     #: Whether the first job on a setup times the algorithms for `auto` (a few seconds)
     #: and caches the times under XDG_CACHE_HOME for later jobs (collectives/auto/autotune.py).
     autotune: bool = True
+    #: Whether the choices the library makes by itself at run time are held still, for a
+    #: reproducible run (docs/adaptive.md): `auto` chooses from the tuning in force (a
+    #: tuning file, else the cache, else the cost model's defaults: nothing is measured) and
+    #: tries nothing online; shared-memory reductions use plain stores.
+    frozen: bool = False
     #: Seconds a collective may wait for other ranks before it logs who is missing.
     stall_warning_s: float = 60.0
     #: Calls each rank's flight recorder keeps (collectives/runtime/flight.py): written to

@@ -127,6 +127,8 @@ def _window(comm: MPI.Comm, slot_bytes: int) -> Window:
     limit = limit_of(comm)  # a Topology's communicator: its timeout, as it is when a wait starts
     w = Window(comm, -(-grown // _ALIGN) * _ALIGN, DEPTH, math.inf if timeout is None else timeout,
                None if limit is None else limit.native)
+    if config.get().frozen:  # a reproducible run: no store choice (plain, as a kind's first)
+        w.native.set_stores(0)
     comm.Set_attr(_key(), w)
     return w
 

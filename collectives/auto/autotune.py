@@ -193,8 +193,9 @@ def general_path(topo: Any, timed: Timed) -> float:
 
 def setup(topo: Any, timed: Timed) -> dict:
     """The tuning `auto` uses in this job (collective over the job): the tuning file, else
-    the cache, else a fresh measurement saved to the cache; {} when autotuning is off, or
-    when the job was shrunk after a failure (no measurement delays its recovery)."""
+    the cache, else a fresh measurement saved to the cache; {} when autotuning is off, when
+    the job was shrunk after a failure (no measurement delays its recovery), or where a
+    frozen run (Config.frozen) finds no cache."""
     config = topo.config
     if config.tuning_file:
         tuning = _tuning_file(topo, config.tuning_file)
@@ -207,8 +208,8 @@ def setup(topo: Any, timed: Timed) -> dict:
     cached = _on_rank0(topo.comm, lambda: _read(path) if path.exists() else None)
     if cached is not None and cached.get("key") == k:
         return cached
-    if topo.generation:  # a job shrunk after a failure goes on at once, on the model
-        return {}
+    if topo.generation or config.frozen:  # a job shrunk after a failure goes on at once,
+        return {}  # on the model; a frozen one measures nothing
     started = time.perf_counter()
     tuning = {"key": k, "nodes": k["nodes"], "world_size": topo.size,
               "params": dataclasses.asdict(costmodel.params()), "measured": measure(topo, timed),

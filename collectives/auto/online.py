@@ -129,8 +129,9 @@ def checks(topo: Topology, nbytes: int) -> bool:
     """Whether `auto` allreduces of nbytes on topo are checked online (run() picks their
     algorithm when they run): the job measured its machine (a tuning file is the user's
     word; without measurement nothing is close) and the call does not ride in the
-    agreement (a riding call runs the agreement's own algorithm, whatever its class)."""
-    return (topo.config.autotune and not topo.config.tuning_file
+    agreement (a riding call runs the agreement's own algorithm, whatever its class); not
+    in a frozen run (Config.frozen)."""
+    return (topo.config.autotune and not topo.config.frozen and not topo.config.tuning_file
             and topo.size > 1 and nbytes > topo.channel.capacity)
 
 

@@ -193,8 +193,8 @@ void bind_shm(py::module_& m) {
             w.stores.forced = mode;
           },
           py::arg("mode"),
-          "Tests only: the stores of this window's pipelined reductions, 0 plain, 1 "
-          "streaming, -1 chosen by measurement (StoreChoice, shm.h)")
+          "Tests, and a frozen run (Config.frozen): the stores of this window's pipelined "
+          "reductions, 0 plain, 1 streaming, -1 chosen by measurement (StoreChoice, shm.h)")
       .def(
           "stores", [](const ShmWindow& w) { return store_counts(w.stores); },
           "{(smallest bytes, allreduce, in place, Average): (plain calls, streaming calls, "

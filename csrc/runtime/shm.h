@@ -84,7 +84,7 @@ struct StoreChoice {
   };
   std::map<int64_t, Kind> kinds;  // by key()
   bool latest = false;            // the way the latest trial of any kind chose
-  int forced = -1;                // tests only (set_stores): 0 plain, 1 streaming, -1 chosen
+  int forced = -1;  // set_stores (tests, a frozen run): 0 plain, 1 streaming, -1 chosen
 
   static int64_t key(int64_t bytes, bool allreduce, bool inplace, bool average) {
     int64_t log2 = 0;
@@ -99,12 +99,15 @@ struct StoreChoice {
 
   // Whether a call of nchunks chunks of kind `key` streams (counts the call if it is large).
   bool pick(int64_t key, int64_t nchunks) {
-    if (forced >= 0) return forced == 1;
-    if (nchunks < kMinChunks) return false;
+    if (nchunks < kMinChunks) return forced == 1;
     auto [it, fresh] = kinds.try_emplace(key);
     Kind& k = it->second;
     if (fresh) k.stream = latest;
     ++k.calls;
+    if (forced >= 0) {  // counted, never tried
+      ++k.ran[forced];
+      return forced == 1;
+    }
     if (k.trial_left == 0 && k.calls >= k.next_trial) {
       k.trial_left = kRecent;
       ++k.trials;

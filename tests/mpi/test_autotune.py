@@ -250,6 +250,27 @@ def test_a_runoff_settles_on_the_finalist_faster_in_most_pairs(comm, trials, mon
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_frozen_run_tries_nothing_online(comm, trials, monkeypatch):
+    """With Config.frozen a class whose candidates are close runs the model's choice on
+    every call: no trial call, and nothing settled (the same class tries ring and mpi
+    without it)."""
+    monkeypatch.setattr(select, "estimates", _estimates({"ring": 1.0, "mpi": 1.5}))
+    x = np.full(_tried(trials), comm.Get_rank() + 1.0)
+    monkeypatch.setattr(trials, "config", config.Config(frozen=True))
+    before = _runs("ring", "mpi", trial=True)
+    _calls(comm, x, online.ROUNDS * online.BURST * 2)
+    assert _runs("ring", "mpi", trial=True) == before
+    assert not state.of(trials).trials and not state.of(trials).settled
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_frozen_run_reads_the_cache_but_does_not_measure(comm, cache):
+    assert autotune.setup(_job(frozen=True), _unmeasured) == {}
+    measured = autotune.setup(_job(), timed_call)
+    assert autotune.setup(_job(frozen=True), _unmeasured) == json.loads(json.dumps(measured))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_trial_prices_the_general_path_against_a_fast_entry(comm, trials, monkeypatch):
     """On one node shm's class runs through its C++ fast entry once settled, mpi's through
     the general path: with the general path measured at 0.5 s a call, mpi's 1.0 s data

@@ -275,6 +275,21 @@ def test_stores_into_the_buffers(comm, monkeypatch, stores):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_frozen_run_stores_plainly_and_tries_nothing(comm, monkeypatch):
+    """With Config.frozen a window's large reductions all use plain stores, with no trial
+    of the other way (the store choice would try streaming from a kind's 4th call)."""
+    monkeypatch.setattr(shm, "SMALL_BYTES", 0)
+    monkeypatch.setattr(shm, "SLOT_BYTES", 4096)  # many chunks
+    monkeypatch.setattr(config, "_current", dataclasses.replace(config.get(), frozen=True))
+    shm.shutdown(comm)
+    x = np.ones(50_000, np.float32)
+    for _ in range(12):
+        shm.allreduce(comm, x, np.empty_like(x), C.Sum, "float32")
+    assert shm.stores(comm) == {"allreduce 131072-262143 B out of place": (12, 0, 0)}
+    shm.shutdown(comm)  # no forced stores in later tests' windows
+
+
+@pytest.mark.mpi(min_size=2)
 def test_the_window_counts_each_kinds_stores(comm, monkeypatch):
     """shm.stores(comm): per kind of large call (8 chunks or more), the calls made with each
     way of storing and the trials; calls of fewer chunks are not counted."""
