@@ -24,7 +24,8 @@ on another backend (gloo) the same algorithm runs over torch.distributed's colle
 (all_gather_single, all_to_all_single), synchronously inside the hook. The state may also
 be an mpi4py communicator whose ranks are the group's, in the same order: the buckets then
 go through this library on it whatever backend the group has, for frameworks that set up
-gloo themselves (Accelerate on CPU: README, Running under Accelerate)."""
+gloo themselves (Accelerate on CPU: docs/integrations.md, "Running under Hugging Face
+Accelerate")."""
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations as objects.
 from typing import Any
