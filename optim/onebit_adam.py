@@ -160,23 +160,28 @@ class OnebitAdam(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             state["exp_avg"].lerp_(grad, 1 - beta1)
             state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            self._apply(group, p, state, bound=math.inf)
+            self._apply(group, p, state)
 
     def _compressed_step(self, group: dict[str, Any], p: torch.Tensor) -> None:
-        """Momentum averaged in one bit, frozen variance, each coordinate's step bounded."""
+        """Momentum averaged in one bit, frozen variance, each coordinate's step bounded:
+        the update in one pass over p, m and v (kernels.adam_update)."""
         state = self.state[p]
         self._average_momentum(group, p, state)
-        self._apply(group, p, state, bound=self._bound(group))
+        lr = group["lr"]
+        correction1, correction2 = self._corrections(group, state)
+        kernels.adam_update(p.detach(), state["exp_avg"], state["exp_avg_sq"], lr=lr,
+                            c1=correction1, sqrt_c2=correction2 ** 0.5, eps=group["eps"],
+                            decay=1 - lr * group["weight_decay"], bound=self._bound(group))
 
     def _average_momentum(self, group: dict[str, Any], p: torch.Tensor,
                           state: dict[str, Any]) -> None:
         """Fold the local gradient into m, then replace m by its average over the ranks,
-        sent as one bit per element."""
+        sent as one bit per element (written over m: no copy)."""
         exp_avg = state["exp_avg"]
         exp_avg.lerp_(_grad(p), 1 - group["betas"][0])
         if C.size() > 1:  # alone, the momentum is already the average: nothing to send
             worker, server = self._errors(p, state)
-            exp_avg.copy_(compressed_allreduce(exp_avg, worker, server, self.block_size))
+            compressed_allreduce(exp_avg, worker, server, self.block_size, out=exp_avg)
 
     def _errors(self, p: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         """This rank's error buffers for p: zeros at the freeze, after a reset, or when the
@@ -195,26 +200,24 @@ class OnebitAdam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         return max(1.0, (1 - beta1) / math.sqrt(1 - beta2))
 
-    def _apply(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any],
-               bound: float) -> None:
-        """p -= lr * (m_hat / (sqrt(v_hat) + eps)) after decoupled weight decay, each
-        coordinate of the Adam step bounded by `bound` (inf: unbounded), rounded as
-        torch.optim.Adam rounds it. v's bias correction stops at the freeze, with v."""
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+    def _corrections(self, group: dict[str, Any], state: dict[str, Any]) -> tuple[float, float]:
+        """Adam's bias corrections (1, 1 without bias_correction); v's stops at the freeze,
+        with v."""
+        if not self.bias_correction:
+            return 1.0, 1.0
         beta1, beta2 = group["betas"]
         step = state["step"]
-        correction1, correction2 = 1.0, 1.0
-        if self.bias_correction:
-            correction1 = 1 - beta1 ** step
-            correction2 = 1 - beta2 ** min(step, self.freeze_step)
+        return 1 - beta1 ** step, 1 - beta2 ** min(step, self.freeze_step)
+
+    def _apply(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+        """The warm-up's update: p -= lr * (m_hat / (sqrt(v_hat) + eps)) after decoupled
+        weight decay, rounded as torch.optim.Adam(W) rounds it."""
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        correction1, correction2 = self._corrections(group, state)
         if weight_decay:
             p.mul_(1 - lr * weight_decay)
         denom = (state["exp_avg_sq"].sqrt() / correction2 ** 0.5).add_(eps)
-        if bound == math.inf:
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / correction1)
-            return
-        update = (state["exp_avg"] / correction1).div_(denom).clamp_(-bound, bound)
-        p.add_(update, alpha=-lr)
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / correction1)
 
     # ------------------------------------------------------------------------ checkpoints
 

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from collectives.algorithms.onebit import error_sizes, scatter_error_size
 from collectives.api import calls, on_device, process_sets
 from collectives.api.base import need_dim0, row_elems
 from collectives.compression.onebit import ONEBIT, OnebitState, check_block, check_error, check_x
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
-from collectives.runtime.buffers import host_float, is_device_data, store_float
+from collectives.runtime.buffers import host_float, is_device_data, store_float, wrap
 from collectives.runtime.engine import Handle, Job
 from collectives.runtime.p2p import even_split
 
 
 def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
-                         block_size: int | None = None, *, comm: Any = None) -> Any:
+                         block_size: int | None = None, *, out: Any = None,
+                         comm: Any = None) -> Any:
     """The average of x over all ranks, each value sent as one bit (see the module doc).
 
     x: a floating NumPy array, torch tensor or CuPy array; with device error buffers on x's
@@ -29,30 +32,50 @@ def compressed_allreduce(x: Any, worker_error: Any, server_error: Any,
     first, updated in place (keep them for the next call on the same vector). block_size:
     None for DeepSpeed's scales (one for the whole vector on the worker side, one per chunk
     on the server side), or one scale per block of this many elements within each chunk
-    (finer, for 4/block_size more bytes per element). comm: the mpi4py communicator to run
-    over (default: the job's)."""
+    (finer, for 4/block_size more bytes per element). out: an array of x's type, dtype,
+    shape and device to write the result into instead (x itself for in place; returned).
+    comm: the mpi4py communicator to run over (default: the job's)."""
     topo = topology.of(comm)
     with calls.Prepared(topo, "compressed_allreduce", None) as p:
-        p.call, p.job = _prepare(topo, x, worker_error, server_error, block_size)
+        p.call, p.job = _prepare(topo, x, worker_error, server_error, block_size, out)
     return p.run()
 
 
 def compressed_allreduce_async(x: Any, worker_error: Any, server_error: Any,
-                               block_size: int | None = None, *, comm: Any = None) -> Any:
+                               block_size: int | None = None, *, out: Any = None,
+                               comm: Any = None) -> Any:
     """compressed_allreduce queued on the engine: returns a Handle for synchronize(); the
-    error buffers must not be touched until it completes."""
+    error buffers (and out) must not be touched until it completes."""
     topo = topology.of(comm)
     with calls.Prepared(topo, "compressed_allreduce", None) as p:
-        p.call, p.job = _prepare(topo, x, worker_error, server_error, block_size)
+        p.call, p.job = _prepare(topo, x, worker_error, server_error, block_size, out)
     return p.submit()
 
 
+def _check_out(out: Any, x: Any) -> None:
+    """out as compressed_allreduce writes it: x's type, dtype, shape and device."""
+    if type(out) is not type(x):
+        raise TypeError(f"out: expected a {type(x).__name__} as x, got {type(out).__name__}")
+    if out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape) \
+            or getattr(out, "device", None) != getattr(x, "device", None):
+        raise ValueError(f"out: expected x's dtype {x.dtype}, shape {tuple(x.shape)} and "
+                         f"device, got {out.dtype}, {tuple(out.shape)}, "
+                         f"{getattr(out, 'device', 'host')}")
+
+
 def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: Any,
-             block_size: Any) -> tuple[calls.Call, Job]:
+             block_size: Any, out: Any = None) -> tuple[calls.Call, Job]:
+    if out is not None:
+        _check_out(out, x)
     if is_device_data(x) and is_device_data(worker_error) \
             and on_device.compressible(x):
-        return on_device.onebit(topo, x, worker_error, server_error, block_size)
+        return on_device.onebit(topo, x, worker_error, server_error, block_size, out)
     buf = check_x(x)
+    into = None if out is None else wrap(out, "out")
+    if into is not None and not into.staged and not buf.staged \
+            and np.shares_memory(into.flat, buf.flat) \
+            and into.flat.__array_interface__["data"] != buf.flat.__array_interface__["data"]:
+        raise ValueError("out: overlaps x without being x")
     block = check_block(block_size)
     padded, chunk = error_sizes(buf.flat.size, topo.size)
     worker = check_error(worker_error, "worker_error", padded)
@@ -62,12 +85,18 @@ def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: A
     state = OnebitState(worker.flat, server.flat, block)
 
     def move() -> Any:
-        out = buf.empty(buf.shape)
-        store_float(out.flat, out.dtype, ONEBIT.allreduce(
-            topo, host_float(buf.flat, buf.dtype), ReduceOp.Average, "auto", state))
+        dest = buf.empty(buf.shape) if into is None else into
+        direct = dest.dtype == "float32"  # the average is float32: written where it goes
+        values = ONEBIT.allreduce(topo, host_float(buf.flat, buf.dtype), ReduceOp.Average,
+                                  "auto", state, dest.flat if direct else None)
+        if not direct:
+            store_float(dest.flat, dest.dtype, values)
         worker.write_back()
         server.write_back()
-        return out.result()
+        if into is None:
+            return dest.result()
+        into.write_back()
+        return out
 
     return call, Job(move)
 

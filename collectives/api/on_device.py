@@ -156,10 +156,11 @@ def compressed(topo: Topology, x: Any, op: ReduceOp, algorithm: str, compressor:
 
 
 def onebit(topo: Topology, x: Any, worker_error: Any, server_error: Any,
-           block_size: Any) -> tuple[Call, Job]:
+           block_size: Any, out: Any = None) -> tuple[Call, Job]:
     """compressed_allreduce of device data with device error buffers: compression, the
     server step and decompression on the device (compression/onebit.py), only the packets
-    staged; the error buffers are updated in place where they are."""
+    staged; the error buffers are updated in place where they are. out (checked by the
+    caller): the result is copied into it, on the caller's stream."""
     from collectives.kernels import cuda as cuda_kernels
 
     dtype = _dtype(x)
@@ -178,7 +179,14 @@ def onebit(topo: Topology, x: Any, worker_error: Any, server_error: Any,
 
     def move() -> Any:
         with on_callers_stream():
-            return _result(ONEBIT.allreduce(topo, values, ReduceOp.Average, "auto", state), x)
+            result = _result(ONEBIT.allreduce(topo, values, ReduceOp.Average, "auto", state), x)
+            if out is None:
+                return result
+            if hasattr(out, "detach"):
+                out.detach().copy_(result)
+            else:
+                out[...] = result
+            return out
 
     return call, Job(move)
 

@@ -151,16 +151,18 @@ class OnebitState(NamedTuple):
 
 def reduce(x: Any, state: OnebitState, n: int,
            scatter: Callable[[np.ndarray], np.ndarray],
-           gather: Callable[[np.ndarray], np.ndarray]) -> Any:
+           gather: Callable[[np.ndarray], np.ndarray], out: Any = None) -> Any:
     """The algorithm of the module docstring over any transport: the average over n ranks
     of every rank's flat floating array x, as float32, with state's error buffers updated.
     scatter(rows) must return the rows received (row j: rank j's row for this rank),
     gather(packet) every rank's packet as rows, in rank order: host arrays. x and the error
     buffers are host arrays, or CuPy arrays on one device: then compression, the server's
-    accumulation and decompression run there, and only the packets are staged."""
+    accumulation and decompression run there, and only the packets are staged. out: a flat
+    float32 array of x.size elements on x's side to write the average into (x itself may
+    be it: x is read before out is written), else a new one; returned."""
     worker, server, block = state
     xp = _xp(x)
-    out = xp.empty(x.size, np.float32)
+    out = xp.empty(x.size, np.float32) if out is None else out
     if not worker.size:
         return out
     padded = x if x.dtype == np.float32 and x.size == worker.size else xp.zeros(
@@ -217,7 +219,8 @@ class OnebitCompressor(Compressor):
     ops = (ReduceOp.Average,)
 
     def allreduce(self, topo: topology.Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
-                  state: OnebitState | None = None) -> np.ndarray:
+                  state: OnebitState | None = None, out: Any = None) -> np.ndarray:
+        """out: where to write the average (see reduce()), else a new array."""
         if state is None:
             raise ValueError("state: 1-bit compression needs the caller's OnebitState "
                              "(error buffers); use compressed_allreduce")
@@ -233,7 +236,7 @@ class OnebitCompressor(Compressor):
             onebit_exchange.exchange(comm, [packet] * n, gathered, onebit_exchange.TAG_GATHER)
             return gathered
 
-        return reduce(x, state, n, scatter, gather)
+        return reduce(x, state, n, scatter, gather, out)
 
     def reducescatter(self, topo: topology.Topology, x: np.ndarray, counts: list[int],
                       op: ReduceOp, algorithm: str, state: OnebitState | None = None

@@ -350,6 +350,24 @@ def onebit_serve(bits: Sequence[np.ndarray], scales: Sequence[np.ndarray | float
     return out_bits, out_scales[0] if block_size is None else out_scales
 
 
+def adam_update(p: Array, m: Array, v: Array, *, lr: float, c1: float = 1.0,
+                sqrt_c2: float = 1.0, eps: float, decay: float = 1.0,
+                bound: float = float("inf")) -> None:
+    """Adam's parameter update from its moments, in place, in one pass over float32 p, m
+    and v of one size (host, or all on one device):
+      p = p * decay - lr * clamp((m / c1) / (sqrt(v) / sqrt_c2 + eps), -bound, bound)
+    each operation rounded to float32, host and device alike (csrc/kernels/adam.h). c1 and
+    sqrt_c2: the bias corrections (1 - beta1^t, and the square root of 1 - beta2^t);
+    decay: 1 - lr * weight_decay (decoupled); bound: each coordinate's largest step / lr."""
+    if _on_device(p):
+        return _cuda().adam_update(p, m, v, lr, c1, sqrt_c2, eps, decay, bound)
+    ps, ms, vs = _host_f32(p, "p"), _host_f32(m, "m"), _host_f32(v, "v")
+    for name, arr in (("m", ms), ("v", vs)):
+        if arr.size != ps.size:
+            raise ValueError(f"{name}: has {arr.size} elements, p has {ps.size}")
+    _C.adam_update(ps, ms, vs, ps.size, lr, c1, sqrt_c2, eps, decay, bound)
+
+
 def _host_scales(scales: Array | float, name: str) -> np.ndarray:
     """A scale given as a Python/NumPy float, 0-d or 1-d array or tensor, as float32 1-d."""
     if isinstance(scales, (float, int, np.floating)) and not isinstance(scales, bool):

@@ -12,6 +12,7 @@
 
 #include "bindings/check.h"
 #include "bindings/module.h"
+#include "kernels/adam.h"
 #include "kernels/onebit.h"
 #include "kernels/pack.h"
 #include "kernels/quantize.h"
@@ -174,6 +175,19 @@ void py_onebit_decompress(const py::buffer& bits, const py::buffer& scales,
   onebit_decompress(bp, sp, dst, count, block);
 }
 
+void py_adam_update(const py::buffer& p, const py::buffer& m, const py::buffer& v,
+                    int64_t count, float lr, float c1, float sqrt_c2, float eps, float decay,
+                    float bound) {
+  check::count(count);
+  auto* pp = static_cast<float*>(check::ptr(p, "p", DType::f32, true, count));
+  const auto* mp = static_cast<const float*>(check::ptr(m, "m", DType::f32, false, count));
+  const auto* vp = static_cast<const float*>(check::ptr(v, "v", DType::f32, false, count));
+  if (!(c1 > 0) || !(sqrt_c2 > 0)) throw py::value_error("c1, sqrt_c2: must be > 0");
+  if (!(bound >= 0)) throw py::value_error("bound: must be >= 0 (inf: none)");
+  py::gil_scoped_release release;
+  adam_update(pp, mp, vp, count, lr, c1, sqrt_c2, eps, decay, bound);
+}
+
 // The (bits, scales) arrays of n compressed sources of count elements, checked.
 std::pair<std::vector<const uint8_t*>, std::vector<const float*>> onebit_sources(
     const py::sequence& bits, const py::sequence& scales, int64_t count, int64_t nscales) {
@@ -252,6 +266,10 @@ void bind_kernels(py::module_& m) {
         py::arg("block"),
         "onebit_accumulate from zeros then onebit_compress, fused (compressed allreduce's "
         "server step)");
+  m.def("adam_update", &py_adam_update, py::arg("p"), py::arg("m"), py::arg("v"),
+        py::arg("count"), py::arg("lr"), py::arg("c1"), py::arg("sqrt_c2"), py::arg("eps"),
+        py::arg("decay"), py::arg("bound"),
+        "p = p * decay - lr * clamp((m / c1) / (sqrt(v) / sqrt_c2 + eps), +-bound), in place");
   m.def("onebit_accumulate", &py_onebit_accumulate, py::arg("acc"), py::arg("bits"),
         py::arg("scales"), py::arg("count"), py::arg("block"),
         "acc += decompress(bits[k], scales[k]) for each k, in order");

@@ -169,6 +169,57 @@ def test_types_and_shapes(comm, kind):
     assert_equal(worker.numpy(), workers[comm.Get_rank()], "worker_error")
 
 
+def _bits(result) -> np.ndarray:
+    """A result's bytes, whatever its type and dtype."""
+    if isinstance(result, torch.Tensor):
+        return result.detach().reshape(-1).view(torch.uint8).numpy().copy()
+    return result.reshape(-1).view(np.uint8).copy()
+
+
+@pytest.mark.parametrize("kind", ["numpy-float32", "numpy-float64", "torch-float32",
+                                  "torch-bfloat16"])
+def test_out_holds_the_same_bits_in_place_or_apart(comm, kind):
+    """out=x (in place) and out= another array give the bits of a call without out, into
+    out (returned), and leave the error buffers alike."""
+    framework, dtype = kind.split("-")
+    values = _inputs(1000, comm.Get_rank()).reshape(10, 100)
+    padded, chunk = error_sizes(1000, comm.Get_size())
+    got = {}
+    for how in ("new", "apart", "in place"):
+        x = values.astype(dtype) if framework == "numpy" else \
+            torch.from_numpy(values).to(getattr(torch, dtype), copy=True)
+        worker, server = np.zeros(padded, f32), np.zeros(chunk, f32)
+        out = {"new": None, "in place": x}.get(how, x * 0)
+        for _ in range(2):  # the second call sends what the first lost
+            x[...] = values.reshape(10, 100) if framework == "numpy" else \
+                torch.from_numpy(values).to(x.dtype)
+            result = compressed_allreduce(x, worker, server, block_size=64, out=out)
+            assert out is None or result is out, how
+        got[how] = (_bits(result), worker.copy(), server.copy())
+    for how in ("apart", "in place"):
+        for a, b in zip(got["new"], got[how]):
+            assert np.array_equal(a, b), (kind, how)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_out_is_refused(comm):
+    padded, chunk = error_sizes(100, comm.Get_size())
+    x, worker, server = np.ones(100, f32), np.zeros(padded, f32), np.zeros(chunk, f32)
+    for out, error, match in [(np.ones(99, f32), ValueError, "out: expected x's dtype"),
+                              (np.ones(100, np.float64), ValueError, "out: expected x's dtype"),
+                              (torch.ones(100), TypeError, "out: expected a ndarray"),
+                              (np.ones(101, f32)[1:], None, None)]:
+        if error is None:  # a disjoint view is fine
+            compressed_allreduce(x, worker, server, out=out)
+            continue
+        with pytest.raises(error, match=match):
+            compressed_allreduce(x, worker, server, out=out)
+    y = np.ones(101, f32)
+    with pytest.raises(ValueError, match="out: overlaps x without being x"):
+        compressed_allreduce(y[:100], worker, server, out=y[1:])
+    assert_same_on_all_ranks(comm, compressed_allreduce(x, worker, server), "usable after")
+
+
 @pytest.mark.parametrize("block", [None, 256])
 def test_bytes_on_the_wire(comm, block):
     """Per rank: n-1 packets out in each phase, each a chunk's signs plus its scales; under

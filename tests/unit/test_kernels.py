@@ -89,6 +89,27 @@ def test_reduce_matches_reference_past_the_vectors(dtype, nsrc):
         assert same_results(dst, ref.reduce(srcs, dtype, op), dtype), op
 
 
+@pytest.mark.parametrize("case", sorted(ref.cases(vectors, "adam")))
+def test_adam_update_vectors(case):
+    """The fused update gives the reference's bits, NaN and inf included; m and v unchanged."""
+    c = ref.cases(vectors, "adam")[case]
+    lr, c1, sqrt_c2, eps, decay, bound = (float(x) for x in c["params"])
+    p, m, v = (torch.from_numpy(c[k].copy()) for k in ("p", "m", "v"))
+    K.adam_update(p, m, v, lr=lr, c1=c1, sqrt_c2=sqrt_c2, eps=eps, decay=decay, bound=bound)
+    assert _same(p.numpy(), c["out"])
+    assert _same(m.numpy(), c["m"]) and _same(v.numpy(), c["v"])
+
+
+def test_adam_update_rejects_bad_input():
+    p, m = np.ones(4, np.float32), np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="v: has 3 elements, p has 4"):
+        K.adam_update(p, m, m[:3], lr=1e-3, eps=1e-8)
+    with pytest.raises(TypeError, match="m: expected float32"):
+        K.adam_update(p, m.astype(np.float64), m, lr=1e-3, eps=1e-8)
+    with pytest.raises(ValueError, match="bound"):
+        K.adam_update(p, m, m, lr=1e-3, eps=1e-8, bound=-1.0)
+
+
 @pytest.mark.parametrize("dtype", ref.DTYPES)
 def test_divide_vectors(dtype):
     case = ref.cases(vectors, "divide")[dtype]

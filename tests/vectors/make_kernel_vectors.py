@@ -347,11 +347,44 @@ def divide_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return out
 
 
+def adam_update(p: np.ndarray, m: np.ndarray, v: np.ndarray, lr: float, c1: float,
+                sqrt_c2: float, eps: float, decay: float, bound: float) -> np.ndarray:
+    """Each operation rounded to float32, no FMA: d = sqrt(v) / sqrt_c2 + eps;
+    u = (m / c1) / d clamped to [-bound, bound] (NaN stays); p * decay - lr * u."""
+    with np.errstate(all="ignore"):
+        d = np.sqrt(v) / f32(sqrt_c2) + f32(eps)
+        u = (m / f32(c1)) / d
+        u = np.where(u < -f32(bound), -f32(bound), u)
+        u = np.where(u > f32(bound), f32(bound), u)
+        return p * f32(decay) - f32(lr) * u
+
+
+def adam_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Moments with zeros, tiny and huge variances and non-finite values, under each case's
+    (lr, c1, sqrt_c2, eps, decay, bound): bias corrections, weight decay, a bound or none."""
+    n = 1000
+    special = np.array([0, 1e-30, 1e-45, 1e30, np.inf, np.nan], f32)
+    p = rng.standard_normal(n).astype(f32)
+    m = (rng.standard_normal(n) * 1e-2).astype(f32)
+    v = (rng.standard_normal(n) * 1e-3).astype(f32) ** 2
+    m[:6], v[6:12], m[12:18] = special, special, -special
+    out = {}
+    for name, params in {"plain": (1e-3, 1.0, 1.0, 1e-8, 1.0, np.inf),
+                         "corrected": (3e-4, 0.271, 0.0447, 1e-8, 1.0, np.inf),
+                         "bounded": (1e-2, 0.9, 0.3, 1e-6, 0.999, 3.1622777),
+                         "decayed": (1e-3, 1.0, 1.0, 1e-8, 0.99, 1.0)}.items():
+        k = f"adam.{name}."
+        out[k + "p"], out[k + "m"], out[k + "v"] = p, m, v
+        out[k + "params"] = np.array(params, np.float64)
+        out[k + "out"] = adam_update(p, m, v, *params)
+    return out
+
+
 def make_vectors() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(SEED)
     vectors = {"meta.int8.block_size": np.int64(INT8_BLOCK_SIZE)}
     for part in (pack_vectors, quantize_vectors, onebit_vectors, reduce_vectors,
-                 divide_vectors):
+                 divide_vectors, adam_vectors):
         vectors.update(part(rng))
     return vectors
 
