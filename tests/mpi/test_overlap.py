@@ -1,0 +1,104 @@
+"""Each bucket's reduction runs while backward goes on, compressed or not: in
+DistributedOptimizer, ZeroOptimizer and the DDP hooks on the "collectives" backend.
+
+The model is two layers in two buckets, with a pause in backward between them (the layer
+nearer the input gets its gradients after it). The bucket of the layer nearer the output
+is complete before the pause: its reduction must have finished by the pause's end, on
+every rank. A reduction started only at the end of backward (or in step()) has not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from collectives.optim import DistributedOptimizer, ZeroOptimizer
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import collectives as C
+from collectives.integrations.ddp_hooks import OnebitHookState, fp16_hook, int8_hook, onebit_hook
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+WIDTH = 1024  # a layer's weight: 4 MiB, over DDP's first bucket (1 MiB)
+BUCKET_BYTES = 4 * (WIDTH * WIDTH + WIDTH)  # one layer's weight and bias: a bucket each
+PAUSE_S = 0.5
+
+
+class _Pause(torch.autograd.Function):
+    """The identity; its backward sleeps PAUSE_S, then notes the collective calls this
+    rank has finished (C.stats()["calls"]) in `seen`."""
+
+    seen: list[int] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(PAUSE_S)
+        _Pause.seen.append(C.stats()["calls"])
+        return grad
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(_Pause.apply(self.first(x)))
+
+
+def _reduced_during_backward(model: nn.Module, opt, steps: int = 3) -> list[int]:
+    """Per step, the calls finished between backward's start and the pause's end."""
+    out = []
+    for step in range(steps):
+        x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step + C.rank()))
+        _Pause.seen.clear()
+        before = C.stats()["calls"]
+        model(x).square().mean().backward()
+        out.append(_Pause.seen[0] - before)
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "int8"])
+def test_distributed_optimizer_reduces_during_backward(comm, compression):
+    model = _Model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters(),
+                               compression=getattr(C.Compression, compression),
+                               fusion_threshold_bytes=BUCKET_BYTES)
+    assert all(n >= 1 for n in _reduced_during_backward(model, opt)), compression
+
+
+@pytest.mark.parametrize("compression", ["none", "int8", "onebit"])
+def test_zero_optimizer_reduces_during_backward(comm, compression):
+    model = _Model()
+    opt = ZeroOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), stage=2,
+                        compression=getattr(C.Compression, compression, compression),
+                        fusion_threshold_bytes=BUCKET_BYTES)
+    assert all(n >= 1 for n in _reduced_during_backward(model, opt)), compression
+
+
+@pytest.mark.parametrize("hook", ["fp16", "int8", "onebit"])
+def test_ddp_hooks_reduce_during_backward(comm, hook):
+    dist.init_process_group("collectives")
+    try:
+        model = DDP(_Model(), bucket_cap_mb=1)
+        if hook == "onebit":  # compressed from the first step
+            model.register_comm_hook(OnebitHookState(warmup_steps=0), onebit_hook)
+        else:
+            model.register_comm_hook(None, fp16_hook if hook == "fp16" else int8_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        # DDP's first step fills its buckets in the order gradients arrive; later ones
+        # follow it
+        assert all(n >= 1 for n in _reduced_during_backward(model, opt, steps=4)[1:]), hook
+    finally:
+        dist.destroy_process_group()
