@@ -12,6 +12,11 @@ DistributedOptimizer): call loss.backward() on each rank's share of the batch, t
       with this rank's worker_error and server_error; both start at zero at the freeze),
       and the averaged m, the same on every rank, replaces it. The update is
       m / (sqrt(v) + eps), with the bias corrections, plus decoupled weight decay.
+      Both first parts need only the parameter's gradient: they start from its gradient
+      hook during backward (in one fixed order on every rank: _Launches), so the 1-bit
+      averages travel while backward goes on; step() waits for them and updates each
+      parameter in one pass (kernels.adam_update). With gradient accumulation, say how
+      many backward passes make a step (backward_passes_per_step, as Horovod's).
 
 Beyond DeepSpeed (measured in docs/onebit_adam.md):
   - bias_correction is applied (DeepSpeed accepts the flag and ignores it): with a short
@@ -45,6 +50,8 @@ rank's state_dict to resume bit for bit.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -53,7 +60,7 @@ import torch
 from collectives import api as C
 from collectives import kernels
 from collectives.algorithms.onebit import error_sizes
-from collectives.api.compressed import compressed_allreduce
+from collectives.api.compressed import compressed_allreduce_async
 
 _ERRORS = ("worker_error", "server_error")
 
@@ -101,9 +108,14 @@ class OnebitAdam(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100000,
                  block_size: int | None = 256, bias_correction: bool = True,
-                 max_update: float | None = None):
+                 max_update: float | None = None, backward_passes_per_step: int = 1):
         _check_options(lr, betas, eps, weight_decay, freeze_step, block_size, max_update)
+        if isinstance(backward_passes_per_step, bool) or \
+                not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step: expected an int >= 1, got "
+                             f"{backward_passes_per_step!r}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        self._launches = _Launches(backward_passes_per_step)
         super().__init__(params, defaults)
         self.freeze_step = freeze_step
         self.block_size = block_size
@@ -112,11 +124,15 @@ class OnebitAdam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        dtypes = {p.dtype for p in self.param_groups[-1]["params"]} - {torch.float32}
+        group = self.param_groups[-1]
+        dtypes = {p.dtype for p in group["params"]} - {torch.float32}
         if dtypes:
             self.param_groups.pop()
             raise TypeError(f"params: OnebitAdam needs float32 parameters (keep float32 "
                             f"master weights for mixed precision), got {sorted(map(str, dtypes))}")
+        owner = weakref.ref(self)
+        for p in group["params"]:
+            self._launches.add(p, group, owner)
 
     # ------------------------------------------------------------------------------ step
 
@@ -128,6 +144,7 @@ class OnebitAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        handles = self._launches.rest(self._launch)
         warm, frozen = [], []
         for group in self.param_groups:
             for p in group["params"]:
@@ -137,8 +154,33 @@ class OnebitAdam(torch.optim.Optimizer):
         if warm:
             self._warm_step(warm)
         for group, p in frozen:
-            self._compressed_step(group, p)
+            handle = handles.get(id(p))
+            if handle is not None:
+                C.synchronize(handle)
+            self._update(group, p)
         return loss
+
+    def _compressed(self, p: torch.Tensor) -> bool:
+        """Whether p's coming step is after the freeze."""
+        state = self.state.get(p)
+        return bool(state) and state["step"] + 1 > self.freeze_step
+
+    @torch.no_grad()
+    def _launch(self, p: torch.Tensor, group: dict[str, Any]) -> C.Handle | None:
+        """p's part of a step after the freeze that needs only its gradient: fold it into m,
+        and start m's 1-bit average (written over m). Run from p's gradient hook during
+        backward, in _Launches' fixed order, or from step() for those still due. Nothing
+        before the freeze: the warm-up's fused allreduce waits for every gradient."""
+        if not self._compressed(p):
+            return None
+        state = self.state[p]
+        exp_avg = state["exp_avg"]
+        exp_avg.lerp_(_grad(p), 1 - group["betas"][0])
+        if C.size() == 1:  # alone, the momentum is already the average: nothing to send
+            return None
+        worker, server = self._errors(p, state)
+        return compressed_allreduce_async(exp_avg, worker, server, self.block_size,
+                                          out=exp_avg)
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -162,26 +204,15 @@ class OnebitAdam(torch.optim.Optimizer):
             state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             self._apply(group, p, state)
 
-    def _compressed_step(self, group: dict[str, Any], p: torch.Tensor) -> None:
-        """Momentum averaged in one bit, frozen variance, each coordinate's step bounded:
-        the update in one pass over p, m and v (kernels.adam_update)."""
+    def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        """After the freeze, with m averaged: frozen variance, each coordinate's step
+        bounded, in one pass over p, m and v (kernels.adam_update)."""
         state = self.state[p]
-        self._average_momentum(group, p, state)
         lr = group["lr"]
         correction1, correction2 = self._corrections(group, state)
         kernels.adam_update(p.detach(), state["exp_avg"], state["exp_avg_sq"], lr=lr,
                             c1=correction1, sqrt_c2=correction2 ** 0.5, eps=group["eps"],
                             decay=1 - lr * group["weight_decay"], bound=self._bound(group))
-
-    def _average_momentum(self, group: dict[str, Any], p: torch.Tensor,
-                          state: dict[str, Any]) -> None:
-        """Fold the local gradient into m, then replace m by its average over the ranks,
-        sent as one bit per element (written over m: no copy)."""
-        exp_avg = state["exp_avg"]
-        exp_avg.lerp_(_grad(p), 1 - group["betas"][0])
-        if C.size() > 1:  # alone, the momentum is already the average: nothing to send
-            worker, server = self._errors(p, state)
-            compressed_allreduce(exp_avg, worker, server, self.block_size, out=exp_avg)
 
     def _errors(self, p: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         """This rank's error buffers for p: zeros at the freeze, after a reset, or when the
@@ -232,6 +263,7 @@ class OnebitAdam(torch.optim.Optimizer):
         another size, are dropped (zeros at the next compressed step)."""
         state_dict = dict(state_dict)
         owner = state_dict.pop("error_feedback", None)
+        self._launches.forget()  # a step cut short (a failure elastic.run recovers from)
         super().load_state_dict(state_dict)
         if owner != {"rank": C.rank(), "size": C.size()}:
             for state in self.state.values():
@@ -246,3 +278,72 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     if p.grad.is_sparse:
         raise RuntimeError("OnebitAdam does not support sparse gradients")
     return p.grad
+
+
+class _Launches:
+    """When each parameter's step after the freeze starts (OnebitAdam._launch): as soon as
+    its gradient is complete in backward, so that its 1-bit average travels while backward
+    goes on. Parameters launch in one fixed order on every rank (the reverse of the
+    optimizer's, backward's usual order), a parameter ready early waiting for those before
+    it, so every rank starts the same collectives in the same order whatever order its
+    hooks fire in; step() launches the rest, in that order."""
+
+    def __init__(self, passes: int) -> None:
+        self.passes = passes  # backward passes that make a gradient complete
+        self.order: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        self.counts: dict[int, int] = {}  # backward passes seen this step, by parameter id
+        self.handles: dict[int, C.Handle] = {}  # this step's calls, by parameter id
+        self.next = 0  # launched so far, in order
+        self.lock = threading.Lock()
+
+    def add(self, p: torch.Tensor, group: dict[str, Any], owner: weakref.ref) -> None:
+        """Take p into the order, with a hook that reports its gradient to owner."""
+        self.order.insert(0, (p, group))
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(_hook(owner))
+
+    def grad_ready(self, p: torch.Tensor, launch: Callable) -> None:
+        """Hook: p's gradient is complete; launch every parameter now due, in order."""
+        with self.lock:
+            count = self.counts.get(id(p), 0) + 1
+            if count > self.passes:
+                raise RuntimeError(
+                    f"OnebitAdam: the gradient of a parameter of shape {tuple(p.shape)} was "
+                    f"computed {count} times since the last step() with "
+                    f"backward_passes_per_step={self.passes}; call step() after every "
+                    f"{self.passes} backward passes")
+            self.counts[id(p)] = count
+            while self.next < len(self.order) and \
+                    self.counts.get(id(self.order[self.next][0]), 0) == self.passes:
+                self._one(launch)
+
+    def rest(self, launch: Callable) -> dict[int, C.Handle]:
+        """Launch what is still due, in order; this step's calls, by parameter id. The next
+        step starts afresh."""
+        with self.lock:
+            while self.next < len(self.order):
+                self._one(launch)
+            handles, self.handles, self.counts, self.next = self.handles, {}, {}, 0
+        return handles
+
+    def forget(self) -> None:
+        """Drop this step's launches (their calls are finished, or failed with the job)."""
+        with self.lock:
+            self.handles, self.counts, self.next = {}, {}, 0
+
+    def _one(self, launch: Callable) -> None:
+        p, group = self.order[self.next]
+        self.next += 1
+        handle = launch(p, group)
+        if handle is not None:
+            self.handles[id(p)] = handle
+
+
+def _hook(owner: weakref.ref) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook reporting to the optimizer while it is alive."""
+    def hook(param: torch.Tensor) -> None:
+        opt = owner()
+        if opt is not None and C.size() > 1 and opt._compressed(param):
+            opt._launches.grad_ready(param, opt._launch)
+    return hook
+

@@ -1,5 +1,6 @@
 """Each bucket's reduction runs while backward goes on, compressed or not: in
-DistributedOptimizer, ZeroOptimizer and the DDP hooks on the "collectives" backend.
+DistributedOptimizer, ZeroOptimizer, OnebitAdam (after its freeze) and the DDP hooks on
+the "collectives" backend.
 
 The model is two layers in two buckets, with a pause in backward between them (the layer
 nearer the input gets its gradients after it). The bucket of the layer nearer the output
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from collectives.optim import DistributedOptimizer, ZeroOptimizer
+from collectives.optim import DistributedOptimizer, OnebitAdam, ZeroOptimizer
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -85,6 +86,34 @@ def test_zero_optimizer_reduces_during_backward(comm, compression):
                         compression=getattr(C.Compression, compression, compression),
                         fusion_threshold_bytes=BUCKET_BYTES)
     assert all(n >= 1 for n in _reduced_during_backward(model, opt)), compression
+
+
+def test_onebit_adam_averages_the_momentum_during_backward(comm):
+    """After the freeze each parameter's 1-bit average starts from its gradient's hook;
+    step 1 is the warm-up, whose fused allreduce waits for every gradient."""
+    model = _Model()
+    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=1)
+    assert all(n >= 1 for n in _reduced_during_backward(model, opt, steps=4)[1:])
+
+
+def test_onebit_adam_counts_backward_passes(comm):
+    """With backward_passes_per_step=2 two backward passes make a step, the same on every
+    rank; a third pass before step() is an error that names the option."""
+    model = _Model()
+    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=1, backward_passes_per_step=2)
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(C.rank()))
+    for _ in range(3):
+        for _ in range(2):
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for p in model.parameters():
+        assert torch.equal(p, C.broadcast(p.detach(), root_rank=0))
+    for _ in range(2):
+        model(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match="backward_passes_per_step=2"):
+        model(x).square().mean().backward()
+    opt.step()  # what the two passes launched finishes
 
 
 @pytest.mark.parametrize("hook", ["fp16", "int8", "onebit"])
