@@ -116,6 +116,7 @@ class OnebitAdam(torch.optim.Optimizer):
                              f"{backward_passes_per_step!r}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         self._launches = _Launches(backward_passes_per_step)
+        weakref.finalize(self, self._launches.remove_hooks)
         super().__init__(params, defaults)
         self.freeze_step = freeze_step
         self.block_size = block_size
@@ -295,12 +296,18 @@ class _Launches:
         self.handles: dict[int, C.Handle] = {}  # this step's calls, by parameter id
         self.next = 0  # launched so far, in order
         self.lock = threading.Lock()
+        self.hooks: list = []  # the gradient hooks' handles, removed with the optimizer
 
     def add(self, p: torch.Tensor, group: dict[str, Any], owner: weakref.ref) -> None:
         """Take p into the order, with a hook that reports its gradient to owner."""
         self.order.insert(0, (p, group))
         if p.requires_grad:
-            p.register_post_accumulate_grad_hook(_hook(owner))
+            self.hooks.append(p.register_post_accumulate_grad_hook(_hook(owner)))
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
 
     def grad_ready(self, p: torch.Tensor, launch: Callable) -> None:
         """Hook: p's gradient is complete; launch every parameter now due, in order."""
