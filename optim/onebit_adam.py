@@ -207,13 +207,20 @@ class OnebitAdam(torch.optim.Optimizer):
 
     def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
         """After the freeze, with m averaged: frozen variance, each coordinate's step
-        bounded, in one pass over p, m and v (kernels.adam_update)."""
+        bounded; in one pass over p, m and v on the host (kernels.adam_update), with
+        torch's operations on a device."""
         state = self.state[p]
-        lr = group["lr"]
+        lr, eps, bound = group["lr"], group["eps"], self._bound(group)
         correction1, correction2 = self._corrections(group, state)
-        kernels.adam_update(p.detach(), state["exp_avg"], state["exp_avg_sq"], lr=lr,
-                            c1=correction1, sqrt_c2=correction2 ** 0.5, eps=group["eps"],
-                            decay=1 - lr * group["weight_decay"], bound=self._bound(group))
+        decay = 1 - lr * group["weight_decay"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if p.device.type == "cpu":
+            kernels.adam_update(p.detach(), m, v, lr=lr, c1=correction1,
+                                sqrt_c2=correction2 ** 0.5, eps=eps, decay=decay, bound=bound)
+            return
+        p.mul_(decay)
+        denom = (v.sqrt() / correction2 ** 0.5).add_(eps)
+        p.add_((m / correction1).div_(denom).clamp_(-bound, bound), alpha=-lr)
 
     def _errors(self, p: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         """This rank's error buffers for p: zeros at the freeze, after a reset, or when the

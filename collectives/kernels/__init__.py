@@ -353,14 +353,13 @@ def onebit_serve(bits: Sequence[np.ndarray], scales: Sequence[np.ndarray | float
 def adam_update(p: Array, m: Array, v: Array, *, lr: float, c1: float = 1.0,
                 sqrt_c2: float = 1.0, eps: float, decay: float = 1.0,
                 bound: float = float("inf")) -> None:
-    """Adam's parameter update from its moments, in place, in one pass over float32 p, m
-    and v of one size (host, or all on one device):
+    """Adam's parameter update from its moments, in place, in one pass over float32 host
+    arrays p, m and v of one size:
       p = p * decay - lr * clamp((m / c1) / (sqrt(v) / sqrt_c2 + eps), -bound, bound)
-    each operation rounded to float32, host and device alike (csrc/kernels/adam.h). c1 and
-    sqrt_c2: the bias corrections (1 - beta1^t, and the square root of 1 - beta2^t);
-    decay: 1 - lr * weight_decay (decoupled); bound: each coordinate's largest step / lr."""
-    if _on_device(p):
-        return _cuda().adam_update(p, m, v, lr, c1, sqrt_c2, eps, decay, bound)
+    each operation rounded to float32 (csrc/kernels/adam.h). c1 and sqrt_c2: the bias
+    corrections (1 - beta1^t, and the square root of 1 - beta2^t); decay: 1 - lr *
+    weight_decay (decoupled); bound: each coordinate's largest step / lr. Host memory only:
+    device tensors take torch's operations (optim/onebit_adam.py)."""
     ps, ms, vs = _host_f32(p, "p"), _host_f32(m, "m"), _host_f32(v, "v")
     for name, arr in (("m", ms), ("v", vs)):
         if arr.size != ps.size:

@@ -392,24 +392,6 @@ def onebit_decompress(bits: Array, scales: Array | float, count: int,
         return _like(out, bits)
 
 
-def adam_update(p: Array, m: Array, v: Array, lr: float, c1: float, sqrt_c2: float,
-                eps: float, decay: float, bound: float) -> None:
-    """kernels.adam_update for device buffers."""
-    if not (c1 > 0 and sqrt_c2 > 0):
-        raise ValueError("c1, sqrt_c2: must be > 0")
-    if not bound >= 0:
-        raise ValueError("bound: must be >= 0 (inf: none)")
-    with _context(p):
-        ps = _storage(p, "p", "float32")
-        ms, vs = _typed(m, "m", "float32"), _typed(v, "v", "float32")
-        for name, arr in (("m", ms), ("v", vs)):
-            if arr.size != ps.size:
-                raise ValueError(f"{name}: has {arr.size} elements, p has {ps.size}")
-        _launch("adam", "adam_update", ps.size,
-                (ps, ms, vs, np.int64(ps.size), np.float32(lr), np.float32(c1),
-                 np.float32(sqrt_c2), np.float32(eps), np.float32(decay), np.float32(bound)))
-
-
 def onebit_accumulate(acc: Array, bits: Sequence[Array], scales: Sequence[Array | float],
                       count: int, block_size: int | None) -> None:
     count = check_count(count)

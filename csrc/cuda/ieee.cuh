@@ -20,13 +20,6 @@ COLLECTIVES_F32_BINARY(mul_f32, "mul.rn.f32")
 COLLECTIVES_F32_BINARY(div_f32, "div.rn.f32")
 #undef COLLECTIVES_F32_BINARY
 
-// sqrt(a), correctly rounded (IEEE, as std::sqrt of a float).
-__device__ __forceinline__ float sqrt_f32(float a) {
-  float r;
-  asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
-  return r;
-}
-
 // a < b, a > b, a >= b: false when either is NaN, as in C++.
 __device__ __forceinline__ bool lt_f32(float a, float b) {
   unsigned int r;

@@ -6,7 +6,7 @@
 
 namespace collectives {
 
-// For each i, every operation rounded to float32 (no FMA; the CUDA kernel rounds alike):
+// For each i, every operation rounded to float32 (no FMA):
 //   d = sqrt(v[i]) / sqrt_c2 + eps
 //   u = (m[i] / c1) / d, clamped to [-bound, bound] (a NaN stays NaN; bound may be inf)
 //   p[i] = p[i] * decay - lr * u

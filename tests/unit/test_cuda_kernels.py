@@ -76,15 +76,6 @@ def test_divide_vectors(dtype):
         assert same_results(_host(buf), expected, dtype), divisor
 
 
-@pytest.mark.parametrize("case", sorted(ref.cases(vectors, "adam")))
-def test_adam_update_vectors(case):
-    c = ref.cases(vectors, "adam")[case]
-    lr, c1, sqrt_c2, eps, decay, bound = (float(x) for x in c["params"])
-    p, m, v = (cupy.asarray(c[k]) for k in ("p", "m", "v"))
-    K.adam_update(p, m, v, lr=lr, c1=c1, sqrt_c2=sqrt_c2, eps=eps, decay=decay, bound=bound)
-    assert _same(_host(p), c["out"])
-
-
 def test_reduce_rejects_bad_input():
     a = cupy.ones(4, cupy.float32)
     with pytest.raises(TypeError, match=r"srcs\[1\]"):
