@@ -62,6 +62,8 @@ from collectives import kernels
 from collectives.algorithms.onebit import error_sizes
 from collectives.api.compressed import compressed_allreduce_async
 
+from .overlap import count_pass
+
 _ERRORS = ("worker_error", "server_error")
 
 
@@ -319,14 +321,8 @@ class _Launches:
     def grad_ready(self, p: torch.Tensor, launch: Callable) -> None:
         """Hook: p's gradient is complete; launch every parameter now due, in order."""
         with self.lock:
-            count = self.counts.get(id(p), 0) + 1
-            if count > self.passes:
-                raise RuntimeError(
-                    f"OnebitAdam: the gradient of a parameter of shape {tuple(p.shape)} was "
-                    f"computed {count} times since the last step() with "
-                    f"backward_passes_per_step={self.passes}; call step() after every "
-                    f"{self.passes} backward passes")
-            self.counts[id(p)] = count
+            count_pass(self.counts, p, self.passes,
+                       f"OnebitAdam's parameter of shape {tuple(p.shape)}", "step()")
             while self.next < len(self.order) and \
                     self.counts.get(id(self.order[self.next][0]), 0) == self.passes:
                 self._one(launch)

@@ -39,6 +39,21 @@ def bucketed(params: list[torch.Tensor], threshold: int) -> list[list[torch.Tens
     return buckets
 
 
+def count_pass(counts: dict[int, int], param: torch.Tensor, passes: int, label: str,
+               then: str) -> int:
+    """Count one more backward pass for param in counts (by id) and return its count;
+    RuntimeError past `passes` (backward_passes_per_step), naming the parameter (label) and
+    what to call (`then`) after every `passes` passes."""
+    count = counts.get(id(param), 0) + 1
+    if count > passes:
+        raise RuntimeError(
+            f"gradient of {label} computed {count} times since the last reduction with "
+            f"backward_passes_per_step={passes}; call {then} after every {passes} backward "
+            f"passes")
+    counts[id(param)] = count
+    return count
+
+
 def _hook(owner: weakref.ref, bucket: Any) -> Callable[[torch.Tensor], None]:
     """A post-accumulate-grad hook reporting to the optimizer while it is alive."""
     def hook(param: torch.Tensor) -> None:
@@ -152,13 +167,8 @@ class Overlapped(WrappedOptimizer):
     def _grad_ready(self, param: torch.Tensor, bucket: Any) -> None:
         """Hook: count a backward pass for param; launch the complete buckets in order."""
         with self._lock:
-            count = self._counts.get(id(param), 0) + 1
-            if count > self._passes:
-                raise RuntimeError(
-                    f"gradient of {self._label(param)} computed {count} times since the last "
-                    f"reduction with backward_passes_per_step={self._passes}; call step() (or "
-                    f"synchronize()) after every {self._passes} backward passes")
-            self._counts[id(param)] = count
+            count = count_pass(self._counts, param, self._passes, self._label(param),
+                               "step() (or synchronize())")
             self._synchronized = False
             if count < self._passes:
                 return
