@@ -28,7 +28,7 @@ gloo themselves (Accelerate on CPU: docs/integrations.md, "Running under Hugging
 Accelerate")."""
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations as objects.
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -48,12 +48,17 @@ def _group(state: Any) -> Any:
     return state if state is not None else dist.group.WORLD
 
 
-def _ours(group: Any) -> MPI.Comm | None:
-    """The communicator a bucket goes through this library on: our backend's group's, or
-    an mpi4py communicator given as the state; None for another backend's group."""
+class _Ours(NamedTuple):
+    comm: MPI.Comm | None  # the communicator the library's call runs on (None: the job's)
+
+
+def _ours(group: Any) -> _Ours | None:
+    """How a bucket goes through this library: on our backend's group's communicator (the
+    default group's is the job's), or on an mpi4py communicator given as the state; None
+    for another backend's group."""
     if isinstance(group, torch_backend.ProcessGroup):
-        return group.comm
-    return group if isinstance(group, MPI.Comm) else None
+        return _Ours(group.comm)
+    return _Ours(group) if isinstance(group, MPI.Comm) else None
 
 
 def _size(group: Any) -> int:
@@ -63,10 +68,10 @@ def _size(group: Any) -> int:
 def _average(bucket: dist.GradBucket, group: Any, compression: Any) -> Future[torch.Tensor]:
     """The bucket averaged over group in place, under compression (none or fp16)."""
     buffer = bucket.buffer()
-    comm = _ours(group)
-    if comm is not None:
+    ours = _ours(group)
+    if ours is not None:
         return torch_work.future(api.allreduce_async_(buffer, ReduceOp.Average,
-                                                    compression=compression, comm=comm))
+                                                    compression=compression, comm=ours.comm))
     wire = buffer if compression is Compression.none else buffer.to(torch.float16)
     wire.div_(group.size())
 
@@ -104,10 +109,11 @@ def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """Average the bucket as block-int8 values and scales. state: the process group (None:
     the default group)."""
     group, buffer = _group(state), bucket.buffer()
-    comm = _ours(group)
-    if comm is not None:
+    ours = _ours(group)
+    if ours is not None:
         return torch_work.future(api.allreduce_async_(buffer, ReduceOp.Average,
-                                                    compression=Compression.int8, comm=comm))
+                                                    compression=Compression.int8,
+                                                    comm=ours.comm))
     codec = Compression.int8
     q, (scales, shape, _) = codec.compress(buffer)
     # a Sum, divided here: the call is not on our engine, so no rank of it has joined
@@ -188,10 +194,10 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
     if warm:
         return _average(bucket, group, Compression.none)
     worker, server = state._errors(bucket, _size(group))
-    comm = _ours(group)
-    if comm is not None:
+    ours = _ours(group)
+    if ours is not None:
         handle = compressed_allreduce_async(buffer, worker, server, state.block_size,
-                                            comm=comm)
+                                            comm=ours.comm)
         return torch_work.future(handle)
     n = group.size()
 

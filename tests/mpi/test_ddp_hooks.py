@@ -85,6 +85,31 @@ def test_onebit_is_compressed_allreduce_with_error_feedback_after_warmup(comm, s
     assert state.step == 5
 
 
+def _calls() -> dict[str, int]:
+    """This job's calls so far per collective (per_op names them collective/algorithm)."""
+    calls: dict[str, int] = {}
+    for name, op in C.stats()["per_op"].items():
+        collective = name.split("/")[0]
+        calls[collective] = calls.get(collective, 0) + op["calls"]
+    return calls
+
+
+def test_on_our_backend_a_bucket_is_one_call_of_the_library(backend):
+    """On the "collectives" backend (its default group included) each hook averages a
+    bucket with one async call of ours, not with the exchange other backends go through."""
+    if backend != "collectives":
+        pytest.skip("our backend's path")
+    state = OnebitHookState(warmup_steps=1)
+    for hook, hook_state, collective in [(fp16_hook, None, "allreduce"),
+                                         (int8_hook, None, "allreduce"),
+                                         (onebit_hook, state, "allreduce"),  # its warm-up
+                                         (onebit_hook, state, "compressed_allreduce")]:
+        before = _calls()
+        hook(hook_state, _Bucket(torch.ones(1000))).wait()
+        added = {k: n - before.get(k, 0) for k, n in _calls().items() if n != before.get(k, 0)}
+        assert added == {collective: 1}, (hook.__name__, added)
+
+
 def test_bad_state_is_refused():
     with pytest.raises(TypeError, match="state: expected an OnebitHookState"):
         onebit_hook(None, _Bucket(torch.ones(3)))
