@@ -1,5 +1,5 @@
 """Each bucket's reduction runs while backward goes on, compressed or not: in
-DistributedOptimizer, ZeroOptimizer, OnebitAdam (after its freeze) and the DDP hooks on
+DistributedOptimizer, ZeroOptimizer, OnebitAdam (its warm-up and after) and the DDP hooks on
 the "collectives" backend.
 
 The model is two layers in two buckets, with a pause in backward between them (the layer
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from collectives.optim import DistributedOptimizer, OnebitAdam, ZeroOptimizer
+from collectives.optim import DistributedOptimizer, OnebitAdam, ZeroOptimizer, onebit_adam
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -88,12 +88,13 @@ def test_zero_optimizer_reduces_during_backward(comm, compression):
     assert all(n >= 1 for n in _reduced_during_backward(model, opt)), compression
 
 
-def test_onebit_adam_averages_the_momentum_during_backward(comm):
-    """After the freeze each parameter's 1-bit average starts from its gradient's hook;
-    step 1 is the warm-up, whose fused allreduce waits for every gradient."""
+def test_onebit_adam_averages_during_backward(comm, monkeypatch):
+    """In the warm-up (steps 1-2) each bucket of gradients, after the freeze each
+    parameter's 1-bit momentum, starts its average from the gradient hooks."""
+    monkeypatch.setattr(onebit_adam, "WARM_BUCKET_BYTES", BUCKET_BYTES)  # a layer a bucket
     model = _Model()
-    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=1)
-    assert all(n >= 1 for n in _reduced_during_backward(model, opt, steps=4)[1:])
+    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+    assert all(n >= 1 for n in _reduced_during_backward(model, opt, steps=4))
 
 
 def test_onebit_adam_counts_backward_passes(comm):
