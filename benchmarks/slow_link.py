@@ -108,8 +108,12 @@ def setup_training(setup: str, net: nn.Module, args):
                                   parameter_compression=C.Compression.int8), None
     backend = "gloo" if setup.startswith("gloo") else "collectives"
     dist.init_process_group(backend)
-    ddp = nn.parallel.DistributedDataParallel(net)
     hook = setup.split("-", 1)[1] if "-" in setup else None
+    # PowerSGD on gloo in one bucket: its hook starts each bucket's second allreduce from
+    # the first's completion, on gloo's thread, so with several buckets the ranks can
+    # issue them in different orders (gloo then fails on a size mismatch)
+    ddp = nn.parallel.DistributedDataParallel(
+        net, bucket_cap_mb=1024 if hook == "powersgd" else 25)
     if hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -159,7 +163,8 @@ def measure(setup: str, data: torch.Tensor, args) -> dict:
             "samples_per_s": args.batch * size * len(timed) / timed.sum(),
             "loss": float(window[-1]), "samples": args.batch * size * args.steps,
             "to_target_s": float(np.cumsum(times)[below[0] + args.window - 1])
-            if below.size else None, "losses": losses.tolist()}
+            if below.size else None, "losses": losses.tolist(),
+            "step_s": times.tolist()}
 
 
 def table(rows: list[dict], base: float | None) -> None:
