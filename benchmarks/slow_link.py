@@ -177,27 +177,33 @@ def table(rows: list[dict], base: float | None) -> None:
               f"{eff:>8}")
 
 
-def plot(path: str, runs: list[str], base: float) -> None:
+def plot(path: str, runs: list[str], base: float | None) -> None:
     """Scaling efficiency and time to the target loss against the link, a line per setup;
-    runs: LABEL=FILE.json, in the order of the x axis."""
+    runs: LABEL=FILE.json or LABEL=FILE.json@ALONE.json (that run's own one-rank base, else
+    `base`), in the order of the x axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, tables = [], []
+    labels, tables, bases = [], [], []
     for run in runs:
-        label, _, file = run.partition("=")
+        label, _, files = run.partition("=")
+        file, _, alone = files.partition("@")
         labels.append(label)
         with open(file) as f:
             tables.append({r["setup"]: r for r in json.load(f)})
+        bases.append(one_rank(alone) if alone else base)
+        if bases[-1] is None:
+            raise SystemExit(f"--plot: {run}: no one-rank base (--baseline or @ALONE.json)")
     fig, (eff, tt) = plt.subplots(1, 2, figsize=(11, 4))
     for setup in dict.fromkeys(s for t in tables for s in t):
         rows = [t.get(setup) for t in tables]
-        eff.plot(labels, [r["samples_per_s"] / (r["np"] * base) if r else np.nan for r in rows],
-                 marker="o", label=setup)
+        style = {"marker": "o", "linestyle": "--" if setup.startswith("gloo") else "-"}
+        eff.plot(labels, [r["samples_per_s"] / (r["np"] * b) if r else np.nan
+                          for r, b in zip(rows, bases)], label=setup, **style)
         tt.plot(labels, [r["to_target_s"] if r and r["to_target_s"] else np.nan for r in rows],
-                marker="o", label=setup)
+                label=setup, **style)
     eff.set_ylabel("scaling efficiency")
     tt.set_ylabel("seconds to the target loss")
     for ax in (eff, tt):
@@ -206,6 +212,12 @@ def plot(path: str, runs: list[str], base: float) -> None:
     eff.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def one_rank(path: str) -> float:
+    """The samples/s of a one-rank run's JSON: a scaling's base."""
+    with open(path) as f:
+        return json.load(f)[0]["samples_per_s"]
 
 
 def main() -> None:
@@ -227,15 +239,13 @@ def main() -> None:
     p.add_argument("--baseline", help="JSON of a one-rank run: the scaling's base")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="draw LABEL=FILE.json runs (positional) to this PNG")
-    p.add_argument("runs", nargs="*", help="with --plot: LABEL=FILE.json, one per link")
+    p.add_argument("runs", nargs="*", help="with --plot: LABEL=FILE.json[@ALONE.json], one "
+                   "per link (ALONE.json: that run's one-rank base, else --baseline's)")
     args = p.parse_args()
-    base = None
-    if args.baseline:
-        with open(args.baseline) as f:
-            base = json.load(f)[0]["samples_per_s"]
+    base = one_rank(args.baseline) if args.baseline else None
     if args.plot:
-        if base is None or not args.runs:
-            p.error("--plot: needs --baseline and LABEL=FILE.json runs")
+        if not args.runs:
+            p.error("--plot: needs LABEL=FILE.json runs")
         return plot(args.plot, args.runs, base)
     if args.steps < max(args.window, args.warmup + 1):
         p.error("--steps: must exceed --warmup and reach --window")

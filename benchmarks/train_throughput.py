@@ -6,8 +6,9 @@ setup (DistributedOptimizer with none / fp16 / int8 compression, OnebitAdam).
 
 Per setup: samples/s, and the step split into compute (forward + backward, during which
 buckets already travel), communication wait (what synchronize() still waits for) and the
-optimizer update. OnebitAdam communicates inside its step, so its wait is part of update. Scaling
-efficiency = samples/s at np / (np x samples/s at np 1), given --baseline from an np-1 run.
+optimizer update. OnebitAdam starts its averages from its gradient hooks and waits for them
+in step(), so its wait is part of update. Scaling efficiency = samples/s at np / (np x
+samples/s at np 1), given --baseline from an np-1 run.
 """
 
 from __future__ import annotations
