@@ -119,11 +119,16 @@ def _cuda():
 def _host(x: Array, name: str) -> tuple[np.ndarray, str]:
     """x as a NumPy view of its storage (bfloat16 as uint16 bits) and its dtype name."""
     if isinstance(x, np.ndarray):
-        return x, _supported(NUMPY_NAMES.get(x.dtype), x.dtype.name, name)
+        dtype = NUMPY_NAMES.get(x.dtype)
+        if dtype is None:
+            _unsupported(x.dtype.name, name)
+        return x, dtype
     if _is_torch(x):
         if x.device.type != "cpu":
             raise TypeError(f"{name}: tensors on {x.device} are not supported")
-        dtype = _supported(torch_dtype_name(x.dtype), str(x.dtype).removeprefix("torch."), name)
+        dtype = torch_dtype_name(x.dtype)
+        if dtype is None:
+            _unsupported(str(x.dtype).removeprefix("torch."), name)
         t = x.detach()
         if dtype == "bfloat16":
             return t.view(sys.modules["torch"].int16).numpy().view(np.uint16), dtype
@@ -131,11 +136,10 @@ def _host(x: Array, name: str) -> tuple[np.ndarray, str]:
     raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
 
 
-def _supported(dtype: str | None, shown: str, name: str) -> str:
-    """dtype (a registry name), or TypeError naming argument `name` and its dtype `shown`."""
-    if dtype is None:
-        raise TypeError(f"{name}: unsupported dtype {shown}; expected one of {list(NAMES)}")
-    return dtype
+def _unsupported(shown: str, name: str) -> None:
+    """TypeError naming argument `name` and its dtype `shown` (named only here: a NumPy
+    dtype's name takes microseconds, which a call of many small tensors pays per tensor)."""
+    raise TypeError(f"{name}: unsupported dtype {shown}; expected one of {list(NAMES)}")
 
 
 def _host_f32(x: Array, name: str) -> np.ndarray:

@@ -234,8 +234,10 @@ def test_pack_unpack_reject_bad_input():
         K.pack([np.ones(3, np.int32)], scale=2.0)
     with pytest.raises(TypeError, match=r"tensors\[0\]"):
         K.pack([[1.0, 2.0]])
-    with pytest.raises(TypeError, match=r"tensors\[0\]"):
+    with pytest.raises(TypeError, match=r"tensors\[0\]: unsupported dtype bool; expected"):
         K.pack([np.ones(3, bool)])
+    with pytest.raises(TypeError, match=r"tensors\[0\]: unsupported dtype complex64"):
+        K.pack([torch.ones(3, dtype=torch.complex64)])
     readonly = np.ones(4, f32)
     readonly.flags.writeable = False
     with pytest.raises(ValueError, match=r"tensors\[0\]"):
