@@ -52,6 +52,7 @@ rank's state_dict to resume bit for bit.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import weakref
@@ -65,7 +66,7 @@ from collectives import kernels
 from collectives.algorithms.onebit import error_sizes
 from collectives.api.compressed import compressed_allreduce_async
 
-from .overlap import count_pass
+from .overlap import bucketed, count_pass
 
 _ERRORS = ("worker_error", "server_error")
 
@@ -174,25 +175,19 @@ class OnebitAdam(torch.optim.Optimizer):
         return bool(state) and state["step"] + 1 > self.freeze_step
 
     def _plan(self, order: list[_Item]) -> list[list[_Item]]:
-        """This step's launch units, in order: each parameter after the freeze alone, the
-        ones before it in buckets of consecutive parameters (one device each) of up to
-        WARM_BUCKET_BYTES. It depends only on the order and the steps taken, so every rank
-        makes the same units."""
+        """This step's launch units, in order: each parameter after the freeze alone; each run
+        of consecutive parameters before it in DistributedOptimizer's buckets (bucketed: one
+        device each, up to WARM_BUCKET_BYTES). It depends only on the order and the steps
+        taken, so every rank makes the same units."""
         units: list[list[_Item]] = []
-        warm_bytes = -1  # bytes in the last unit while it is a warm bucket being filled
-        for item in order:
-            p = item[1]
-            if self._compressed(p):
-                units.append([item])
-                warm_bytes = -1
+        for frozen, run in itertools.groupby(order, key=lambda item: self._compressed(item[1])):
+            run = list(run)
+            if frozen:
+                units += [[item] for item in run]
                 continue
-            nbytes = p.numel() * p.element_size()
-            if warm_bytes < 0 or warm_bytes + nbytes > WARM_BUCKET_BYTES \
-                    or units[-1][0][1].device != p.device:
-                units.append([])
-                warm_bytes = 0
-            units[-1].append(item)
-            warm_bytes += nbytes
+            group_of = {id(p): group for group, p in run}
+            units += [[(group_of[id(p)], p) for p in bucket]
+                      for bucket in bucketed([p for _, p in run], WARM_BUCKET_BYTES)]
         return units
 
     @torch.no_grad()
