@@ -160,11 +160,16 @@ class Buddies:
             self._swap(topo, buddy, backed)
         except Exception as exc:  # to the agreement first: every rank must learn of it
             error = exc
-        if not faults.agree(topo, error is None):  # raises if ranks died
-            if error is not None:
-                raise error
-            raise RuntimeError("collectives.elastic: a commit failed on another rank, which "
-                               "raised its error; this rank keeps the last commit")
+        failed = faults.agree(topo, error is None)  # raises if ranks died
+        if error is not None:
+            raise error
+        if topo.rank in failed:  # only if the agreement itself went wrong
+            raise RuntimeError(f"collectives.elastic: MPI_Comm_agree reported ranks {failed} "
+                               f"failed the commit, this rank among them though its part "
+                               f"succeeded; this rank keeps the last commit")
+        if failed:
+            raise RuntimeError(f"collectives.elastic: the commit failed on ranks {failed}, "
+                               f"which raised their errors; this rank keeps the last commit")
         self.own, self._next_own = self._next_own, self.own
         self.held, self._next_held = self._next_held, self.held
         self.job, self.rank, self.held_from = (topo.generation, topo.size), topo.rank, backed

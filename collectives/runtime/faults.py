@@ -186,12 +186,23 @@ def check(topo: Topology) -> None:
         raise RanksFailedError(ranks, "seen by an earlier call")
 
 
-def agree(topo: Topology, ok: bool) -> bool:
-    """Whether every rank of topo passed ok=True, decided alike on every survivor (ULFM's
-    MPI_Comm_agree, which works on a revoked communicator too): if ranks died, every
-    survivor raises RanksFailedError, whether or not its own last call saw them. For a step
-    that must take effect on every rank or on none (an elastic commit)."""
+#: agree's word: one bit per rank (rank % 31), in a C int's 31 non-sign bits
+_WORD_BITS = 31
+
+
+def agree(topo: Topology, ok: bool) -> list[int]:
+    """The ranks of topo that passed ok=False, the same list on every survivor ([]: every
+    rank passed ok=True), by ULFM's MPI_Comm_agree, which works on a revoked communicator
+    too: if ranks died, every survivor raises RanksFailedError, whether or not its own last
+    call saw them. For a step that must take effect on every rank or on none (an elastic
+    commit). The agreement ANDs one word in which a failing rank clears bit rank % 31, so
+    beyond 31 ranks the list holds every rank that shares a failing rank's bit."""
+    comm = topo.comm
+    mine = (1 << _WORD_BITS) - 1
+    if not ok:
+        mine &= ~(1 << comm.Get_rank() % _WORD_BITS)
     try:
-        return bool(topo.comm.Agree(int(ok)))
+        word = comm.Agree(mine)
     except MPI.Exception as exc:
         reraise(topo, exc)
+    return [r for r in range(comm.Get_size()) if not word >> (r % _WORD_BITS) & 1]
