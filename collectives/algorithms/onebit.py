@@ -6,7 +6,10 @@ Cost per rank (alpha latency, beta seconds per byte, S scales per chunk: 1, or
 ceil(L / block_size)):
   2(n-1) alpha + 2(n-1) (L/8 + 4 S) beta  =~  2(n-1)/n * padded/8 bytes
 (plus the agreement's one small allgather) against a float32 ring allreduce's
-2(n-1)/n * 4 count: about 32 times fewer bytes, 28 with a scale per 256 elements.
+2(n-1)/n * 4 count: about 32 times fewer bytes, 28 with a scale per 256 elements. With
+block scales on the host the exchanges go in pieces (compression/onebit.pipelined): the
+same bytes in ceil(L / PIECE) times as many messages, and the kernels' time overlapped
+with the link's instead of added to it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ from collectives.runtime.p2p import irecv, isend
 from collectives.runtime.watchdog import wait_all
 
 TAG_SCATTER, TAG_GATHER = 51, 52
+
+#: With block scales on the host, each chunk goes in pieces of about this many elements
+#: (whole blocks): a piece's packet to a peer, PIECE/8 + 4 PIECE/block bytes (36 KiB at
+#: block 256), is under Open MPI's TCP eager limit (64 KiB), so it leaves as soon as it is
+#: compressed and travels while the next piece is compressed, served or decompressed. At
+#: 100 Mbit/s those kernels took a fifth of a whole-vector call, the link idle meanwhile.
+PIECE = 1 << 18
 
 
 def error_sizes(count: int, size: int) -> tuple[int, int]:
@@ -42,16 +52,20 @@ def scatter_error_size(counts: list[int]) -> int:
 def cost(nbytes: int, layout: Layout, p: Params,
          block_size: int | None = 32) -> float:
     """Predicted seconds of compressed_allreduce of nbytes of float32 on layout: the
-    docstring's two exchanges over the slowest link, plus the kernels (compress, serve,
+    docstring's two exchanges over the slowest link, and the kernels (compress, serve,
     decompress): 5 gamma per byte of the vector, a constant fitted to the kernels' time
-    (they stream the vector and its error buffers more than once; benchmarks/kernels.py)."""
+    (they stream the vector and its error buffers more than once; benchmarks/kernels.py).
+    In one piece the two add up; in several (block scales, chunks over PIECE) they
+    overlap, but for one piece's kernels, each piece's messages paying the latency."""
     n = layout.size
     if n <= 1:
         return 0.0
     _, chunk = error_sizes(max(nbytes // 4, 1), n)
     step, beta = layout.message(p)
-    return 2 * (n - 1) * (step + (chunk / 8 + 4 * nscales(chunk, block_size)) * beta) \
-        + 5 * nbytes * p.gamma
+    pieces = 1 if block_size is None else -(-chunk // PIECE)
+    link = 2 * (n - 1) * (pieces * step + (chunk / 8 + 4 * nscales(chunk, block_size)) * beta)
+    kernels = 5 * nbytes * p.gamma
+    return link + kernels if pieces == 1 else max(link, kernels) + kernels / pieces
 
 
 def nscales(chunk: int, block: int | None) -> int:

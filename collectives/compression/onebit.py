@@ -23,10 +23,12 @@ them, under "compressed_allreduce/onebit".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+from mpi4py import MPI
 
 from collectives import kernels
 from collectives.algorithms import onebit as onebit_exchange
@@ -35,6 +37,8 @@ from collectives.dtypes import FLOATING
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
 from collectives.runtime.buffers import Buffer, to_device, to_host, wrap
+from collectives.runtime.p2p import irecv, isend, segments
+from collectives.runtime.watchdog import wait_all
 
 # ------------------------------------------------------------------------- argument checks
 
@@ -210,6 +214,83 @@ def reduce_scatter(x: np.ndarray, error: np.ndarray, counts: list[int], rank: in
     return total
 
 
+def pipelined(comm: MPI.Comm, x: np.ndarray, state: OnebitState, out: Any = None
+              ) -> np.ndarray:
+    """reduce() over comm's messages for host arrays with block scales, piece by piece:
+    pieces of every chunk of about PIECE elements (whole blocks) go through the worker, the
+    scatter, the server and the gather in turn, and while one piece travels the next is
+    compressed (every receive is posted first; MPI matches a peer's messages of one tag in
+    the order sent). Every block lies inside one piece, so the bits, the result and the
+    error buffers are reduce()'s; only the messages are more and smaller."""
+    worker, server, block = state
+    if block is None:
+        raise ValueError("state: pipelined needs block scales (block_size not None)")
+    n, r = comm.Get_size(), comm.Get_rank()
+    out = np.empty(x.size, np.float32) if out is None else out
+    if not worker.size:
+        return out
+    padded = x if x.dtype == np.float32 and x.size == worker.size else np.zeros(
+        worker.size, np.float32)
+    if padded is not x:
+        padded[:x.size] = x
+    chunk, unit = server.size, math.lcm(8, block)
+    pieces = segments(chunk, max(onebit_exchange.PIECE // unit, 1) * unit)
+    peers = [j for j in range(n) if j != r]
+    tags = onebit_exchange.TAG_SCATTER, onebit_exchange.TAG_GATHER
+    rows = [[np.empty((n, (hi - lo) // 8 + 4 * onebit_exchange.nscales(hi - lo, block)),
+                      np.uint8) for lo, hi in pieces] for _ in tags]
+    recvs = [[[irecv(comm, phase[i][j], j, tag) for j in peers] for i in range(len(pieces))]
+             for phase, tag in zip(rows, tags)]
+    sends: list[MPI.Request] = []
+    done = [0, 0]  # pieces served, pieces decompressed
+
+    def send(phase: int, i: int, packets: Callable[[int], np.ndarray]) -> None:
+        sends.extend(isend(comm, packets(j), j, tags[phase]) for j in peers)
+
+    def serve(i: int) -> None:
+        lo, hi = pieces[i]
+        rows[1][i][r] = _serve(rows[0][i], server[lo:hi], block)
+        send(1, i, lambda j: rows[1][i][r])
+
+    def unpack(i: int) -> None:
+        lo, hi = pieces[i]
+        for j, row in enumerate(rows[1][i]):
+            a, b = j * chunk + lo, min(j * chunk + hi, out.size)
+            if a < b:
+                bits, scales = _split(row, hi - lo)
+                kernels.onebit_decompress(bits, scales, b - a, block, out=out[a:b])
+
+    def ready(phase: int, i: int, wait: bool) -> bool:
+        if wait:
+            wait_all(comm, recvs[phase][i], "1-bit exchange")
+            return True
+        return MPI.Request.Testall(recvs[phase][i])
+
+    def advance(compressed: int, wait: bool) -> None:
+        """Serve, then decompress, the pieces whose messages are in, in order, of the first
+        `compressed` (wait: all of them)."""
+        while done[0] < compressed and ready(0, done[0], wait):
+            serve(done[0])
+            done[0] += 1
+        while done[1] < done[0] and ready(1, done[1], wait):
+            unpack(done[1])
+            done[1] += 1
+
+    for i, (lo, hi) in enumerate(pieces):
+        packets = np.empty_like(rows[0][i])  # the worker's: row r kept, the others sent
+        for j in range(n):
+            part = slice(j * chunk + lo, j * chunk + hi)
+            bits, scales = kernels.onebit_compress(padded[part], worker[part], block)
+            packets[j, :(hi - lo) // 8] = bits
+            packets[j, (hi - lo) // 8:] = scales.view(np.uint8)
+        rows[0][i][r] = packets[r]
+        send(0, i, packets.__getitem__)
+        advance(i + 1, wait=False)
+    advance(len(pieces), wait=True)
+    wait_all(comm, sends, "1-bit exchange")
+    return out
+
+
 class OnebitCompressor(Compressor):
     """1-bit signs plus scales with error feedback (the algorithm in the module docstring),
     over our own messages. Average only; its state (OnebitState) is the caller's, since
@@ -225,6 +306,8 @@ class OnebitCompressor(Compressor):
             raise ValueError("state: 1-bit compression needs the caller's OnebitState "
                              "(error buffers); use compressed_allreduce")
         comm, n = topo.comm, topo.size
+        if isinstance(x, np.ndarray) and state.block_size is not None and n > 1:
+            return pipelined(comm, x, state, out)
 
         def scatter(rows: np.ndarray) -> np.ndarray:
             received = np.empty_like(rows)

@@ -11,6 +11,7 @@ from conftest import assert_equal, assert_same_on_all_ranks
 from mpi4py import MPI
 
 import collectives as C
+from collectives.algorithms import onebit as onebit_exchange
 from collectives.algorithms.onebit import error_sizes
 from collectives.api.compressed import compressed_allreduce
 
@@ -119,6 +120,16 @@ def test_matches_reference(comm, count, block):
 @pytest.mark.parametrize("block", [None, 256])
 def test_matches_reference_large(comm, block):
     _check_against_reference(comm, 1_000_001, block, steps=2)
+
+
+@pytest.mark.parametrize("block", [1, 5, 64])
+@pytest.mark.parametrize("count", [9, 1000, 65537])
+def test_pieces_match_reference(comm, monkeypatch, count, block):
+    """A host vector with block scales goes piece by piece (compression/onebit.pipelined):
+    with pieces of one unit (8 elements, or the block, or their lcm), many per chunk, and
+    the last one short."""
+    monkeypatch.setattr(onebit_exchange, "PIECE", 1)
+    _check_against_reference(comm, count, block, steps=2)
 
 
 def test_error_feedback_loses_nothing(comm):
