@@ -306,8 +306,8 @@ class OnebitCompressor(Compressor):
             raise ValueError("state: 1-bit compression needs the caller's OnebitState "
                              "(error buffers); use compressed_allreduce")
         comm, n = topo.comm, topo.size
-        if isinstance(x, np.ndarray) and state.block_size is not None and n > 1:
-            return pipelined(comm, x, state, out)
+        if isinstance(x, np.ndarray) and state.block_size is not None and len(topo.nodes) > 1:
+            return pipelined(comm, x, state, out)  # across hosts: the link is the slow part
 
         def scatter(rows: np.ndarray) -> np.ndarray:
             received = np.empty_like(rows)

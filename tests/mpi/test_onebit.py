@@ -14,6 +14,7 @@ import collectives as C
 from collectives.algorithms import onebit as onebit_exchange
 from collectives.algorithms.onebit import error_sizes
 from collectives.api.compressed import compressed_allreduce
+from collectives.compression import onebit
 
 pytestmark = pytest.mark.mpi
 f32 = np.float32
@@ -92,14 +93,15 @@ def _inputs(count: int, seed: int) -> np.ndarray:
     return (rng.standard_normal(count) * np.exp(rng.uniform(-4, 2, count))).astype(f32)
 
 
-def _check_against_reference(comm: MPI.Comm, count: int, block: int | None, steps: int) -> None:
+def _check_against_reference(comm: MPI.Comm, count: int, block: int | None, steps: int,
+                             call=compressed_allreduce) -> None:
     padded, chunk = error_sizes(count, comm.Get_size())
     worker, server = np.zeros(padded, f32), np.zeros(chunk, f32)
     ref_workers = [np.zeros(padded, f32)] * comm.Get_size()
     ref_servers = [np.zeros(chunk, f32)] * comm.Get_size()
     for step in range(steps):
         x = _inputs(count, step)
-        result = compressed_allreduce(x, worker, server, block_size=block)
+        result = call(x, worker, server, block_size=block)
         expected, ref_workers, ref_servers = ref_compressed_allreduce(
             comm.allgather(x), ref_workers, ref_servers, block)
         what = f"count {count} block {block} step {step}"
@@ -125,11 +127,15 @@ def test_matches_reference_large(comm, block):
 @pytest.mark.parametrize("block", [1, 5, 64])
 @pytest.mark.parametrize("count", [9, 1000, 65537])
 def test_pieces_match_reference(comm, monkeypatch, count, block):
-    """A host vector with block scales goes piece by piece (compression/onebit.pipelined):
-    with pieces of one unit (8 elements, or the block, or their lcm), many per chunk, and
-    the last one short."""
+    """Across nodes a host vector with block scales goes piece by piece
+    (compression/onebit.pipelined, called here on any layout): with pieces of one unit (8
+    elements, or the block, or their lcm), many per chunk, and the last one short."""
     monkeypatch.setattr(onebit_exchange, "PIECE", 1)
-    _check_against_reference(comm, count, block, steps=2)
+
+    def pipelined(x, worker, server, block_size):
+        return onebit.pipelined(comm, x, onebit.OnebitState(worker, server, block_size))
+
+    _check_against_reference(comm, count, block, steps=2, call=pipelined)
 
 
 def test_error_feedback_loses_nothing(comm):
