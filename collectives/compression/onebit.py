@@ -244,13 +244,14 @@ def pipelined(comm: MPI.Comm, x: np.ndarray, state: OnebitState, out: Any = None
     sends: list[MPI.Request] = []
     done = [0, 0]  # pieces served, pieces decompressed
 
-    def send(phase: int, i: int, packets: Callable[[int], np.ndarray]) -> None:
-        sends.extend(isend(comm, packets(j), j, tags[phase]) for j in peers)
+    def send(tag: int, packet: Callable[[int], np.ndarray]) -> None:
+        sends.extend(isend(comm, packet(j), j, tag) for j in peers)
 
     def serve(i: int) -> None:
         lo, hi = pieces[i]
-        rows[1][i][r] = _serve(rows[0][i], server[lo:hi], block)
-        send(1, i, lambda j: rows[1][i][r])
+        mine = rows[1][i][r]
+        mine[...] = _serve(rows[0][i], server[lo:hi], block)
+        send(tags[1], lambda j: mine)  # the same packet to every peer
 
     def unpack(i: int) -> None:
         lo, hi = pieces[i]
@@ -284,7 +285,7 @@ def pipelined(comm: MPI.Comm, x: np.ndarray, state: OnebitState, out: Any = None
             packets[j, :(hi - lo) // 8] = bits
             packets[j, (hi - lo) // 8:] = scales.view(np.uint8)
         rows[0][i][r] = packets[r]
-        send(0, i, packets.__getitem__)
+        send(tags[0], packets.__getitem__)  # row j to rank j
         advance(i + 1, wait=False)
     advance(len(pieces), wait=True)
     wait_all(comm, sends, "1-bit exchange")
