@@ -10,8 +10,7 @@ ceil(L / block_size)):
 block scales on the host, across nodes, the exchanges go in pieces
 (compression/onebit.pipelined): the same bytes in ceil(L / PIECE) times as many messages,
 and the kernels' time overlapped with the link's instead of added to it (on one node the
-transfers are copies, and the pieces' messages cost more than they hide: 7% of a 1-bit
-Adam step on a 25M-parameter MLP at np 2).
+transfers are copies, and the pieces' messages cost more than they hide).
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ TAG_SCATTER, TAG_GATHER = 51, 52
 #: With block scales on the host, each chunk goes in pieces of about this many elements
 #: (whole blocks): a piece's packet to a peer, PIECE/8 + 4 PIECE/block bytes (36 KiB at
 #: block 256), is under Open MPI's TCP eager limit (64 KiB), so it leaves as soon as it is
-#: compressed and travels while the next piece is compressed, served or decompressed. At
-#: 100 Mbit/s those kernels took a fifth of a whole-vector call, the link idle meanwhile.
+#: compressed and travels while the next piece is compressed, served or decompressed,
+#: instead of the link waiting for the whole vector's kernels.
 PIECE = 1 << 18
 
 

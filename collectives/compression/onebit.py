@@ -97,12 +97,28 @@ def _worker_packets(x: Any, error: Any, n: int, block: int | None) -> Any:
         rows[:, :chunk // 8] = bits.reshape(n, chunk // 8)
         rows[:, chunk // 8:] = xp.asarray(scale, np.float32).reshape(1).view(np.uint8)
         return rows
-    for j in range(n):
-        part = slice(j * chunk, (j + 1) * chunk)
-        bits, scales = kernels.onebit_compress(x[part], error[part], block)
-        rows[j, :chunk // 8] = bits
-        rows[j, chunk // 8:] = scales.view(np.uint8)
+    return _block_rows(x.reshape(n, chunk), error.reshape(n, chunk), block, rows)
+
+
+def _block_rows(xs: Any, errors: Any, block: int, rows: Any) -> Any:
+    """rows[j] = xs[j] + errors[j] as signs and block scales; errors[j] keeps what they
+    miss (xs, errors: 2-D, each row contiguous; rows: uint8, one packet per row)."""
+    length = xs.shape[1]
+    for j in range(len(xs)):
+        bits, scales = kernels.onebit_compress(xs[j], errors[j], block)
+        rows[j, :length // 8] = bits
+        rows[j, length // 8:] = scales.view(np.uint8)
     return rows
+
+
+def _padded(x: Any, size: int) -> Any:
+    """x as a float32 vector of size elements: x itself if it is one, else a copy on x's
+    side followed by zeros."""
+    if x.dtype == np.float32 and x.size == size:
+        return x
+    padded = _xp(x).zeros(size, np.float32)
+    padded[:x.size] = x
+    return padded
 
 
 def _serve(rows: np.ndarray, error: Any, block: int | None) -> Any:
@@ -169,10 +185,7 @@ def reduce(x: Any, state: OnebitState, n: int,
     out = xp.empty(x.size, np.float32) if out is None else out
     if not worker.size:
         return out
-    padded = x if x.dtype == np.float32 and x.size == worker.size else xp.zeros(
-        worker.size, np.float32)
-    if padded is not x:
-        padded[:x.size] = x
+    padded = _padded(x, worker.size)
     # worker: compress, then all-to-all so that rank j holds chunk j from everyone
     received = scatter(to_host(_worker_packets(padded, worker, n, block)))
     # server: average and compress this rank's chunk, then allgather every server chunk
@@ -229,10 +242,6 @@ def pipelined(comm: MPI.Comm, x: np.ndarray, state: OnebitState, out: Any = None
     out = np.empty(x.size, np.float32) if out is None else out
     if not worker.size:
         return out
-    padded = x if x.dtype == np.float32 and x.size == worker.size else np.zeros(
-        worker.size, np.float32)
-    if padded is not x:
-        padded[:x.size] = x
     chunk, unit = server.size, math.lcm(8, block)
     pieces = segments(chunk, max(onebit_exchange.PIECE // unit, 1) * unit)
     peers = [j for j in range(n) if j != r]
@@ -277,13 +286,10 @@ def pipelined(comm: MPI.Comm, x: np.ndarray, state: OnebitState, out: Any = None
             unpack(done[1])
             done[1] += 1
 
+    xs, errors = _padded(x, worker.size).reshape(n, chunk), worker.reshape(n, chunk)
     for i, (lo, hi) in enumerate(pieces):
-        packets = np.empty_like(rows[0][i])  # the worker's: row r kept, the others sent
-        for j in range(n):
-            part = slice(j * chunk + lo, j * chunk + hi)
-            bits, scales = kernels.onebit_compress(padded[part], worker[part], block)
-            packets[j, :(hi - lo) // 8] = bits
-            packets[j, (hi - lo) // 8:] = scales.view(np.uint8)
+        # the worker's packets: row r kept, the others sent
+        packets = _block_rows(xs[:, lo:hi], errors[:, lo:hi], block, np.empty_like(rows[0][i]))
         rows[0][i][r] = packets[r]
         send(tags[0], packets.__getitem__)  # row j to rank j
         advance(i + 1, wait=False)
