@@ -19,8 +19,9 @@ TCP transport sends up to 64 KiB eagerly and anything larger by rendezvous, whos
 acknowledgement comes back behind the data queued on the link: every message waited a
 queued round trip before its bulk went, and a pipelined allreduce paid one per chunk. Sent
 eagerly, in one trip, it runs at the link's rate (benchmarks/README.md, Two-level allreduce
-against the link). Messages of a flat ring of that size gain alike; larger ones still go
-by rendezvous. The cost: an unexpected message of up to 2 MiB is buffered at its receiver
+against the link). The flat ring's messages between nodes are capped below either limit
+(Config.node_message_bytes, runtime/p2p.py), so a job whose MPI started before this
+module ran sends them eagerly too. The cost: an unexpected message of up to 2 MiB is buffered at its receiver
 (fragments are allocated as needed, so a process's footprint at init does not grow).
 
 osc = ^ucx. Open MPI's UCX one-sided component prints an error at every shared-window

@@ -6,8 +6,10 @@ into its own contribution; after the last step rank r holds chunk r reduced over
 Allgather: n-1 more steps pass the finished chunks around the ring. Each step is cut into
 segments (Config.ring_segment_bytes) that are all posted non-blocking, and a segment is
 reduced as soon as it lands, so the reduction of one segment overlaps the transfer of the
-next. Every chunk is reduced on exactly one rank and then copied, so all ranks end with
-bit-identical results.
+next. Across nodes a segment is at most Config.node_message_bytes (runtime/p2p.py,
+most_bytes): a larger message waits for the receiver's reply, which queues behind the
+peer's own data on a busy link. Every chunk is reduced on exactly one rank and then
+copied, so all ranks end with bit-identical results.
 
 Cost for n ranks and m bytes (alpha latency + o our per-message overhead, beta seconds per
 byte, gamma seconds per byte reduced), as cost() computes it:
@@ -28,7 +30,7 @@ from mpi4py import MPI
 from collectives import config, kernels
 from collectives.algorithms.costmodel import Layout, Params
 from collectives.ops import ReduceOp
-from collectives.runtime.p2p import even_bounds, irecv, isend, offsets, segments
+from collectives.runtime.p2p import even_bounds, irecv, isend, most_bytes, offsets, segments
 from collectives.runtime.watchdog import wait_all
 
 TAG_RS, TAG_AG, TAG_BCAST = 11, 12, 13
@@ -40,8 +42,11 @@ MAX_MESSAGE_BYTES = 1 << 30
 #: (algorithms.reduce folds an Average in that way).
 FOLDS_AVERAGE = True
 
-def _segment_elems(itemsize: int) -> int:
-    return max(1, config.get().ring_segment_bytes // itemsize)
+def _segment_elems(comm: MPI.Comm, itemsize: int, nbytes: int | None = None) -> int:
+    """Elements per message on comm: Config.ring_segment_bytes (or nbytes), capped
+    across nodes."""
+    want = config.get().ring_segment_bytes if nbytes is None else nbytes
+    return max(1, most_bytes(comm, want) // itemsize)
 
 
 def _reduce_scatter(comm: MPI.Comm, send: np.ndarray, bounds: list[int], op: ReduceOp,
@@ -82,7 +87,7 @@ def _ring_allgather(comm: MPI.Comm, buf: np.ndarray, bounds: list[int]) -> None:
     for step in range(n - 1):
         sc, rc = (r - step) % n, (r - step - 1) % n
         sblock, rblock = buf[bounds[sc]:bounds[sc + 1]], buf[bounds[rc]:bounds[rc + 1]]
-        seg = max(1, MAX_MESSAGE_BYTES // buf.itemsize)
+        seg = _segment_elems(comm, buf.itemsize, MAX_MESSAGE_BYTES)
         reqs = [irecv(comm, rblock[a:b], left, TAG_AG) for a, b in segments(rblock.size, seg)]
         reqs += [isend(comm, sblock[a:b], right, TAG_AG) for a, b in segments(sblock.size, seg)]
         wait_all(comm, reqs, "ring")
@@ -98,7 +103,7 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
             recv[...] = send
         return
     bounds = even_bounds(recv.size, n)
-    seg = _segment_elems(recv.itemsize)
+    seg = _segment_elems(comm, recv.itemsize)
     _reduce_scatter(comm, send, bounds, op, dtype, seg,
                     lambda step, c: recv[bounds[c]:bounds[c + 1]], divisor)
     _ring_allgather(comm, recv, bounds)
@@ -112,7 +117,7 @@ def reducescatter(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, counts: li
     if n == 1:
         recv[...] = send
         return
-    seg = _segment_elems(send.itemsize)
+    seg = _segment_elems(comm, send.itemsize)
     largest = max(counts)
     pingpong = [np.empty(largest, dtype=send.dtype) for _ in range(2)]
 
@@ -137,7 +142,7 @@ def broadcast(comm: MPI.Comm, buf: np.ndarray, root: int) -> None:
         return
     pos = (r - root) % n
     prev, nxt = (r - 1) % n, (r + 1) % n
-    pieces = segments(buf.size, _segment_elems(buf.itemsize))
+    pieces = segments(buf.size, _segment_elems(comm, buf.itemsize))
     recvs = [irecv(comm, buf[a:b], prev, TAG_BCAST) for a, b in pieces] if pos > 0 else []
     sends = []
     for i, (a, b) in enumerate(pieces):
@@ -161,5 +166,8 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
         return (n - 1) * step + share * beta + share * p.gamma
     if collective == "allgather":
         return (n - 1) * step + share * beta
-    pieces = max(1, -(-m // config.get().ring_segment_bytes))
+    seg = config.get().ring_segment_bytes
+    if layout.nodes > 1:
+        seg = min(seg, config.get().node_message_bytes)
+    pieces = max(1, -(-m // seg))
     return (n - 2 + pieces) * step + m * beta

@@ -1,7 +1,9 @@
 """Non-blocking point-to-point messages on flat host arrays, counted by the engine.
 
 Every algorithm of ours moves data through these two calls, so C.stats() sees every byte.
-Messages go as MPI.BYTE: the element type only matters to the reduction kernels."""
+Messages go as MPI.BYTE: the element type only matters to the reduction kernels. A
+communicator may carry a cap on the size of the messages sent on it (cap_messages), which
+the algorithms that cut their data into messages read (most_bytes)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,33 @@ def message(buf: np.ndarray) -> list:
     if buf.nbytes < 1 << 31:
         return [buf, MPI.BYTE]
     return [buf, 1, _big_type(buf.nbytes)]
+
+
+_cap_keyval: int | None = None  # created on first use: MPI must be initialized
+
+
+def _cap_key() -> int:
+    global _cap_keyval
+    if _cap_keyval is None:
+        _cap_keyval = MPI.Comm.Create_keyval()
+    return _cap_keyval
+
+
+def cap_messages(comm: MPI.Comm, nbytes: int) -> None:
+    """Let the algorithms on comm send no message over nbytes (an MPI attribute: it goes
+    with comm). Topology caps the communicators whose ranks span nodes
+    (Config.node_message_bytes)."""
+    if not isinstance(nbytes, int) or nbytes < 1:
+        raise ValueError(f"node_message_bytes: expected a positive int, got {nbytes!r}")
+    comm.Set_attr(_cap_key(), nbytes)
+
+
+def most_bytes(comm: MPI.Comm, nbytes: int) -> int:
+    """The size of the messages an algorithm that would send nbytes at a time sends on
+    comm: nbytes, or less under comm's cap (cap_messages). Both ends of a message ask
+    with the same nbytes, so their pieces match."""
+    cap = comm.Get_attr(_cap_key())
+    return nbytes if cap is None else min(nbytes, cap)
 
 
 def isend(comm: MPI.Comm, buf: np.ndarray, dest: int, tag: int) -> MPI.Request:

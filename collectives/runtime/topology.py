@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 from collectives import config as _config
 from collectives.kernels import _C
-from collectives.runtime import agreement, faults, flight
+from collectives.runtime import agreement, faults, flight, p2p
 from collectives.runtime.engine import ENGINE
 from collectives.runtime.stragglers import Stragglers
 from collectives.runtime.watchdog import Limit, Watchdog, bounded
@@ -92,6 +92,9 @@ class Topology:
         self.limit = Limit(config.stall_timeout_s)  # how long a call here waits for others
         for c in (self.comm, self.node_comm, self.cross_comm):  # every wait on them reads it
             self.limit.attach(c)
+        if len(self.nodes) > 1:  # messages that may cross nodes go in eager-sized pieces
+            for c in (self.comm, self.cross_comm):
+                p2p.cap_messages(c, config.node_message_bytes)
         self.channel = agreement.channel(self.comm, watchdog, self.limit, self.window)
         # calls, bytes and waits: the engine writes them (C++); label: the flight recorder's
         # name of this communicator (the job's, or its members' job ranks)
@@ -123,6 +126,8 @@ class Topology:
             for c in self._shard_comms:
                 if c != MPI.COMM_NULL:
                     self.limit.attach(c)
+                    if len(self.nodes) > 1:  # one rank of each node
+                        p2p.cap_messages(c, self.config.node_message_bytes)
         return self._shard_comms[shard]
 
     def comms(self) -> list[MPI.Comm]:

@@ -1,7 +1,9 @@
 """collectives/runtime/p2p.py under mpirun: isend/irecv move the bytes of flat host arrays of
 any dtype and size (0 bytes and odd sizes included) around a ring, and the engine counts
 every byte each rank sends and receives (C.stats of the call they ran in); count() counts
-a transfer of someone else's, but nothing on a communicator of one rank."""
+a transfer of someone else's, but nothing on a communicator of one rank. A communicator
+that spans nodes caps its messages (cap_messages), and the ring's collectives keep under
+the cap with the results they give without it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import torch
 from mpi4py import MPI
 
 import collectives as C
+from collectives.algorithms import ring
 from collectives.api import calls
+from collectives.ops import ReduceOp
 from collectives.runtime import p2p, topology
 from collectives.runtime.engine import ENGINE, Job
 
@@ -102,3 +106,64 @@ def test_count_adds_a_transfer_of_someone_elses_except_alone(comm):
     counted = _in_a_call("count", lambda: p2p.count(topology.get().comm, 5, 11))
     expected = (5, 11) if n > 1 else (0, 0)
     assert (counted["bytes_sent"], counted["bytes_received"]) == expected
+
+
+def test_topology_caps_messages_between_nodes():
+    """The job's communicator and the one across nodes carry Config.node_message_bytes as
+    their cap where the job spans nodes (simulated ones included); a node's own never."""
+    topo = topology.get()
+    cap = topo.config.node_message_bytes
+    spans = len(topo.nodes) > 1
+    assert p2p.most_bytes(topo.comm, 1 << 20) == (cap if spans else 1 << 20)
+    assert p2p.most_bytes(topo.cross_comm, 1 << 20) == (cap if spans else 1 << 20)
+    assert p2p.most_bytes(topo.node_comm, 1 << 20) == 1 << 20
+    assert p2p.most_bytes(topo.comm, 100) == 100
+
+
+#: An odd cap: pieces of 3 float32 or 1 float64 end inside the ring's chunks and segments.
+CAP = 12
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 1001])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+def test_ring_keeps_under_a_cap_and_its_results(comm, monkeypatch, dtype, count):
+    """ring's allreduce, reducescatter, allgather and broadcast on a capped communicator:
+    no message over CAP bytes, and the results of an independent reference (integers in
+    floats, so sums are exact and the same whatever the order)."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    capped = topology.get().comm.Dup()
+    p2p.cap_messages(capped, CAP)
+    sizes: list[int] = []
+
+    def isend(c, buf, dest, tag):
+        sizes.append(buf.nbytes)
+        return p2p.isend(c, buf, dest, tag)
+
+    monkeypatch.setattr(ring, "isend", isend)
+    data = [_data(dtype, count, q) for q in range(n)]
+    total = np.sum(data, axis=0).astype(dtype)
+    counts = [count // n + (q < count % n) for q in range(n)]
+    lo = sum(counts[:r])
+    summed = np.empty(count, dtype)
+    mine = np.empty(counts[r], dtype)
+    gathered = np.empty(sum(counts), dtype)
+    sent = data[r].copy()
+    cast = np.full(count, -1, dtype) if r != n - 1 else data[n - 1].copy()
+
+    def move() -> None:
+        ring.allreduce(capped, sent, summed, ReduceOp.Sum, dtype)
+        ring.reducescatter(capped, sent, mine, counts, ReduceOp.Sum, dtype)
+        ring.allgather(capped, data[r][lo:lo + counts[r]], gathered, counts)
+        ring.broadcast(capped, cast, n - 1)
+
+    try:
+        _in_a_call(f"capped-{dtype}-{count}", move)
+    finally:
+        capped.Free()
+    assert np.array_equal(summed, total)
+    assert np.array_equal(mine, total[lo:lo + counts[r]])
+    assert np.array_equal(gathered, np.concatenate([data[q][sum(counts[:q]):sum(counts[:q + 1])]
+                                                    for q in range(n)]))
+    assert np.array_equal(cast, data[n - 1])
+    assert np.array_equal(sent, data[r]), "the ring changed its input"
+    assert max(sizes, default=0) <= CAP, f"a message of {max(sizes)} bytes past the cap"
