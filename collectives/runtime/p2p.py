@@ -36,14 +36,9 @@ def message(buf: np.ndarray) -> list:
     return [buf, 1, _big_type(buf.nbytes)]
 
 
-_cap_keyval: int | None = None  # created on first use: MPI must be initialized
-
-
+@functools.cache  # created on first use: MPI must be initialized
 def _cap_key() -> int:
-    global _cap_keyval
-    if _cap_keyval is None:
-        _cap_keyval = MPI.Comm.Create_keyval()
-    return _cap_keyval
+    return MPI.Comm.Create_keyval()
 
 
 def cap_messages(comm: MPI.Comm, nbytes: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -142,14 +143,9 @@ class Limit:
         comm.Set_attr(_limit_key(), self)
 
 
-_keyval: int | None = None  # created on first use: MPI must be initialized
-
-
+@functools.cache  # created on first use: MPI must be initialized
 def _limit_key() -> int:
-    global _keyval
-    if _keyval is None:
-        _keyval = MPI.Comm.Create_keyval()
-    return _keyval
+    return MPI.Comm.Create_keyval()
 
 
 def limit_of(comm: MPI.Comm) -> Limit | None:
