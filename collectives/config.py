@@ -17,7 +17,7 @@ class Config:
     ranks_per_node: int | None = None
     #: Bytes per pipelined segment in the ring algorithms.
     ring_segment_bytes: int = 1 << 20
-    #: Largest message of the ring and pairwise algorithms between nodes (runtime/p2p.py,
+    #: Largest message of the ring algorithms between nodes (runtime/p2p.py,
     #: cap_messages): under Open MPI's TCP eager limit, its default 64 KiB (header
     #: included) as well as mpi_defaults.py's 2 MiB, so no message waits for the
     #: receiver's rendezvous reply, which on a busy full-duplex link queues behind the

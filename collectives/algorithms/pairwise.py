@@ -3,8 +3,7 @@
 How it works: rank r copies its own block, then at step k = 1 .. n-1 sends its block for
 rank (r + k) % n and receives the block from rank (r - k) % n, both non-blocking, so every
 rank sends to and receives from exactly one peer per step and no link carries two
-messages at once. Between nodes a block goes in pieces under the communicator's cap
-(runtime/p2p.py, pieces), as the ring's messages do.
+messages at once.
 
 Cost for n ranks and m bytes sent per rank (evenly split; alpha latency, beta seconds per
 byte, o our per-message overhead):
@@ -17,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from collectives.algorithms.costmodel import Layout, Params
-from collectives.runtime.p2p import irecv, isend, offsets, pieces
+from collectives.runtime.p2p import irecv, isend, offsets
 from collectives.runtime.watchdog import wait_all
 
 TAG_ALLTOALL = 61
@@ -32,12 +31,8 @@ def alltoall(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, send_counts: li
     recv[ro[r]:ro[r + 1]] = send[so[r]:so[r + 1]]
     for k in range(1, n):
         dst, src = (r + k) % n, (r - k) % n
-        theirs, mine = recv[ro[src]:ro[src + 1]], send[so[dst]:so[dst + 1]]
-        reqs = [irecv(comm, theirs[a:b], src, TAG_ALLTOALL)
-                for a, b in pieces(comm, theirs.size, recv.itemsize)]
-        reqs += [isend(comm, mine[a:b], dst, TAG_ALLTOALL)
-                 for a, b in pieces(comm, mine.size, send.itemsize)]
-        wait_all(comm, reqs, "pairwise")
+        wait_all(comm, [irecv(comm, recv[ro[src]:ro[src + 1]], src, TAG_ALLTOALL),
+                        isend(comm, send[so[dst]:so[dst + 1]], dst, TAG_ALLTOALL)], "pairwise")
 
 
 def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:

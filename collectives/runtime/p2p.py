@@ -81,13 +81,6 @@ def segments(count: int, seg: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + seg, count)) for lo in range(0, count, seg)]
 
 
-def pieces(comm: MPI.Comm, count: int, itemsize: int) -> list[tuple[int, int]]:
-    """[lo, hi) element ranges of a block of count elements as it travels on comm: one
-    message, or pieces under comm's cap. They depend on count alone, so a sender and a
-    receiver of the same block cut it alike."""
-    return segments(count, max(1, most_bytes(comm, max(count, 1) * itemsize) // itemsize))
-
-
 def offsets(counts: list[int]) -> list[int]:
     """len(counts) + 1 offsets: where each of counts' consecutive blocks starts, then the
     end."""

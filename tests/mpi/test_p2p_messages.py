@@ -2,8 +2,8 @@
 any dtype and size (0 bytes and odd sizes included) around a ring, and the engine counts
 every byte each rank sends and receives (C.stats of the call they ran in); count() counts
 a transfer of someone else's, but nothing on a communicator of one rank. A communicator
-that spans nodes caps its messages (cap_messages), and the ring's collectives and the
-pairwise alltoall keep under the cap with the results they give without it."""
+that spans nodes caps its messages (cap_messages), and the ring's collectives keep under
+the cap with the results they give without it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import collectives as C
-from collectives.algorithms import pairwise, ring
+from collectives.algorithms import ring
 from collectives.api import calls
 from collectives.ops import ReduceOp
 from collectives.runtime import p2p, topology
@@ -127,10 +127,9 @@ CAP = 12
 @pytest.mark.parametrize("count", [0, 1, 5, 1001])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
 def test_ring_keeps_under_a_cap_and_its_results(comm, monkeypatch, dtype, count):
-    """ring's allreduce, reducescatter, allgather and broadcast and pairwise's alltoall
-    (uneven blocks) on a capped communicator: no message over CAP bytes, and the results
-    of an independent reference (integers in floats, so sums are exact and the same
-    whatever the order)."""
+    """ring's allreduce, reducescatter, allgather and broadcast on a capped communicator:
+    no message over CAP bytes, and the results of an independent reference (integers in
+    floats, so sums are exact and the same whatever the order)."""
     n, r = comm.Get_size(), comm.Get_rank()
     capped = topology.get().comm.Dup()
     p2p.cap_messages(capped, CAP)
@@ -141,7 +140,6 @@ def test_ring_keeps_under_a_cap_and_its_results(comm, monkeypatch, dtype, count)
         return p2p.isend(c, buf, dest, tag)
 
     monkeypatch.setattr(ring, "isend", isend)
-    monkeypatch.setattr(pairwise, "isend", isend)
     data = [_data(dtype, count, q) for q in range(n)]
     total = np.sum(data, axis=0).astype(dtype)
     counts = [count // n + (q < count % n) for q in range(n)]
@@ -152,19 +150,11 @@ def test_ring_keeps_under_a_cap_and_its_results(comm, monkeypatch, dtype, count)
     sent = data[r].copy()
     cast = np.full(count, -1, dtype) if r != n - 1 else data[n - 1].copy()
 
-    def block(a: int, b: int) -> np.ndarray:  # what rank a sends rank b in the alltoall
-        return ((np.arange(count + (a + 2 * b) % 7) * 7 + 10 * a + b) % 120).astype(dtype)
-
-    to = np.concatenate([block(r, q) for q in range(n)])
-    fro = np.empty(sum(block(q, r).size for q in range(n)), dtype)
-
     def move() -> None:
         ring.allreduce(capped, sent, summed, ReduceOp.Sum, dtype)
         ring.reducescatter(capped, sent, mine, counts, ReduceOp.Sum, dtype)
         ring.allgather(capped, data[r][lo:lo + counts[r]], gathered, counts)
         ring.broadcast(capped, cast, n - 1)
-        pairwise.alltoall(capped, to, fro, [block(r, q).size for q in range(n)],
-                          [block(q, r).size for q in range(n)])
 
     try:
         _in_a_call(f"capped-{dtype}-{count}", move)
@@ -175,6 +165,5 @@ def test_ring_keeps_under_a_cap_and_its_results(comm, monkeypatch, dtype, count)
     assert np.array_equal(gathered, np.concatenate([data[q][sum(counts[:q]):sum(counts[:q + 1])]
                                                     for q in range(n)]))
     assert np.array_equal(cast, data[n - 1])
-    assert np.array_equal(fro, np.concatenate([block(q, r) for q in range(n)]))
     assert np.array_equal(sent, data[r]), "the ring changed its input"
     assert max(sizes, default=0) <= CAP, f"a message of {max(sizes)} bytes past the cap"
