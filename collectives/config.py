@@ -21,7 +21,7 @@ class Config:
     #: cap_messages): under Open MPI's TCP eager limit, its default 64 KiB (header
     #: included) as well as mpi_defaults.py's 2 MiB, so no message waits for the
     #: receiver's rendezvous reply, which on a busy full-duplex link queues behind the
-    #: peer's own data (at 100 Mbit/s an 8 MiB allreduce took 1.5x the link's time).
+    #: peer's own data.
     node_message_bytes: int = 60 << 10
     #: JSON written by `python -m collectives calibrate`, read by `auto` at init (instead of
     #: the job's own measurement, collectives/auto/autotune.py); None = no file.

@@ -21,8 +21,9 @@ queued round trip before its bulk went, and a pipelined allreduce paid one per c
 eagerly, in one trip, it runs at the link's rate (benchmarks/README.md, Two-level allreduce
 against the link). The flat ring's messages between nodes are capped below either limit
 (Config.node_message_bytes, runtime/p2p.py), so a job whose MPI started before this
-module ran sends them eagerly too. The cost: an unexpected message of up to 2 MiB is buffered at its receiver
-(fragments are allocated as needed, so a process's footprint at init does not grow).
+module ran sends them eagerly too. The cost: an unexpected message of up to 2 MiB is
+buffered at its receiver (fragments are allocated as needed, so a process's footprint at
+init does not grow).
 
 osc = ^ucx. Open MPI's UCX one-sided component prints an error at every shared-window
 creation on machines without UCX devices; shared windows (collectives/algorithms/shm.py) are served by

@@ -166,8 +166,8 @@ def cost(collective: str, nbytes: int, layout: Layout, p: Params) -> float:
         return (n - 1) * step + share * beta + share * p.gamma
     if collective == "allgather":
         return (n - 1) * step + share * beta
-    seg = config.get().ring_segment_bytes
-    if layout.nodes > 1:
-        seg = min(seg, config.get().node_message_bytes)
+    cfg = config.get()
+    seg = min(cfg.ring_segment_bytes, cfg.node_message_bytes) if layout.nodes > 1 \
+        else cfg.ring_segment_bytes
     pieces = max(1, -(-m // seg))
     return (n - 2 + pieces) * step + m * beta
