@@ -7,12 +7,14 @@ DistributedOptimizer): call loss.backward() on each rank's share of the batch, t
       precision and Adam runs as usual: every rank holds the same momentum m and variance
       v. With no weight decay this is torch.optim.Adam and with it torch.optim.AdamW
       (decoupled decay), step for step. The gradients travel in fused float32 buckets of
-      up to WARM_BUCKET_BYTES, each started from the gradient hooks as soon as its
+      up to BUCKET_BYTES, each started from the gradient hooks as soon as its
       gradients are complete, so the warm-up's full-size averages overlap backward too.
   compressed, after freeze_step: v is frozen. Each rank folds its own gradient into m,
       then m is averaged with collectives.compressed_allreduce (signs plus scales,
       with this rank's worker_error and server_error; both start at zero at the freeze),
-      and the averaged m, the same on every rank, replaces it. The update is
+      and the averaged m, the same on every rank, replaces it. The parameters' averages
+      go in buckets of up to BUCKET_BYTES, one grouped_compressed_allreduce each: the
+      bits of one call per parameter, for one call's fixed cost. The update is
       m / (sqrt(v) + eps), with the bias corrections, plus decoupled weight decay.
       Both first parts need only the parameter's gradient: they start from its gradient
       hook during backward (in one fixed order on every rank: _Launches), so the 1-bit
@@ -38,10 +40,9 @@ algorithm (without its first step, which only warms up its communication backend
 discards that step's gradient).
 
 Cost per step, n ranks, P parameters: warm-up, float32 allreduces of P elements in all
-(2(n-1)/n 4P bytes per rank on a ring), in ceil(4P / WARM_BUCKET_BYTES) or more calls;
-compressed, one compressed_allreduce per parameter
-tensor: about 2(n-1)/n (P/8 + 4P/block_size) bytes, 1/28 of the warm-up's with
-block_size=256, in 3 latency rounds per tensor.
+(2(n-1)/n 4P bytes per rank on a ring), in ceil(4P / BUCKET_BYTES) or more calls;
+compressed, the same number of grouped 1-bit calls: about 2(n-1)/n (P/8 + 4P/block_size)
+bytes, 1/28 of the warm-up's with block_size=256, in 3 latency rounds per call.
 
 State (state_dict): per parameter exp_avg, exp_avg_sq, step and, after the freeze, this
 rank's worker_error and server_error. The error buffers belong to one rank of one world
@@ -64,16 +65,19 @@ import torch
 from collectives import api as C
 from collectives import kernels
 from collectives.algorithms.onebit import error_sizes
-from collectives.api.compressed import compressed_allreduce_async
+from collectives.api.compressed import compressed_allreduce_async, grouped_compressed_allreduce_async
 
 from .overlap import bucketed, count_pass
 
 _ERRORS = ("worker_error", "server_error")
 
-#: The warm-up's buckets of gradients hold at most this many bytes (a larger parameter has
-#: one to itself). A smaller bucket starts its allreduce earlier in backward, for one more
-#: call's latency and agreement: 8 MiB is 0.7 ms at 100 Gbit/s, against tens of us a call.
-WARM_BUCKET_BYTES = 8 << 20
+#: A launch unit (the warm-up's fused gradients, or after the freeze the momenta of one
+#: grouped 1-bit call) holds at most this many bytes; a larger parameter has one to itself.
+#: A smaller unit starts its average earlier in backward, for one more call's latency,
+#: agreement and fixed cost (about 1 ms of CPU for a 1-bit call, whatever its size: a
+#: call per tensor cost the transformer of benchmarks/slow_link.py twice the CPU): 8 MiB
+#: is 0.7 ms at 100 Gbit/s.
+BUCKET_BYTES = 8 << 20
 
 
 def _check_number(name: str, value: object, low: float, high: float = math.inf,
@@ -166,7 +170,8 @@ class OnebitAdam(torch.optim.Optimizer):
             if flat is not None:
                 self._warm_step(unit, flat)
             else:
-                self._update(*unit[0])
+                for item in unit:
+                    self._update(*item)
         return loss
 
     def _compressed(self, p: torch.Tensor) -> bool:
@@ -175,19 +180,21 @@ class OnebitAdam(torch.optim.Optimizer):
         return bool(state) and state["step"] + 1 > self.freeze_step
 
     def _plan(self, order: list[_Item]) -> list[list[_Item]]:
-        """This step's launch units, in order: each parameter after the freeze alone; each run
-        of consecutive parameters before it in DistributedOptimizer's buckets (bucketed: one
-        device each, up to WARM_BUCKET_BYTES). It depends only on the order and the steps
-        taken, so every rank makes the same units."""
+        """This step's launch units, in order: each run of consecutive parameters before the
+        freeze, and each run after it, in DistributedOptimizer's buckets (bucketed: one
+        dtype and device each, up to BUCKET_BYTES); after the freeze a device parameter is
+        a unit alone (its 1-bit average runs on its device). It depends only on the order
+        and the steps taken, so every rank makes the same units."""
         units: list[list[_Item]] = []
         for frozen, run in itertools.groupby(order, key=lambda item: self._compressed(item[1])):
             run = list(run)
-            if frozen:
-                units += [[item] for item in run]
-                continue
             group_of = {id(p): group for group, p in run}
-            units += [[(group_of[id(p)], p) for p in bucket]
-                      for bucket in bucketed([p for _, p in run], WARM_BUCKET_BYTES)]
+            for bucket in bucketed([p for _, p in run], BUCKET_BYTES):
+                items = [(group_of[id(p)], p) for p in bucket]
+                if frozen and bucket[0].device.type != "cpu":
+                    units += [[item] for item in items]
+                else:
+                    units.append(items)
         return units
 
     @torch.no_grad()
@@ -196,21 +203,23 @@ class OnebitAdam(torch.optim.Optimizer):
         the warm-up's fused buffer or None). Run from the gradient hooks during backward,
         in _Launches' fixed order, or from step() for those still due.
           warm-up bucket: the gradients packed and averaged (float32, in place);
-          after the freeze: the gradient folded into m, and m's 1-bit average started,
-          written over m."""
-        group, p = unit[0]
-        if not self._compressed(p):
+          after the freeze: each gradient folded into its m, and the 1-bit averages of the
+          unit's m started in one call, written over them."""
+        if not self._compressed(unit[0][1]):
             flat = kernels.pack([_grad(q) for _, q in unit])
             alone = C.size() == 1  # alone, a gradient is already the average
             return (None if alone else C.allreduce_async_(flat, op=C.Average)), flat
-        state = self.state[p]
-        exp_avg = state["exp_avg"]
-        exp_avg.lerp_(_grad(p), 1 - group["betas"][0])
+        for group, p in unit:
+            self.state[p]["exp_avg"].lerp_(_grad(p), 1 - group["betas"][0])
         if C.size() == 1:
             return None, None
-        worker, server = self._errors(p, state)
-        return compressed_allreduce_async(exp_avg, worker, server, self.block_size,
-                                          out=exp_avg), None
+        momenta = [self.state[p]["exp_avg"] for _, p in unit]
+        workers, servers = zip(*(self._errors(p, self.state[p]) for _, p in unit))
+        if len(unit) == 1:  # on a device too
+            return compressed_allreduce_async(momenta[0], workers[0], servers[0],
+                                              self.block_size, out=momenta[0]), None
+        return grouped_compressed_allreduce_async(momenta, list(workers), list(servers),
+                                                  self.block_size, outs=momenta), None
 
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]

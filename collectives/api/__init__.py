@@ -34,6 +34,8 @@ from collectives.api.compressed import (
     compressed_allreduce_async,
     compressed_reducescatter,
     compressed_reducescatter_async,
+    grouped_compressed_allreduce,
+    grouped_compressed_allreduce_async,
 )
 from collectives.api.gather import (
     allgather,
@@ -113,7 +115,8 @@ __all__ = [
     "compressed_reducescatter_async", "cross_rank", "cross_size", "dump_flight_recorder",
     "global_process_set", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
+    "grouped_allreduce_async_", "grouped_compressed_allreduce",
+    "grouped_compressed_allreduce_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "init", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
     "reducescatter_async", "refuse", "remove_process_set", "shutdown", "size",
     "start_timeline", "stats", "stop_timeline", "synchronize", "timed_call",

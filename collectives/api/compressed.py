@@ -1,10 +1,11 @@
-"""compressed_allreduce and compressed_reducescatter: the public 1-bit averaged allreduce
-and reducescatter with error feedback (the algorithm: collectives/compression/onebit.py),
-sync and async."""
+"""compressed_allreduce, grouped_compressed_allreduce and compressed_reducescatter: the
+public 1-bit averaged allreduce (of one vector, or of several in one call) and
+reducescatter with error feedback (the algorithm: collectives/compression/onebit.py), sync
+and async."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from collectives.api.base import need_dim0, row_elems
 from collectives.compression.onebit import ONEBIT, OnebitState, check_block, check_error, check_x
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
-from collectives.runtime.buffers import host_float, is_device_data, store_float, wrap
+from collectives.runtime.buffers import Buffer, host_float, is_device_data, store_float, wrap
 from collectives.runtime.engine import Handle, Job
 from collectives.runtime.p2p import even_split
 
@@ -52,13 +53,14 @@ def compressed_allreduce_async(x: Any, worker_error: Any, server_error: Any,
     return p.submit()
 
 
-def _check_out(out: Any, x: Any) -> None:
+def _check_out(out: Any, x: Any, name: str = "out") -> None:
     """out as compressed_allreduce writes it: x's type, dtype, shape and device."""
     if type(out) is not type(x):
-        raise TypeError(f"out: expected a {type(x).__name__} as x, got {type(out).__name__}")
+        raise TypeError(f"{name}: expected a {type(x).__name__} as x, got "
+                        f"{type(out).__name__}")
     if out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape) \
             or getattr(out, "device", None) != getattr(x, "device", None):
-        raise ValueError(f"out: expected x's dtype {x.dtype}, shape {tuple(x.shape)} and "
+        raise ValueError(f"{name}: expected x's dtype {x.dtype}, shape {tuple(x.shape)} and "
                          f"device, got {out.dtype}, {tuple(out.shape)}, "
                          f"{getattr(out, 'device', 'host')}")
 
@@ -70,35 +72,114 @@ def _prepare(topo: topology.Topology, x: Any, worker_error: Any, server_error: A
     if is_device_data(x) and is_device_data(worker_error) \
             and on_device.compressible(x):
         return on_device.onebit(topo, x, worker_error, server_error, block_size, out)
-    buf = check_x(x)
-    into = None if out is None else wrap(out, "out")
-    if into is not None and not into.staged and not buf.staged \
-            and np.shares_memory(into.flat, buf.flat) \
-            and into.flat.__array_interface__["data"] != buf.flat.__array_interface__["data"]:
-        raise ValueError("out: overlaps x without being x")
     block = check_block(block_size)
-    padded, chunk = error_sizes(buf.flat.size, topo.size)
-    worker = check_error(worker_error, "worker_error", padded)
-    server = check_error(server_error, "server_error", chunk)
-    fields = (("dtype", buf.dtype), ("shape", buf.shape), ("block_size", block))
+    part = _Part.check(topo, x, worker_error, server_error, out,
+                       ("x", "worker_error", "server_error", "out"))
+    fields = (("dtype", part.buf.dtype), ("shape", part.buf.shape), ("block_size", block))
     call = calls.describe(topo, "compressed_allreduce", fields, ONEBIT.name)
-    state = OnebitState(worker.flat, server.flat, block)
+    return call, Job(lambda: _run(topo, [part], block)[0])
 
-    def move() -> Any:
-        dest = buf.empty(buf.shape) if into is None else into
-        direct = dest.dtype == "float32"  # the average is float32: written where it goes
-        values = ONEBIT.allreduce(topo, host_float(buf.flat, buf.dtype), ReduceOp.Average,
-                                  "auto", state, dest.flat if direct else None)
-        if not direct:
-            store_float(dest.flat, dest.dtype, values)
-        worker.write_back()
-        server.write_back()
-        if into is None:
-            return dest.result()
-        into.write_back()
-        return out
 
-    return call, Job(move)
+class _Part(NamedTuple):
+    """One vector of a host compressed_allreduce, checked: x, its error buffers and out
+    (None: a new result) as Buffers, and the caller's out object."""
+
+    buf: Buffer
+    worker: Buffer
+    server: Buffer
+    into: Buffer | None
+    out: Any
+
+    @classmethod
+    def check(cls, topo: topology.Topology, x: Any, worker_error: Any, server_error: Any,
+              out: Any, names: tuple[str, str, str, str]) -> _Part:
+        """The arguments checked (each error names its argument: names) and wrapped."""
+        buf = check_x(x, names[0])
+        into = None if out is None else wrap(out, names[3])
+        if into is not None and not into.staged and not buf.staged \
+                and np.shares_memory(into.flat, buf.flat) \
+                and into.flat.__array_interface__["data"] != buf.flat.__array_interface__["data"]:
+            raise ValueError(f"{names[3]}: overlaps {names[0]} without being {names[0]}")
+        padded, chunk = error_sizes(buf.flat.size, topo.size)
+        return cls(buf, check_error(worker_error, names[1], padded),
+                   check_error(server_error, names[2], chunk), into, out)
+
+
+def _run(topo: topology.Topology, parts: list[_Part], block: int | None) -> list:
+    """The engine's side of a host call: each part's average (float32, written straight
+    into its destination where that is float32) and error buffers, written back where
+    staged; the results, in order."""
+    dests = [p.buf.empty(p.buf.shape) if p.into is None else p.into for p in parts]
+    direct = [dest.dtype == "float32" for dest in dests]
+    values = ONEBIT.grouped_allreduce(
+        topo, [host_float(p.buf.flat, p.buf.dtype) for p in parts],
+        [OnebitState(p.worker.flat, p.server.flat, block) for p in parts],
+        [dest.flat if d else None for dest, d in zip(dests, direct)])
+    results = []
+    for p, dest, d, v in zip(parts, dests, direct, values):
+        if not d:
+            store_float(dest.flat, dest.dtype, v)
+        p.worker.write_back()
+        p.server.write_back()
+        if p.into is None:
+            results.append(dest.result())
+        else:
+            p.into.write_back()
+            results.append(p.out)
+    return results
+
+
+def grouped_compressed_allreduce(xs: list, worker_errors: list, server_errors: list,
+                                 block_size: int | None = None, *, outs: list | None = None,
+                                 comm: Any = None) -> list:
+    """compressed_allreduce of each xs[i] with worker_errors[i] and server_errors[i], in
+    one call: one agreement, and across nodes with block scales on the host, the short
+    vectors' packets sharing messages. Each result, and each error buffer's update, is
+    the bits compressed_allreduce gives it alone. Device data is staged through the host.
+    outs: None, or a list of the same length whose entries are None or what
+    compressed_allreduce takes as out. Returns the list of results."""
+    topo = topology.of(comm)
+    with calls.Prepared(topo, "grouped_compressed_allreduce", None) as p:
+        p.call, p.job = _prepare_grouped(topo, xs, worker_errors, server_errors, block_size,
+                                         outs)
+    return p.run()
+
+
+def grouped_compressed_allreduce_async(xs: list, worker_errors: list, server_errors: list,
+                                       block_size: int | None = None, *,
+                                       outs: list | None = None, comm: Any = None) -> Handle:
+    """grouped_compressed_allreduce queued on the engine: a Handle for synchronize(); the
+    error buffers (and outs) must not be touched until it completes."""
+    topo = topology.of(comm)
+    with calls.Prepared(topo, "grouped_compressed_allreduce", None) as p:
+        p.call, p.job = _prepare_grouped(topo, xs, worker_errors, server_errors, block_size,
+                                         outs)
+    return p.submit()
+
+
+def _prepare_grouped(topo: topology.Topology, xs: Any, worker_errors: Any,
+                     server_errors: Any, block_size: Any, outs: Any) -> tuple[calls.Call, Job]:
+    lists = {"xs": xs, "worker_errors": worker_errors, "server_errors": server_errors}
+    if outs is not None:
+        lists["outs"] = outs
+    for name, value in lists.items():
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name}: expected a list, got {type(value).__name__}")
+        if len(value) != len(xs):
+            raise ValueError(f"{name}: expected {len(xs)} entries (one per x), got "
+                             f"{len(value)}")
+    outs = [None] * len(xs) if outs is None else outs
+    block = check_block(block_size)
+    parts = []
+    for i, (x, worker, server, out) in enumerate(zip(xs, worker_errors, server_errors, outs)):
+        if out is not None:
+            _check_out(out, x, f"outs[{i}]")
+        parts.append(_Part.check(topo, x, worker, server, out, (
+            f"xs[{i}]", f"worker_errors[{i}]", f"server_errors[{i}]", f"outs[{i}]")))
+    fields = (("dtypes", tuple(p.buf.dtype for p in parts)),
+              ("shapes", tuple(p.buf.shape for p in parts)), ("block_size", block))
+    call = calls.describe(topo, "grouped_compressed_allreduce", fields, ONEBIT.name)
+    return call, Job(lambda: _run(topo, parts, block))
 
 
 def compressed_reducescatter(x: Any, worker_error: Any, block_size: int | None = None, *,

@@ -37,16 +37,16 @@ from collectives.dtypes import FLOATING
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
 from collectives.runtime.buffers import Buffer, to_device, to_host, wrap
-from collectives.runtime.p2p import irecv, isend, segments
+from collectives.runtime.p2p import irecv, isend, offsets, segments
 from collectives.runtime.watchdog import wait_all
 
 # ------------------------------------------------------------------------- argument checks
 
 
-def check_x(x: Any) -> Buffer:
-    buf = wrap(x, "x")
+def check_x(x: Any, name: str = "x") -> Buffer:
+    buf = wrap(x, name)
     if buf.dtype not in FLOATING:
-        raise TypeError(f"x: expected a floating dtype {list(FLOATING)}, got {buf.dtype}")
+        raise TypeError(f"{name}: expected a floating dtype {list(FLOATING)}, got {buf.dtype}")
     return buf
 
 
@@ -227,48 +227,83 @@ def reduce_scatter(x: np.ndarray, error: np.ndarray, counts: list[int], rank: in
     return total
 
 
-def pipelined(comm: MPI.Comm, x: np.ndarray, state: OnebitState, out: Any = None
-              ) -> np.ndarray:
-    """reduce() over comm's messages for host arrays with block scales, piece by piece:
-    pieces of every chunk of about PIECE elements (whole blocks) go through the worker, the
-    scatter, the server and the gather in turn, and while one piece travels the next is
-    compressed (every receive is posted first; MPI matches a peer's messages of one tag in
-    the order sent). Every block lies inside one piece, so the bits, the result and the
-    error buffers are reduce()'s; only the messages are more and smaller."""
-    worker, server, block = state
-    if block is None:
-        raise ValueError("state: pipelined needs block scales (block_size not None)")
+def messages(chunks: list[int], block: int) -> list[list[tuple[int, int, int]]]:
+    """How pipelined() cuts a group of vectors whose chunks have these lengths: messages in
+    order, each a list of (vector, lo, hi) pieces of those chunks. Pieces are whole blocks
+    of about PIECE elements; consecutive pieces share a message while its packet stays
+    within a whole piece's bytes, so one long vector goes a piece a message and many short
+    ones go together."""
+    unit = math.lcm(8, block)
+    piece = max(onebit_exchange.PIECE // unit, 1) * unit
+    limit = packet_bytes(piece, block)
+    out: list[list[tuple[int, int, int]]] = []
+    size = limit
+    for v, chunk in enumerate(chunks):
+        for lo, hi in segments(chunk, piece):
+            nbytes = packet_bytes(hi - lo, block)
+            if size + nbytes > limit:
+                out.append([])
+                size = 0
+            out[-1].append((v, lo, hi))
+            size += nbytes
+    return out
+
+
+def packet_bytes(length: int, block: int | None) -> int:
+    """Bytes of the packet of `length` elements (a multiple of 8): signs, then scales."""
+    return length // 8 + 4 * onebit_exchange.nscales(length, block)
+
+
+def pipelined(comm: MPI.Comm, xs: list[np.ndarray], states: list[OnebitState],
+              outs: list[Any] | None = None) -> list[np.ndarray]:
+    """reduce() of each host vector xs[v] with states[v] (block scales), over comm's
+    messages piece by piece: the pieces of every chunk (messages(): whole blocks, short
+    vectors' pieces sharing a message) go through the worker, the scatter, the server and
+    the gather in turn, and while one message travels the next is compressed (every
+    receive is posted first; MPI matches a peer's messages of one tag in the order sent).
+    Every block lies inside one piece, so each vector's bits, result and error buffers are
+    reduce()'s; only the messages differ. outs[v]: where to write xs[v]'s average (see
+    reduce()), else new arrays; returned."""
+    blocks = {state.block_size for state in states}
+    if None in blocks or len(blocks) > 1:
+        raise ValueError(f"states: pipelined needs one block size, not None, got {blocks}")
+    block = blocks.pop() if blocks else 1
     n, r = comm.Get_size(), comm.Get_rank()
-    out = np.empty(x.size, np.float32) if out is None else out
-    if not worker.size:
-        return out
-    chunk, unit = server.size, math.lcm(8, block)
-    pieces = segments(chunk, max(onebit_exchange.PIECE // unit, 1) * unit)
+    outs = [np.empty(x.size, np.float32) if o is None else o
+            for x, o in zip(xs, outs or [None] * len(xs))]
+    chunks = [state.server_error.size for state in states]
+    xs = [_padded(x, s.worker_error.size).reshape(n, c) for x, s, c in zip(xs, states, chunks)]
+    errors = [s.worker_error.reshape(n, c) for s, c in zip(states, chunks)]
+    plan = []  # per message: its pieces as (vector, lo, hi, offset in the packet, bytes)
+    for pieces in messages(chunks, block):
+        at = offsets([packet_bytes(hi - lo, block) for _, lo, hi in pieces])
+        plan.append([(v, lo, hi, a, b) for (v, lo, hi), a, b in zip(pieces, at, at[1:])])
     peers = [j for j in range(n) if j != r]
     tags = onebit_exchange.TAG_SCATTER, onebit_exchange.TAG_GATHER
-    rows = [[np.empty((n, (hi - lo) // 8 + 4 * onebit_exchange.nscales(hi - lo, block)),
-                      np.uint8) for lo, hi in pieces] for _ in tags]
-    recvs = [[[irecv(comm, phase[i][j], j, tag) for j in peers] for i in range(len(pieces))]
+    rows = [[np.empty((n, m[-1][4]), np.uint8) for m in plan] for _ in tags]
+    recvs = [[[irecv(comm, phase[i][j], j, tag) for j in peers] for i in range(len(plan))]
              for phase, tag in zip(rows, tags)]
     sends: list[MPI.Request] = []
-    done = [0, 0]  # pieces served, pieces decompressed
+    done = [0, 0]  # messages served, messages decompressed
 
     def send(tag: int, packet: Callable[[int], np.ndarray]) -> None:
         sends.extend(isend(comm, packet(j), j, tag) for j in peers)
 
     def serve(i: int) -> None:
-        lo, hi = pieces[i]
         mine = rows[1][i][r]
-        mine[...] = _serve(rows[0][i], server[lo:hi], block)
+        for v, lo, hi, a, b in plan[i]:
+            mine[a:b] = _serve(rows[0][i][:, a:b], states[v].server_error[lo:hi], block)
         send(tags[1], lambda j: mine)  # the same packet to every peer
 
     def unpack(i: int) -> None:
-        lo, hi = pieces[i]
-        for j, row in enumerate(rows[1][i]):
-            a, b = j * chunk + lo, min(j * chunk + hi, out.size)
-            if a < b:
-                bits, scales = _split(row, hi - lo)
-                kernels.onebit_decompress(bits, scales, b - a, block, out=out[a:b])
+        for v, lo, hi, a, b in plan[i]:
+            chunk, out = chunks[v], outs[v]
+            for j, row in enumerate(rows[1][i]):
+                start, stop = j * chunk + lo, min(j * chunk + hi, out.size)
+                if start < stop:
+                    bits, scales = _split(row[a:b], hi - lo)
+                    kernels.onebit_decompress(bits, scales, stop - start, block,
+                                              out=out[start:stop])
 
     def ready(phase: int, i: int, wait: bool) -> bool:
         if wait:
@@ -277,7 +312,7 @@ def pipelined(comm: MPI.Comm, x: np.ndarray, state: OnebitState, out: Any = None
         return MPI.Request.Testall(recvs[phase][i])
 
     def advance(compressed: int, wait: bool) -> None:
-        """Serve, then decompress, the pieces whose messages are in, in order, of the first
+        """Serve, then decompress, the messages whose data are in, in order, of the first
         `compressed` (wait: all of them)."""
         while done[0] < compressed and ready(0, done[0], wait):
             serve(done[0])
@@ -286,16 +321,17 @@ def pipelined(comm: MPI.Comm, x: np.ndarray, state: OnebitState, out: Any = None
             unpack(done[1])
             done[1] += 1
 
-    xs, errors = _padded(x, worker.size).reshape(n, chunk), worker.reshape(n, chunk)
-    for i, (lo, hi) in enumerate(pieces):
+    for i, pieces in enumerate(plan):
         # the worker's packets: row r kept, the others sent
-        packets = _block_rows(xs[:, lo:hi], errors[:, lo:hi], block, np.empty_like(rows[0][i]))
+        packets = np.empty_like(rows[0][i])
+        for v, lo, hi, a, b in pieces:
+            _block_rows(xs[v][:, lo:hi], errors[v][:, lo:hi], block, packets[:, a:b])
         rows[0][i][r] = packets[r]
         send(tags[0], packets.__getitem__)  # row j to rank j
         advance(i + 1, wait=False)
-    advance(len(pieces), wait=True)
+    advance(len(plan), wait=True)
     wait_all(comm, sends, "1-bit exchange")
-    return out
+    return outs
 
 
 class OnebitCompressor(Compressor):
@@ -312,9 +348,18 @@ class OnebitCompressor(Compressor):
         if state is None:
             raise ValueError("state: 1-bit compression needs the caller's OnebitState "
                              "(error buffers); use compressed_allreduce")
+        return self.grouped_allreduce(topo, [x], [state], [out])[0]
+
+    def grouped_allreduce(self, topo: topology.Topology, xs: list[Any],
+                          states: list[OnebitState], outs: list[Any]) -> list[Any]:
+        """Each xs[v]'s average with states[v], into outs[v] (or a new array where None):
+        the bits of one allreduce() each, in order. Host vectors with block scales across
+        nodes go pipelined(), their pieces sharing messages (the link is the slow part);
+        the others one reduce() each."""
         comm, n = topo.comm, topo.size
-        if isinstance(x, np.ndarray) and state.block_size is not None and len(topo.nodes) > 1:
-            return pipelined(comm, x, state, out)  # across hosts: the link is the slow part
+        if len(topo.nodes) > 1 and all(isinstance(x, np.ndarray) for x in xs) \
+                and all(state.block_size is not None for state in states):
+            return pipelined(comm, xs, states, outs)
 
         def scatter(rows: np.ndarray) -> np.ndarray:
             received = np.empty_like(rows)
@@ -326,7 +371,8 @@ class OnebitCompressor(Compressor):
             onebit_exchange.exchange(comm, [packet] * n, gathered, onebit_exchange.TAG_GATHER)
             return gathered
 
-        return reduce(x, state, n, scatter, gather, out)
+        return [reduce(x, state, n, scatter, gather, out)
+                for x, state, out in zip(xs, states, outs)]
 
     def reducescatter(self, topo: topology.Topology, x: np.ndarray, counts: list[int],
                       op: ReduceOp, algorithm: str, state: OnebitState | None = None

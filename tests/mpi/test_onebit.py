@@ -133,9 +133,83 @@ def test_pieces_match_reference(comm, monkeypatch, count, block):
     monkeypatch.setattr(onebit_exchange, "PIECE", 1)
 
     def pipelined(x, worker, server, block_size):
-        return onebit.pipelined(comm, x, onebit.OnebitState(worker, server, block_size))
+        return onebit.pipelined(comm, [x], [onebit.OnebitState(worker, server, block_size)])[0]
 
     _check_against_reference(comm, count, block, steps=2, call=pipelined)
+
+
+def _vectors(n: int, step: int) -> list:
+    """A group's vectors: empty, tiny, n-1, around a piece and a block, several dtypes and
+    types, one 2-D."""
+    counts = [0, 1, max(n - 1, 1), 7, 9, 100, 130, 1000, 3]
+    kinds = ["float32", "float64", "torch", "float32", "float16", "float32", "torch",
+             "float32", "float32"]
+    out = []
+    for count, kind in zip(counts, kinds):
+        values = _inputs(count, step)
+        out.append(torch.from_numpy(values) if kind == "torch" else values.astype(kind))
+    out[7] = out[7].reshape(10, 100)
+    return out
+
+
+def _errors(xs: list, n: int) -> tuple[list, list]:
+    sizes = [error_sizes(int(np.prod(x.shape)), n) for x in xs]
+    return [np.zeros(p, f32) for p, _ in sizes], [np.zeros(c, f32) for _, c in sizes]
+
+
+@pytest.mark.parametrize("block", [None, 5, 256])
+def test_grouped_gives_each_vector_its_own_bits(comm, monkeypatch, block):
+    """grouped_compressed_allreduce: each vector's result and both error buffers are the
+    bits of compressed_allreduce on it alone (checked against the reference above), over
+    two calls, sync and async, new results and in place (outs). Pieces of 64 elements:
+    across nodes (and in pipelined() itself, called on any layout) short vectors' pieces
+    share messages and long ones span several."""
+    monkeypatch.setattr(onebit_exchange, "PIECE", 64)
+    n = comm.Get_size()
+    alone, grouped, in_place, piped = (_errors(_vectors(n, 0), n) for _ in range(4))
+    for step in range(2):
+        xs = _vectors(n, step)
+        want = [compressed_allreduce(x, w, s, block) for x, w, s in zip(xs, *alone)]
+        got = C.grouped_compressed_allreduce(xs, *grouped, block)
+        copies = [x.clone() if isinstance(x, torch.Tensor) else x.copy() for x in xs]
+        handle = C.grouped_compressed_allreduce_async(copies, *in_place, block, outs=copies)
+        assert all(a is b for a, b in zip(C.synchronize(handle), copies))
+        for i, (a, b, c) in enumerate(zip(want, got, copies)):
+            assert type(b) is type(a) and b.dtype == a.dtype and b.shape == a.shape, i
+            assert np.array_equal(_bits(a), _bits(b)) and np.array_equal(_bits(a), _bits(c)), i
+        for errors in (grouped, in_place):
+            for mine, theirs in zip(errors, alone):
+                assert all(np.array_equal(a, b) for a, b in zip(mine, theirs)), step
+        if block is not None:
+            flat = [np.asarray(x, f32).reshape(-1) for x in xs]
+            states = [onebit.OnebitState(w, s, block) for w, s in zip(*piped)]
+            results = onebit.pipelined(comm, flat, states)
+            for i, (a, b) in enumerate(zip(want, results)):
+                a = a.numpy() if isinstance(a, torch.Tensor) else a
+                if a.dtype != np.float16:  # (a float16 result is rounded)
+                    assert np.array_equal(a.astype(f32).reshape(-1), b), i
+            for mine, theirs in zip(piped, alone):
+                assert all(np.array_equal(a, b) for a, b in zip(mine, theirs)), step
+        assert_same_on_all_ranks(comm, np.concatenate([_bits(r) for r in got]), "grouped")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grouped_rejects_bad_arguments(comm):
+    """Each error names the list and the entry."""
+    xs = [np.ones(10, f32), np.ones(100, f32)]
+    workers, servers = _errors(xs, comm.Get_size())
+    with pytest.raises(ValueError, match="worker_errors: expected 2 entries"):
+        C.grouped_compressed_allreduce(xs, workers[:1], servers)
+    with pytest.raises(TypeError, match="xs: expected a list"):
+        C.grouped_compressed_allreduce(xs[0], workers, servers)
+    with pytest.raises(ValueError, match=r"server_errors\[1\]: expected a 1-D array"):
+        C.grouped_compressed_allreduce(xs, workers, [servers[0], servers[0]])
+    with pytest.raises(TypeError, match=r"xs\[0\]: expected a floating dtype"):
+        C.grouped_compressed_allreduce([np.ones(10, np.int32), xs[1]], workers, servers)
+    with pytest.raises(ValueError, match=r"outs\[1\]: expected x's dtype"):
+        C.grouped_compressed_allreduce(xs, workers, servers, outs=[None, np.ones(99, f32)])
+    assert_same_on_all_ranks(comm, np.concatenate(
+        C.grouped_compressed_allreduce(xs, workers, servers)), "usable after")
 
 
 def test_error_feedback_loses_nothing(comm):

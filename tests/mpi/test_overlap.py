@@ -90,8 +90,8 @@ def test_zero_optimizer_reduces_during_backward(comm, compression):
 
 def test_onebit_adam_averages_during_backward(comm, monkeypatch):
     """In the warm-up (steps 1-2) each bucket of gradients, after the freeze each
-    parameter's 1-bit momentum, starts its average from the gradient hooks."""
-    monkeypatch.setattr(onebit_adam, "WARM_BUCKET_BYTES", BUCKET_BYTES)  # a layer a bucket
+    bucket's 1-bit momenta, starts its average from the gradient hooks."""
+    monkeypatch.setattr(onebit_adam, "BUCKET_BYTES", BUCKET_BYTES)  # a layer a bucket
     model = _Model()
     opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=2)
     assert all(n >= 1 for n in _reduced_during_backward(model, opt, steps=4))
