@@ -6,7 +6,12 @@
 // makes two passes (sum of squares, then bits and error) over chunks of whole blocks small
 // enough (kChunk) that the second pass reads x and error from L2, not memory; with one
 // scale for the whole vector the chunk is the vector.
+//
+// The four kernels are also built for AVX2 (COLLECTIVES_CLONES): the tile loops work in L1,
+// where the wider vectors pay (decompress about 2x, serve 1.5x; benchmarks/kernels.py).
 #include "onebit.h"
+
+#include "clones.h"
 
 #include <algorithm>
 #include <cmath>
@@ -97,6 +102,7 @@ void add_scaled_signs(const float* __restrict__ sgn, float* __restrict__ acc, in
 
 }  // namespace
 
+COLLECTIVES_CLONES
 void onebit_compress(const float* x, float* error, uint8_t* bits, float* scales,
                      int64_t count, int64_t block) {
   block = std::min(block, std::max<int64_t>(count, 1));
@@ -119,6 +125,7 @@ void onebit_compress(const float* x, float* error, uint8_t* bits, float* scales,
   }
 }
 
+COLLECTIVES_CLONES
 void onebit_decompress(const uint8_t* bits, const float* scales, float* out, int64_t count,
                        int64_t block) {
   block = std::min(block, std::max<int64_t>(count, 1));
@@ -132,6 +139,7 @@ void onebit_decompress(const uint8_t* bits, const float* scales, float* out, int
   }
 }
 
+COLLECTIVES_CLONES
 void onebit_accumulate(float* acc, const uint8_t* const* bits, const float* const* scales,
                        int n, int64_t count, int64_t block) {
   block = std::min(block, std::max<int64_t>(count, 1));
@@ -147,6 +155,7 @@ void onebit_accumulate(float* acc, const uint8_t* const* bits, const float* cons
   }
 }
 
+COLLECTIVES_CLONES
 void onebit_serve(const uint8_t* const* bits, const float* const* scales, int n, float* error,
                   uint8_t* out_bits, float* out_scales, int64_t count, int64_t block) {
   block = std::min(block, std::max<int64_t>(count, 1));
