@@ -227,7 +227,7 @@ def reduce_scatter(x: np.ndarray, error: np.ndarray, counts: list[int], rank: in
     return total
 
 
-def messages(chunks: list[int], block: int) -> list[list[tuple[int, int, int]]]:
+def _messages(chunks: list[int], block: int) -> list[list[tuple[int, int, int]]]:
     """How pipelined() cuts a group of vectors whose chunks have these lengths: messages in
     order, each a list of (vector, lo, hi) pieces of those chunks. Pieces are whole blocks
     of about PIECE elements; consecutive pieces share a message while its packet stays
@@ -235,12 +235,12 @@ def messages(chunks: list[int], block: int) -> list[list[tuple[int, int, int]]]:
     ones go together."""
     unit = math.lcm(8, block)
     piece = max(onebit_exchange.PIECE // unit, 1) * unit
-    limit = packet_bytes(piece, block)
+    limit = _packet_bytes(piece, block)
     out: list[list[tuple[int, int, int]]] = []
     size = limit
     for v, chunk in enumerate(chunks):
         for lo, hi in segments(chunk, piece):
-            nbytes = packet_bytes(hi - lo, block)
+            nbytes = _packet_bytes(hi - lo, block)
             if size + nbytes > limit:
                 out.append([])
                 size = 0
@@ -249,7 +249,7 @@ def messages(chunks: list[int], block: int) -> list[list[tuple[int, int, int]]]:
     return out
 
 
-def packet_bytes(length: int, block: int | None) -> int:
+def _packet_bytes(length: int, block: int | None) -> int:
     """Bytes of the packet of `length` elements (a multiple of 8): signs, then scales."""
     return length // 8 + 4 * onebit_exchange.nscales(length, block)
 
@@ -257,7 +257,7 @@ def packet_bytes(length: int, block: int | None) -> int:
 def pipelined(comm: MPI.Comm, xs: list[np.ndarray], states: list[OnebitState],
               outs: list[Any] | None = None) -> list[np.ndarray]:
     """reduce() of each host vector xs[v] with states[v] (block scales), over comm's
-    messages piece by piece: the pieces of every chunk (messages(): whole blocks, short
+    messages piece by piece: the pieces of every chunk (_messages(): whole blocks, short
     vectors' pieces sharing a message) go through the worker, the scatter, the server and
     the gather in turn, and while one message travels the next is compressed (every
     receive is posted first; MPI matches a peer's messages of one tag in the order sent).
@@ -275,8 +275,8 @@ def pipelined(comm: MPI.Comm, xs: list[np.ndarray], states: list[OnebitState],
     xs = [_padded(x, s.worker_error.size).reshape(n, c) for x, s, c in zip(xs, states, chunks)]
     errors = [s.worker_error.reshape(n, c) for s, c in zip(states, chunks)]
     plan = []  # per message: its pieces as (vector, lo, hi, offset in the packet, bytes)
-    for pieces in messages(chunks, block):
-        at = offsets([packet_bytes(hi - lo, block) for _, lo, hi in pieces])
+    for pieces in _messages(chunks, block):
+        at = offsets([_packet_bytes(hi - lo, block) for _, lo, hi in pieces])
         plan.append([(v, lo, hi, a, b) for (v, lo, hi), a, b in zip(pieces, at, at[1:])])
     peers = [j for j in range(n) if j != r]
     tags = onebit_exchange.TAG_SCATTER, onebit_exchange.TAG_GATHER
