@@ -74,9 +74,8 @@ _ERRORS = ("worker_error", "server_error")
 #: A launch unit (the warm-up's fused gradients, or after the freeze the momenta of one
 #: grouped 1-bit call) holds at most this many bytes; a larger parameter has one to itself.
 #: A smaller unit starts its average earlier in backward, for one more call's latency,
-#: agreement and fixed cost (about 1 ms of CPU for a 1-bit call, whatever its size: a
-#: call per tensor cost the transformer of benchmarks/slow_link.py twice the CPU): 8 MiB
-#: is 0.7 ms at 100 Gbit/s.
+#: agreement and fixed CPU, which a bias's 1-bit call pays as much as a layer's
+#: (benchmarks/results/slow-link.md): 8 MiB is 0.7 ms at 100 Gbit/s.
 BUCKET_BYTES = 8 << 20
 
 
