@@ -59,7 +59,7 @@ from collectives.integrations.torch_args import (
     same_dtype,
     scatter_into,
 )
-from collectives.integrations.torch_work import DONE, Request, pending
+from collectives.integrations.torch_work import DONE, Request, eager_methods, pending
 from collectives.ops import ReduceOp
 from collectives.runtime import p2p, topology
 
@@ -67,6 +67,7 @@ from collectives.runtime import p2p, topology
 _CREATE_TAG = 7001
 
 
+@eager_methods
 class ProcessGroup(dist.ProcessGroup):
     """A torch.distributed process group over an MPI communicator (None: the job's)."""
 

@@ -4,14 +4,33 @@ handles (async), over values already computed (sync), and over MPI requests (sen
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from mpi4py import MPI
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from collectives.runtime.engine import Handle
+
+_Class = TypeVar("_Class", bound=type)
+
+
+def eager_methods(cls: _Class) -> _Class:
+    """cls with every method of its own run as torch's C++ backends run: never traced or
+    compiled by dynamo, nor anything they call. torch calls a group's methods from C++
+    (DDP's buffer broadcast, its reducer, functional collectives), sometimes while a
+    torch.compile'd function is running eagerly past a graph break (DDP's forward under
+    `torch.compile(DDP(model))`): dynamo would then compile the method as a frame of its
+    own, where the group is an opaque object that exposes only rank, size and its name,
+    and fail on the first other attribute. `torch._disable_dynamo` is the lazy form of
+    `torch.compiler.disable` that torch uses for its own Python around collectives: it
+    imports dynamo at the first call, not at ours."""
+    for name, member in list(vars(cls).items()):
+        if callable(member) and not isinstance(member, type):
+            setattr(cls, name, torch._disable_dynamo(member))
+    return cls
 
 
 def done(value: Any) -> Future:
@@ -58,6 +77,7 @@ def pending(handle: Handle, finish: Any) -> dist.Work:
     return _create_work_from_future(future(handle, finish))
 
 
+@eager_methods
 class Request(dist._Work):
     """Work over an MPI request of send/recv: wait() completes it and, for a device tensor
     received through host memory, copies it in."""

@@ -1,0 +1,327 @@
+"""torch.compile on the "collectives" backend, in the forms users meet: `torch.compile(DDP(m))`
+(DDPOptimizer, and the python reducer with compiled autograd), with our DDP communication
+hooks, `DDP(torch.compile(m))`, `no_sync()` accumulation, FSDP2 per layer (eager and
+compiled, AVG, bf16 mixed precision), a compiled model under `DistributedOptimizer`,
+`ZeroOptimizer` (stages 1-3) and `OnebitAdam`, and a compiled DDP step after an elastic
+shrink. Each trains a model with buffers (BatchNorm) and a transformer block a few steps
+and is checked against a float64 one-process replay of the same global batches
+(_Replay), with replicas bit-identical on every rank.
+
+At np 2 and 3 only: compiling costs seconds a graph on this machine, np 1 runs no
+exchange and np 4 adds nothing np 3 does not (an odd size, several peers)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from collectives.optim import DistributedOptimizer, OnebitAdam, ZeroOptimizer
+from conftest import FLOAT32_TRAINING, assert_same_on_all_ranks
+from mpi4py import MPI
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import collectives as C
+from collectives.integrations.ddp_hooks import OnebitHookState, fp16_hook, int8_hook, onebit_hook
+
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() not in (2, 3),
+                                reason="compile forms run at np 2 and 3")
+
+ROWS = 8  # each rank's rows of a global batch (the same at every size: one set of graphs)
+STEPS = 4
+LR = 0.1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    dist.init_process_group("collectives")
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each form compiles its own graphs (dynamo's caches and options reset around it)."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(optimize_ddp=True, compiled_autograd=False):
+        yield
+    torch._dynamo.reset()
+
+
+class _BatchNormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        # (no bias before BatchNorm: its gradient is zero but for rounding, which Adam's
+        # normalized step would blow up to a step of lr either way)
+        self.a, self.bn, self.b = torch.nn.Linear(8, 16, bias=False), \
+            torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+    def units(self) -> list[torch.nn.Module]:
+        return [self.a, self.bn, self.b]
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer encoder block over 2 tokens of 8 features (no biases in the
+    block: the keys' bias has a zero gradient but for rounding, see _BatchNormNet)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.block = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
+                                                      norm_first=True, bias=False)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x.view(x.shape[0], 2, 4))).mean(1))
+
+    def units(self) -> list[torch.nn.Module]:
+        return [self.embed, self.block, self.head]
+
+
+MODELS = {"batchnorm": _BatchNormNet, "transformer": _Block}
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(ROWS * n, 8, generator=g), torch.randn(ROWS * n, 3, generator=g)
+
+
+def _mine(step: int, r: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch(step, n)
+    return x[ROWS * r:ROWS * (r + 1)], y[ROWS * r:ROWS * (r + 1)]
+
+
+class _Replay:
+    """The float64 one-process replay of ranks training on their rows of each global
+    batch: each rank's loss on its rows, the gradients averaged over ranks; every rank's
+    buffers (BatchNorm's running statistics) updated by its own rows, from rank 0's where
+    DDP broadcasts them (broadcast_buffers: at a forward that follows one outside
+    no_sync(), so at a step's first micro-batch), from its own otherwise."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, n: int, broadcast: bool):
+        self.model, self.n, self.broadcast = copy.deepcopy(model).double(), n, broadcast
+        self.opt = optimizer(self.model.parameters())
+        self.buffers = [[b.clone() for b in self.model.buffers()] for _ in range(n)]
+
+    def step(self, step: int, micro_batches: int = 1) -> None:
+        x, y = (t.double() for t in _batch(step, self.n))
+        self.opt.zero_grad()
+        for part in range(micro_batches):
+            if self.broadcast and part == 0:  # not after a no_sync() forward
+                self.buffers = [[b.clone() for b in self.buffers[0]] for _ in range(self.n)]
+            for j in range(self.n):
+                rows = torch.arange(ROWS * j, ROWS * (j + 1)).chunk(micro_batches)[part]
+                self._load(j)
+                loss = torch.nn.functional.mse_loss(self.model(x[rows]), y[rows])
+                (loss / (self.n * micro_batches)).backward()
+                self.buffers[j] = [b.clone() for b in self.model.buffers()]
+        self.opt.step()
+
+    def _load(self, j: int) -> None:
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), self.buffers[j]):
+                b.copy_(saved)
+
+    def check(self, comm, model: torch.nn.Module, tolerance: dict = FLOAT32_TRAINING,
+              what: str = "") -> None:
+        """model's parameters and buffers are this rank's replay's, and its parameters
+        the same bits on every rank."""
+        self._load(comm.Get_rank())
+        expected = self.model.state_dict()
+        for name, value in model.state_dict().items():
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if not value.is_floating_point():
+                assert torch.equal(value, expected[name]), (what, name)
+                continue
+            torch.testing.assert_close(value.double(), expected[name], **tolerance,
+                                       msg=lambda m, name=name: f"{what} {name}: {m}")
+        for p in model.parameters():
+            p = p.full_tensor() if hasattr(p, "full_tensor") else p
+            # (a copy: numpy's view would pin the storage that stage 3 frees after)
+            assert_same_on_all_ranks(comm, p.detach().float().clone().numpy(), what)
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _train(comm, run, opt, model, replay: _Replay, micro_batches: int = 1,
+           no_sync: Any = None, steps: range = range(STEPS)) -> None:
+    """STEPS steps of run (the model as called) and opt, and of the replay; with
+    micro_batches > 1 the gradients accumulate over them (inside no_sync() but the last)."""
+    r, n = comm.Get_rank(), comm.Get_size()
+    for step in steps:
+        x, y = _mine(step, r, n)
+        opt.zero_grad()
+        for part, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            last = part == micro_batches - 1
+            with (no_sync() if no_sync is not None and not last else _nothing()):
+                loss = torch.nn.functional.mse_loss(run(xs), ys) / micro_batches
+                loss.backward()
+        opt.step()
+        replay.step(step, micro_batches)
+
+
+class _nothing:  # noqa: N801 (a context manager that does nothing)
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ------------------------------------------------------------------------------ DDP
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_compile_of_ddp(comm, model_name):
+    """torch.compile(DDP(m)), torch's recommended form: dynamo splits the graph at DDP's
+    bucket boundaries (DDPOptimizer) and DDP's forward (its buffer broadcast into our
+    group) runs between the compiled pieces."""
+    model = _model(model_name)
+    replay = _Replay(model, _sgd, comm.Get_size(), broadcast=True)
+    ddp = DDP(model)
+    _train(comm, torch.compile(ddp), _sgd(ddp.parameters()), model, replay)
+    replay.check(comm, model, what=f"compile(DDP) {model_name}")
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_compile_of_ddp_with_the_python_reducer_and_compiled_autograd(comm, model_name):
+    """optimize_ddp="python_reducer" with compiled autograd: DDP's gradient reductions are
+    traced into the compiled backward as functional collectives on our group. DDP does not
+    broadcast buffers in this mode (on gloo neither): each rank keeps its own."""
+    model = _model(model_name)
+    replay = _Replay(model, _sgd, comm.Get_size(), broadcast=False)
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True):
+        ddp = DDP(model)  # (DDP reads the mode when made)
+        _train(comm, torch.compile(ddp), _sgd(ddp.parameters()), model, replay)
+    replay.check(comm, model, what=f"python reducer {model_name}")
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_ddp_of_a_compiled_model_and_no_sync_accumulation(comm, model_name):
+    """DDP(torch.compile(m)), and torch.compile(DDP(m)) accumulating two micro-batches
+    with the first inside no_sync()."""
+    for form in ("DDP(compile)", "compile(DDP) no_sync"):
+        model = _model(model_name)
+        replay = _Replay(model, _sgd, comm.Get_size(), broadcast=True)
+        if form == "DDP(compile)":
+            ddp = DDP(torch.compile(model))
+            _train(comm, ddp, _sgd(ddp.parameters()), model, replay)
+        else:
+            ddp = DDP(model)
+            _train(comm, torch.compile(ddp), _sgd(ddp.parameters()), model, replay,
+                   micro_batches=2, no_sync=ddp.no_sync)
+        replay.check(comm, model, what=f"{form} {model_name}")
+
+
+#: How far a hook's average lies from the exact one, relative to the bucket's largest
+#: gradient, and how many of SGD's steps carry it (momentum 0.9: 1 + 1.9 + 2.71 + 3.44 =
+#: 9.05 over 4 steps, times LR): fp16 rounds each rank's gradient and each partial sum
+#: once (n + 1 <= 4 roundings of u = 2**-11); int8 rounds to half of a block's scale
+#: (max / 127) and again after the sum (n + 1 <= 4 half steps).
+_HOOK_ERROR = {"fp16": 4 * 2.0 ** -11, "int8": 4 * 0.5 / 127}
+
+
+def _compressed_calls() -> int:
+    return sum(op["calls"] for name, op in C.stats()["per_op"].items()
+               if name.startswith("compressed_allreduce"))
+
+
+@pytest.mark.parametrize("hook", ["fp16", "int8", "onebit"])
+def test_compile_of_ddp_with_our_hooks(comm, hook):
+    """torch.compile(DDP(m)) with each of our hooks registered: the hook reduces every
+    bucket of every step (counted); fp16 and int8 stay within their rounding of the
+    replay; 1-bit matches it through its uncompressed warm-up (2 steps), then makes one
+    compressed call a bucket a step, with replicas the same bits."""
+    calls = []
+    chosen = {"fp16": fp16_hook, "int8": int8_hook, "onebit": onebit_hook}[hook]
+
+    def counted(state, bucket):
+        calls.append(bucket.index())
+        return chosen(state, bucket)
+
+    model = _model("transformer")
+    replay = _Replay(model, _sgd, comm.Get_size(), broadcast=True)
+    ddp = DDP(model)
+    ddp.register_comm_hook(OnebitHookState(warmup_steps=2) if hook == "onebit" else None,
+                           counted)
+    run, opt = torch.compile(ddp), _sgd(ddp.parameters())
+    if hook == "onebit":
+        _train(comm, run, opt, model, replay, steps=range(2))
+        replay.check(comm, model, what="onebit hook's warm-up")
+        before, warm = _compressed_calls(), len(calls)
+        _train(comm, run, opt, model, replay, steps=range(2, STEPS))
+        assert _compressed_calls() - before == len(calls) - warm == warm, (calls, before)
+        for p in model.parameters():
+            assert_same_on_all_ranks(comm, p.detach().numpy(), "onebit hook")
+    else:
+        _train(comm, run, opt, model, replay)
+        largest = max(p.grad.abs().max().item() for p in model.parameters())
+        bound = _HOOK_ERROR[hook] * 9.05 * LR * max(largest, 1.0)
+        replay.check(comm, model, {"rtol": 0, "atol": bound}, f"{hook} hook")
+    assert calls and len(calls) == STEPS * len(set(calls)), calls  # every bucket, step
+
+
+# ------------------------------------------------------------------------------ FSDP2
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fsdp2_per_layer_averages(comm, model_name, compiled):
+    """fully_shard on each unit and on the model, eager and compiled: its gradient
+    reduce-scatters on our group average (ReduceOp.AVG: one job once summed silently
+    there), then with a bf16 MixedPrecisionPolicy (parameters gathered and gradients
+    reduced in bf16, within bf16's rounding of the replay). Not on BatchNorm: torch's CPU
+    batch_norm refuses bf16 weights beside float32 running statistics (on gloo too)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for policy in (None, bf16) if model_name != "batchnorm" else (None,):
+        model = _model(model_name)
+        replay = _Replay(model, _sgd, comm.Get_size(), broadcast=False)
+        options = {} if policy is None else {"mp_policy": policy}
+        for unit in model.units():
+            if any(p.requires_grad for p in unit.parameters()):
+                fully_shard(unit, **options)
+        fully_shard(model, **options)
+        run = torch.compile(model) if compiled else model
+        _train(comm, run, _sgd(model.parameters()), model, replay)
+        # bf16: a few roundings (u = 2**-8) of every gradient, carried by 9.05 * LR
+        tolerance = FLOAT32_TRAINING if policy is None else {"rtol": 0, "atol": 0.05}
+        replay.check(comm, model, tolerance, f"FSDP2 {model_name} {policy}")
+
+
+# ------------------------------------------------------------------- our optimizers
+def _adam(params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("wrapper", ["DistributedOptimizer", "zero1", "zero2", "zero3",
+                                     "OnebitAdam"])
+def test_compiled_model_with_our_optimizers(comm, model_name, wrapper):
+    """torch.compile(m) with our optimizers, which average the gradients from their hooks
+    as the compiled backward produces them (OnebitAdam in its uncompressed warm-up, which
+    is Adam on the averaged gradients)."""
+    model = _model(model_name)
+    replay = _Replay(model, _adam, comm.Get_size(), broadcast=False)
+    if wrapper == "DistributedOptimizer":
+        opt = DistributedOptimizer(_adam(model.parameters()),
+                                   named_parameters=model.named_parameters())
+    elif wrapper == "OnebitAdam":
+        opt = OnebitAdam(model.parameters(), lr=0.01, freeze_step=100)
+    elif wrapper == "zero3":
+        opt = ZeroOptimizer(_adam(model.parameters()), stage=3, module=model,
+                            units=model.units())
+    else:
+        opt = ZeroOptimizer(_adam(model.parameters()), stage=int(wrapper[-1]))
+    _train(comm, torch.compile(model), opt, model, replay)
+    with opt.gathered() if wrapper == "zero3" else _nothing():  # stage 3: the whole model
+        replay.check(comm, model, what=f"{wrapper} {model_name}")
