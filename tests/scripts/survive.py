@@ -5,6 +5,7 @@
     survive.py train KILLFILE         elastic training must finish on the survivors
     survive.py horovod KILLFILE       the same, written with Horovod's names
     survive.py ddp KILLFILE           the same, with DDP on the "collectives" backend
+    survive.py ddp-compile KILLFILE   the same, with torch.compile(DDP(model))
     survive.py onebit KILLFILE        the same with OnebitAdam (1-bit error buffers)
     survive.py zero KILLFILE          the same with ZeroOptimizer stage 2 (zero1: stage 1;
                                       zero-onebit: 1-bit gradients), whose dead ranks' shards
@@ -139,11 +140,16 @@ def train_scenario(killfile: str, api: str) -> None:
         import collectives.horovod as hvd
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
         el = hvd.elastic
-    elif api == "ddp":
+    elif api in ("ddp", "ddp-compile"):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
+
+        def wrap(module: torch.nn.Module) -> torch.nn.Module:
+            ddp = DistributedDataParallel(module)
+            return torch.compile(ddp) if api == "ddp-compile" else ddp
+
         dist.init_process_group("collectives")
-        forward[0] = DistributedDataParallel(model)
+        forward[0] = wrap(model)
         opt, el = sgd, elastic
     elif api == "onebit":  # compressed from step 5: error buffers in the state
         opt = C.optim.OnebitAdam(model.parameters(), lr=lr * C.size(), freeze_step=5)
@@ -161,8 +167,8 @@ def train_scenario(killfile: str, api: str) -> None:
         resets.append(C.size())
         for group in opt.param_groups:
             group["lr"] = lr * C.size()
-        if api == "ddp":  # the default group was made again over the survivors
-            forward[0] = DistributedDataParallel(model)
+        if api.startswith("ddp"):  # the default group was made again over the survivors
+            forward[0] = wrap(model)
 
     state.register_reset_callbacks([on_reset])
     recovered: list[float] = []

@@ -73,6 +73,7 @@ def test_every_survivor_raises_naming_the_dead_rank(tmp_path, layout, call, dyin
     ("1node", "train", "", "kill"), ("2nodes", "train", "", "kill"),
     ("1node", "horovod", "", "kill"),
     ("1node", "ddp", "", "kill"),           # DDP on the backend, rebuilt in a reset callback
+    ("1node", "ddp-compile", "", "kill"),   # torch.compile(DDP): compiled again on the new group
     ("2nodes", "onebit", "", "kill"),       # OnebitAdam: its error buffers change size
     ("1node", "train", "0", "kill"),        # rank 0: the survivors sync from a new rank 0
     ("2nodes", "train", "1", "kill"),       # a middle rank
