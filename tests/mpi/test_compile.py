@@ -325,3 +325,55 @@ def test_compiled_model_with_our_optimizers(comm, model_name, wrapper):
     _train(comm, torch.compile(model), opt, model, replay)
     with opt.gathered() if wrapper == "zero3" else _nothing():  # stage 3: the whole model
         replay.check(comm, model, what=f"{wrapper} {model_name}")
+
+
+# ------------------------------------------- what PyTorch's own compile-with-DDP tests run
+class _Wide(torch.nn.Module):
+    """Three 1 MiB layers, one of them under activation checkpointing: with 1 MiB
+    buckets DDPOptimizer cuts the graph into several."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(3))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = torch.relu(self.layers[0](x))
+        x = checkpoint(self.layers[1], x, use_reentrant=False)
+        return self.layers[2](torch.cos(x))
+
+
+def test_ddp_optimizer_splits_the_graph_at_our_buckets(comm):
+    """The cases of torch's own compile-with-DDP tests that run on CPU and concern the
+    group (test_graph_split, test_aot_autograd, test_custom_layer, test_higher_order_op,
+    test_ignored_parameters): DDPOptimizer compiles one graph a bucket of DDP on our group,
+    checkpointed layers included, a parameter DDP ignores keeps its own gradient, and
+    forward and backward give eager DDP's results on every rank."""
+    r, n = comm.Get_rank(), comm.Get_size()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = _Wide()
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["layers.0.bias"])
+        ddp = DDP(model, bucket_cap_mb=1)  # (DDPOptimizer: not under its 1 MiB first)
+        run = torch.compile(ddp, backend=counting) if compiled else ddp
+        x = torch.randn(ROWS * n, 512, generator=torch.Generator().manual_seed(1))
+        out = run(x[ROWS * r:ROWS * (r + 1)])
+        out.square().mean().backward()
+        results.append([out.detach()] + [p.grad.clone() for p in model.parameters()])
+    assert len(graphs) > 1, len(graphs)
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, **FLOAT32_TRAINING)
+    grads = dict(zip([name for name, _ in _Wide().named_parameters()], results[1][1:]))
+    for name, grad in grads.items():
+        if name != "layers.0.bias":
+            assert_same_on_all_ranks(comm, grad.numpy(), name)
+    ignored = comm.allgather(grads["layers.0.bias"].numpy())
+    assert any((ignored[0] != other).any() for other in ignored[1:]), "an ignored gradient"
