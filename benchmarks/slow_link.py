@@ -20,9 +20,11 @@ weights (Adam, --lr). Per setup:
   scaling       samples/s / (np x the one-rank base's samples/s), given --baseline
 Setups at np > 1 (--setups): DistributedOptimizer (`none`, `fp16`, `int8`), `onebit-adam`
 (OnebitAdam, --freeze-step), DDP on this library's backend with its hooks (`ddp-fp16`,
-`ddp-int8`, `ddp-onebit`), `zero2-int8` (ZeroOptimizer stage 2, int8 gradients and
-parameters), and gloo DDP: `gloo`, `gloo-powersgd` (PowerSGD rank 4), `gloo-fp16`.
-At np 1 the one setup is `alone` (torch's Adam, no communication)."""
+`ddp-int8`, `ddp-onebit`; `ddp` uncompressed), `zero2-int8` (ZeroOptimizer stage 2, int8
+gradients and parameters), and gloo DDP: `gloo`, `gloo-powersgd` (PowerSGD rank 4),
+`gloo-fp16`. At np 1 the one setup is `alone` (torch's Adam, no communication).
+--compile runs each setup's model through torch.compile (torch.compile(DDP(model)) for
+the DDP setups; keep its first compiled steps inside --warmup)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SETUPS = ("none", "fp16", "int8", "onebit-adam", "ddp-fp16", "ddp-int8", "ddp-onebit",
+SETUPS = ("none", "fp16", "int8", "onebit-adam", "ddp", "ddp-fp16", "ddp-int8", "ddp-onebit",
           "zero2-int8", "gloo", "gloo-powersgd", "gloo-fp16")
 
 
@@ -139,6 +141,8 @@ def measure(setup: str, data: torch.Tensor, args) -> dict:
     torch.manual_seed(args.seed)
     net = ByteLM(args.dim, args.layers, args.seq)
     model, opt, backend = setup_training(setup, net, args)
+    if args.compile:
+        model = torch.compile(model)
     rank, size = C.rank(), C.size()
     losses, times = [], []
     try:
@@ -159,7 +163,8 @@ def measure(setup: str, data: torch.Tensor, args) -> dict:
     window = np.convolve(losses, np.ones(args.window) / args.window, "valid")
     below = np.nonzero(window < args.target)[0]
     timed = times[args.warmup:]
-    return {"setup": setup, "np": size, "params": sum(p.numel() for p in net.parameters()),
+    return {"setup": setup + (" compiled" if args.compile else ""), "np": size,
+            "params": sum(p.numel() for p in net.parameters()),
             "samples_per_s": args.batch * size * len(timed) / timed.sum(),
             "loss": float(window[-1]), "samples": args.batch * size * args.steps,
             "to_target_s": float(np.cumsum(times)[below[0] + args.window - 1])
@@ -236,6 +241,7 @@ def main() -> None:
                    help="OnebitAdam's warm-up steps; the 1-bit DDP hook's too")
     p.add_argument("--data-mb", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="torch.compile each setup's model")
     p.add_argument("--baseline", help="JSON of a one-rank run: the scaling's base")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="draw LABEL=FILE.json runs (positional) to this PNG")
