@@ -66,8 +66,7 @@ class State:
         with snapshots, the commit is also written to disk, on a thread; where the launcher
         restarts the job on new hosts, raises HostsUpdatedInterrupt (on every rank) once the
         commit is on disk everywhere."""
-        if self._writer is not None:
-            self._writer.wait()  # the snapshot in flight reads the memory save() refills
+        self.flush_snapshots()  # raises a failed write's error here
         self.save()
         self.commits += 1
         self.check_host_updates()

@@ -97,6 +97,10 @@ class TorchState(ObjectState):
         self.save()
 
     def save(self) -> None:
+        # The snapshot in flight reads the last commit's copies, which _copy refills in
+        # place: it must be on disk first, whoever saves (a commit, or the sync after a
+        # shrink, which may bring rank 0's later commit).
+        self.flush_snapshots()
         if self._buddies is not None:
             # first: every rank commits, or none does
             self._buddies.commit(snapshots=self._writer is not None)
