@@ -31,8 +31,9 @@ BIN = Path(sys.executable).parent
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rig", action="store_true", help="three emulated hosts")
-    ap.add_argument("--api", choices=["train", "zero"], default="train",
-                    help="DistributedOptimizer (train) or ZeroOptimizer stage 2 (zero)")
+    ap.add_argument("--api", choices=["train", "adam", "zero"], default="train",
+                    help="DistributedOptimizer over SGD (train) or Adam (adam), or "
+                         "ZeroOptimizer stage 2 (zero)")
     ap.add_argument("--steps", type=int, default=70)
     ap.add_argument("--step-s", type=float, default=0.1)
     args = ap.parse_args()

@@ -1,7 +1,8 @@
 """An elastic training job for collectives-run (tests/unit/test_launcher.py): SGD with
 momentum on a linear model, one global batch split over the ranks, committed at every
 step, for STEPS steps (STEP_S seconds each at least), through DistributedOptimizer
-(`train`) or ZeroOptimizer stage 2 (`zero`). Membership changes happen at steps, once per
+(`train`; `adam`: over torch's Adam, whose moments and step count are in the commits too)
+or ZeroOptimizer stage 2 (`zero`). Membership changes happen at steps, once per
 run (a marker file in EVENTS, a folder, claims each):
 - GROW_AT=S:LISTING: rank 0 writes LISTING (`;` between lines) into the discovery file
   DISCOVERY at step S: the launcher grows (or moves) the job;
@@ -25,7 +26,7 @@ import time
 
 import collectives.optim  # noqa: F401 (C.optim)
 import torch
-from replay import data, replay
+from replay import adam_replay, data, replay
 
 import collectives as C
 from collectives import elastic
@@ -74,13 +75,14 @@ def main() -> None:
 
     model = torch.nn.Linear(dim, 1, bias=False).double()
     torch.nn.init.zeros_(model.weight)
-    sgd = torch.optim.SGD(model.parameters(), lr=lr * C.size(), momentum=0.9)
-    opt = C.optim.ZeroOptimizer(sgd, stage=2) if api == "zero" \
-        else C.optim.DistributedOptimizer(sgd)
+    inner = torch.optim.Adam(model.parameters(), lr=lr) if api == "adam" else \
+        torch.optim.SGD(model.parameters(), lr=lr * C.size(), momentum=0.9)
+    opt = C.optim.ZeroOptimizer(inner, stage=2) if api == "zero" \
+        else C.optim.DistributedOptimizer(inner)
     state = elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
 
     def on_reset() -> None:
-        for group in opt.param_groups:
+        for group in opt.param_groups if api != "adam" else []:
             group["lr"] = lr * C.size()
 
     state.register_reset_callbacks([on_reset])
@@ -107,7 +109,10 @@ def main() -> None:
             state.commit()
 
     train(state)
-    weight, momentum = replay(state.sizes, batch, dim, lr)
+    if api == "adam":
+        weight = adam_replay(len(state.sizes), batch, dim, lr)
+    else:
+        weight, momentum = replay(state.sizes, batch, dim, lr)
     err = (model.weight - weight).abs().max().item()
     if api == "zero":  # the momentum, put together from every rank's shard
         whole = opt.consolidated_state_dict()

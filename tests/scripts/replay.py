@@ -1,6 +1,6 @@
 """The linear regression that the elastic test scripts train (survive.py, launched.py), and
 its float64 single-process replay: SGD with momentum on the full batch, each step at the
-learning rate of the world size it ran at."""
+learning rate of the world size it ran at, or Adam (whose steps do not depend on it)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,16 @@ def replay(sizes: list[int], batch: int, dim: int,
         (((ref(x).squeeze(1) - y) ** 2).sum() / batch).backward()
         opt.step()
     return ref.weight.detach(), opt.state[ref.weight]["momentum_buffer"]
+
+
+def adam_replay(steps: int, batch: int, dim: int, lr: float) -> torch.Tensor:
+    """The weight after steps steps of Adam at lr on the full batch, from zeros."""
+    ref = torch.nn.Linear(dim, 1, bias=False).double()
+    torch.nn.init.zeros_(ref.weight)
+    opt = torch.optim.Adam(ref.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = data(step, batch, dim)
+        opt.zero_grad()
+        (((ref(x).squeeze(1) - y) ** 2).sum() / batch).backward()
+        opt.step()
+    return ref.weight.detach()

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -197,14 +198,18 @@ def rig():
     subprocess.run([str(RIG), "down"], capture_output=True, env=env, timeout=120)
 
 
-@pytest.mark.parametrize("api", ["train", "zero"])
-def test_on_three_hosts_a_job_grows_survives_a_rank_and_a_host(tmp_path, api, rig):
+@pytest.mark.parametrize("api,order", [
+    ("train", "together"), ("zero", "together"),
+    # Adam's moments and step count in the commits; the host lost before the launcher
+    # asks for the stop (the job shrinks in place first, then Open MPI ends it), or after
+    ("adam", "lost-first"), ("adam", "unlisted-first")])
+def test_on_three_hosts_a_job_grows_survives_a_rank_and_a_host(tmp_path, api, order, rig):
     """On the rig: started on host0 and host1 from a discovery script; host2 is listed at
     step 8 (the job grows to 3); the rank on host2 dies after 3 steps at 3 ranks (the job
     shrinks in place and grows back); at step 45, host1 is killed whole (its daemon and
-    rank) and unlisted: Open MPI ends the job, and the launcher starts it again on host0
-    and host2 from the last snapshot. Every step ran, the ranks agree and match the
-    replay."""
+    rank) and unlisted, in that order or the other: Open MPI ends the job, or it stops at a
+    commit, and the launcher starts it again on host0 and host2 from the last snapshot.
+    Every step ran, the ranks agree and match the replay."""
     events = tmp_path / "events"
     events.mkdir()
     listing = discovery_source(tmp_path, "script", "host0:1\nhost1:1\n")
@@ -222,30 +227,47 @@ def test_on_three_hosts_a_job_grows_survives_a_rank_and_a_host(tmp_path, api, ri
          "--host-discovery-script", str(listing), "--snapshot-dir", str(tmp_path / "snaps"),
          sys.executable, str(ROOT / "tests" / "scripts" / "launched.py"), api],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    killed = None
-    deadline = time.monotonic() + 300
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def unlist() -> None:
+        hosts_file.write_text("host0:1\nhost2:1\n")
+
+    def kill() -> None:
+        subprocess.run([str(RIG), "kill-host", "host1"], env=env, timeout=60,
+                       capture_output=True)
+
+    # each order's second event waits for the launcher's line about the first
+    waits = {"lost-first": (kill, "lost host host1", unlist),
+             "unlisted-first": (unlist, "(host host1 no longer listed)", kill),
+             "together": (lambda: (unlist(), kill()), "", lambda: None)}[order]
+    stage, deadline = 0, time.monotonic() + 300
     try:
         while proc.poll() is None and time.monotonic() < deadline:
-            if killed is None and (events / "kill-host").exists():
-                hosts_file.write_text("host0:1\nhost2:1\n")
-                subprocess.run([str(RIG), "kill-host", "host1"], env=env, timeout=60,
-                               capture_output=True)
-                killed = time.monotonic()
+            if stage == 0 and (events / "kill-host").exists():
+                waits[0]()
+                stage = 1
+            if stage == 1 and any(waits[1] in line for line in list(lines)):
+                waits[2]()
+                stage = 2
             time.sleep(0.1)
-        out = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        reader.join(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
+    out = "".join(lines)
     assert proc.returncode == 0, out
-    assert killed is not None, out
+    assert stage == 2, out
     ranks = finished(out, steps)
     assert sorted(r for r, *_ in ranks) == [0, 1] and {n for _, n, *_ in ranks} == {2}, out
     runs = ranks[0][2]
     assert [n for n, _ in runs] == [2, 3, 2, 3, 2], out
     assert all(err < 1e-10 for *_, err, _ in ranks), out
     assert len({digest for *_, digest in ranks}) == 1 and all(r[2] == runs for r in ranks), out
-    assert "lost host host1" in out and re.search(r"job \d: 2 ranks on host0:1,host2:1", out), \
-        out
+    assert re.search(r"job \d: 2 ranks on host0:1,host2:1", out), out
+    assert order == "unlisted-first" or "lost host host1" in out, out
 
 
 def test_a_job_that_fails_before_any_commit_is_not_started_forever(tmp_path):
