@@ -13,6 +13,7 @@ exchange and np 4 adds nothing np 3 does not (an odd size, several peers)."""
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -155,9 +156,9 @@ def _sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def _train(comm, run, opt, model, replay: _Replay, micro_batches: int = 1,
+def _train(comm, run, opt, replay: _Replay, micro_batches: int = 1,
            no_sync: Any = None, steps: range = range(STEPS)) -> None:
-    """STEPS steps of run (the model as called) and opt, and of the replay; with
+    """The steps of run (the model as called) and opt, and of the replay; with
     micro_batches > 1 the gradients accumulate over them (inside no_sync() but the last)."""
     r, n = comm.Get_rank(), comm.Get_size()
     for step in steps:
@@ -165,19 +166,11 @@ def _train(comm, run, opt, model, replay: _Replay, micro_batches: int = 1,
         opt.zero_grad()
         for part, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
             last = part == micro_batches - 1
-            with (no_sync() if no_sync is not None and not last else _nothing()):
+            with (no_sync() if no_sync is not None and not last else nullcontext()):
                 loss = torch.nn.functional.mse_loss(run(xs), ys) / micro_batches
                 loss.backward()
         opt.step()
         replay.step(step, micro_batches)
-
-
-class _nothing:  # noqa: N801 (a context manager that does nothing)
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ------------------------------------------------------------------------------ DDP
@@ -189,7 +182,7 @@ def test_compile_of_ddp(comm, model_name):
     model = _model(model_name)
     replay = _Replay(model, _sgd, comm.Get_size(), broadcast=True)
     ddp = DDP(model)
-    _train(comm, torch.compile(ddp), _sgd(ddp.parameters()), model, replay)
+    _train(comm, torch.compile(ddp), _sgd(ddp.parameters()), replay)
     replay.check(comm, model, what=f"compile(DDP) {model_name}")
 
 
@@ -202,7 +195,7 @@ def test_compile_of_ddp_with_the_python_reducer_and_compiled_autograd(comm, mode
     replay = _Replay(model, _sgd, comm.Get_size(), broadcast=False)
     with torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True):
         ddp = DDP(model)  # (DDP reads the mode when made)
-        _train(comm, torch.compile(ddp), _sgd(ddp.parameters()), model, replay)
+        _train(comm, torch.compile(ddp), _sgd(ddp.parameters()), replay)
     replay.check(comm, model, what=f"python reducer {model_name}")
 
 
@@ -215,10 +208,10 @@ def test_ddp_of_a_compiled_model_and_no_sync_accumulation(comm, model_name):
         replay = _Replay(model, _sgd, comm.Get_size(), broadcast=True)
         if form == "DDP(compile)":
             ddp = DDP(torch.compile(model))
-            _train(comm, ddp, _sgd(ddp.parameters()), model, replay)
+            _train(comm, ddp, _sgd(ddp.parameters()), replay)
         else:
             ddp = DDP(model)
-            _train(comm, torch.compile(ddp), _sgd(ddp.parameters()), model, replay,
+            _train(comm, torch.compile(ddp), _sgd(ddp.parameters()), replay,
                    micro_batches=2, no_sync=ddp.no_sync)
         replay.check(comm, model, what=f"{form} {model_name}")
 
@@ -256,15 +249,15 @@ def test_compile_of_ddp_with_our_hooks(comm, hook):
                            counted)
     run, opt = torch.compile(ddp), _sgd(ddp.parameters())
     if hook == "onebit":
-        _train(comm, run, opt, model, replay, steps=range(2))
+        _train(comm, run, opt, replay, steps=range(2))
         replay.check(comm, model, what="onebit hook's warm-up")
         before, warm = _compressed_calls(), len(calls)
-        _train(comm, run, opt, model, replay, steps=range(2, STEPS))
+        _train(comm, run, opt, replay, steps=range(2, STEPS))
         assert _compressed_calls() - before == len(calls) - warm == warm, (calls, before)
         for p in model.parameters():
             assert_same_on_all_ranks(comm, p.detach().numpy(), "onebit hook")
     else:
-        _train(comm, run, opt, model, replay)
+        _train(comm, run, opt, replay)
         largest = max(p.grad.abs().max().item() for p in model.parameters())
         bound = _HOOK_ERROR[hook] * 9.05 * LR * max(largest, 1.0)
         replay.check(comm, model, {"rtol": 0, "atol": bound}, f"{hook} hook")
@@ -292,7 +285,7 @@ def test_fsdp2_per_layer_averages(comm, model_name, compiled):
                 fully_shard(unit, **options)
         fully_shard(model, **options)
         run = torch.compile(model) if compiled else model
-        _train(comm, run, _sgd(model.parameters()), model, replay)
+        _train(comm, run, _sgd(model.parameters()), replay)
         # bf16: a few roundings (u = 2**-8) of every gradient, carried by 9.05 * LR
         tolerance = FLOAT32_TRAINING if policy is None else {"rtol": 0, "atol": 0.05}
         replay.check(comm, model, tolerance, f"FSDP2 {model_name} {policy}")
@@ -322,8 +315,8 @@ def test_compiled_model_with_our_optimizers(comm, model_name, wrapper):
                             units=model.units())
     else:
         opt = ZeroOptimizer(_adam(model.parameters()), stage=int(wrapper[-1]))
-    _train(comm, torch.compile(model), opt, model, replay)
-    with opt.gathered() if wrapper == "zero3" else _nothing():  # stage 3: the whole model
+    _train(comm, torch.compile(model), opt, replay)
+    with opt.gathered() if wrapper == "zero3" else nullcontext():  # stage 3: the whole model
         replay.check(comm, model, what=f"{wrapper} {model_name}")
 
 

@@ -81,11 +81,12 @@ def main() -> None:
         else C.optim.DistributedOptimizer(inner)
     state = elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
 
-    def on_reset() -> None:
-        for group in opt.param_groups if api != "adam" else []:
+    def on_reset() -> None:  # SGD's learning rate follows the size
+        for group in opt.param_groups:
             group["lr"] = lr * C.size()
 
-    state.register_reset_callbacks([on_reset])
+    if api != "adam":
+        state.register_reset_callbacks([on_reset])
     with open(os.path.join(os.environ["COLLECTIVES_RUN_DIR"], "epoch")) as f:
         job = int(f.read())
 
