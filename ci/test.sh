@@ -19,7 +19,7 @@ ci/mpitest.sh 1
 ci/mpitest.sh 2
 ci/mpitest.sh 3
 ci/mpitest.sh 4
-ci/mpitest.sh 4 2 -k "hierarchical or auto or topology or agreement or join"
-ci/mpitest.sh 3 2 -k "hierarchical or auto or topology or agreement or join"
+ci/mpitest.sh 4 2 -k "hierarchical or auto or topology or agreement or join or grouped_gives_each_vector"
+ci/mpitest.sh 3 2 -k "hierarchical or auto or topology or agreement or join or grouped_gives_each_vector"
 ci/paths.sh
 echo "== all suites passed in $(( $(date +%s) - start ))s"

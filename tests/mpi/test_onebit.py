@@ -160,15 +160,24 @@ def _errors(xs: list, n: int) -> tuple[list, list]:
 @pytest.mark.parametrize("block", [None, 5, 256])
 def test_grouped_gives_each_vector_its_own_bits(comm, monkeypatch, block):
     """grouped_compressed_allreduce: each vector's result and both error buffers are the
-    bits of compressed_allreduce on it alone (checked against the reference above), over
-    two calls, sync and async, new results and in place (outs). Pieces of 64 elements:
-    across nodes (and in pipelined() itself, called on any layout) short vectors' pieces
-    share messages and long ones span several."""
+    NumPy reference's on that vector alone, and the bits of compressed_allreduce on it
+    alone, over two calls, sync and async, new results and in place (outs). Pieces of 64
+    elements: across nodes (and in pipelined() itself, called on any layout) short
+    vectors' pieces share messages and long ones span several. (On one node the grouped
+    and the single call share their reduction: the reference is what tells them apart.)"""
     monkeypatch.setattr(onebit_exchange, "PIECE", 64)
-    n = comm.Get_size()
+    n, rank = comm.Get_size(), comm.Get_rank()
     alone, grouped, in_place, piped = (_errors(_vectors(n, 0), n) for _ in range(4))
+    ref_errors = [([w] * n, [s] * n) for w, s in zip(*_errors(_vectors(n, 0), n))]
     for step in range(2):
         xs = _vectors(n, step)
+        flat = [np.asarray(x, f32).reshape(-1) for x in xs]
+        refs = []
+        for i, x in enumerate(flat):
+            if x.size:  # (an empty vector has no bits and no errors)
+                expected, *ref_errors[i] = ref_compressed_allreduce(comm.allgather(x),
+                                                                    *ref_errors[i], block)
+            refs.append(expected if x.size else x)
         want = [compressed_allreduce(x, w, s, block) for x, w, s in zip(xs, *alone)]
         got = C.grouped_compressed_allreduce(xs, *grouped, block)
         copies = [x.clone() if isinstance(x, torch.Tensor) else x.copy() for x in xs]
@@ -177,11 +186,15 @@ def test_grouped_gives_each_vector_its_own_bits(comm, monkeypatch, block):
         for i, (a, b, c) in enumerate(zip(want, got, copies)):
             assert type(b) is type(a) and b.dtype == a.dtype and b.shape == a.shape, i
             assert np.array_equal(_bits(a), _bits(b)) and np.array_equal(_bits(a), _bits(c)), i
+        for i, (b, expected) in enumerate(zip(got, refs)):
+            b = b.numpy() if isinstance(b, torch.Tensor) else b
+            assert np.array_equal(b.reshape(-1), expected.astype(b.dtype)), (step, i)
+            assert np.array_equal(grouped[0][i], ref_errors[i][0][rank]), (step, i)
+            assert np.array_equal(grouped[1][i], ref_errors[i][1][rank]), (step, i)
         for errors in (grouped, in_place):
             for mine, theirs in zip(errors, alone):
                 assert all(np.array_equal(a, b) for a, b in zip(mine, theirs)), step
         if block is not None:
-            flat = [np.asarray(x, f32).reshape(-1) for x in xs]
             states = [onebit.OnebitState(w, s, block) for w, s in zip(*piped)]
             results = onebit.pipelined(comm, flat, states)
             for i, (a, b) in enumerate(zip(want, results)):

@@ -10,9 +10,13 @@ run (a marker file in EVENTS, a folder, claims each):
   ranks: the job shrinks in place;
 - KILL_HOST_AT=S:HOST: rank 0 writes the time and HOST into EVENTS/kill-host (the test
   kills the host) and the job goes on until it is gone.
-Rank 0 appends `time job step size` to EVENTS/steps at every step (wall-clock time, the
-launcher's number of the job, the step about to run, the job's size): what
-benchmarks/elastic_launch.py times changes by. Every rank prints its steps, the sizes they
+After each event the launcher acts on (the grow listing written, a shrink in place once
+its size is reported, the host kill asked for), rank 0 waits before its next commit until
+the launcher asks the job to stop (at most AWAIT_S, 60 s): the sizes a run goes through
+follow from the events alone, not from how long a step takes. Rank 0 appends
+`time job step size` to EVENTS/steps at every step (wall-clock time, the launcher's number
+of the job, the step about to run, the job's size): what benchmarks/elastic_launch.py
+times changes by. Every rank prints its steps, the sizes they
 ran at, its error against a float64 single-process replay of those sizes, and a digest of
 its parameters."""
 
@@ -30,9 +34,11 @@ from replay import adam_replay, data, replay
 
 import collectives as C
 from collectives import elastic
+from collectives.elastic import membership
 
 STEPS = int(os.environ.get("STEPS", 40))
 EVENTS = os.environ["EVENTS"]
+AWAIT_S = 60.0
 
 
 def claim(name: str) -> bool:
@@ -44,7 +50,9 @@ def claim(name: str) -> bool:
         return False
 
 
-def events(step: int, sizes: list[int]) -> None:
+def events(step: int, sizes: list[int]) -> bool:
+    """Make the events due at step; whether one of them is for the launcher to act on."""
+    acts = False
     grow = os.environ.get("GROW_AT")
     if grow and C.rank() == 0:
         at, listing = grow.split(":", 1)
@@ -53,6 +61,7 @@ def events(step: int, sizes: list[int]) -> None:
             with open(path + ".tmp", "w") as f:
                 f.write(listing.replace(";", "\n") + "\n")
             os.replace(path + ".tmp", path)
+            acts = True
     kill = os.environ.get("KILL_AT")
     if kill:
         k, n = map(int, kill.split(":"))
@@ -65,6 +74,16 @@ def events(step: int, sizes: list[int]) -> None:
             with open(os.path.join(EVENTS, "kill-host.tmp"), "w") as f:
                 f.write(name)
             os.replace(os.path.join(EVENTS, "kill-host.tmp"), os.path.join(EVENTS, "kill-host"))
+            acts = True
+    return acts
+
+
+def await_stop(members: membership.Membership) -> None:
+    """Rank 0: until the launcher asks this job to stop at its next commit (at most AWAIT_S:
+    then the run goes on, and the test's check of its sizes fails)."""
+    deadline = time.monotonic() + AWAIT_S
+    while not members.stop_wanted() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def main() -> None:
@@ -87,17 +106,19 @@ def main() -> None:
 
     if api != "adam":
         state.register_reset_callbacks([on_reset])
-    with open(os.path.join(os.environ["COLLECTIVES_RUN_DIR"], "epoch")) as f:
-        job = int(f.read())
+    members = membership.Membership(os.environ["COLLECTIVES_RUN_DIR"])
+    job, started_at = members.epoch, C.size()
+    awaiting = False  # rank 0: an event happened that the launcher will stop this job for
 
     @elastic.run
     def train(state: elastic.TorchState) -> None:
+        nonlocal awaiting
         while state.step < STEPS:
             began = time.monotonic()
             if C.rank() == 0:
                 with open(os.path.join(EVENTS, "steps"), "a") as f:
                     f.write(f"{time.time()!r} {job} {state.step} {C.size()}\n")
-            events(state.step, state.sizes)
+            awaiting |= events(state.step, state.sizes) and C.rank() == 0
             x, y = data(state.step, batch, dim)
             n, r = C.size(), C.rank()
             lo, hi = r * batch // n, (r + 1) * batch // n
@@ -107,7 +128,11 @@ def main() -> None:
             time.sleep(max(0.0, steps_s - (time.monotonic() - began)))
             state.sizes = state.sizes + [n]
             state.step += 1
+            if awaiting:
+                await_stop(members)
             state.commit()
+            # shrunk in place: the commit just made reported the new size
+            awaiting |= C.size() < started_at and C.rank() == 0
 
     train(state)
     if api == "adam":

@@ -23,7 +23,8 @@ def analyze(folder) -> str:
 
 def test_a_stopped_rank_is_named_from_the_others_records(tmp_path):
     env = dict(STALL, COLLECTIVES_DUMP_DIR=str(tmp_path))
-    code, out, elapsed = mpirun(3, "flight.py", "stop", env=env)
+    code, out, _ = mpirun(3, "flight.py", "stop", env=env)
+    assert code != 0, out  # rank 2, still stopped, is ended by mpirun
     assert "rank 0 StallError" in out and "rank 1 StallError" in out, out
     assert f"python -m collectives.debug {tmp_path}" in out, out  # the error says where
     assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
@@ -31,16 +32,18 @@ def test_a_stopped_rank_is_named_from_the_others_records(tmp_path):
     assert "flight records of 2 of 3 ranks; none from ranks [2]" in report, report
     assert "last call every recorded rank finished: #20 allreduce" in report, report
     assert "they part at #21 allreduce" in report, report
-    assert re.search(r"rank 0: entered it, waiting for the others to agree for [3-9]", report)
+    waited = re.search(r"rank 0: entered it, waiting for the others to agree for ([0-9.]+) s",
+                       report)
+    assert waited and float(waited.group(1)) >= 3, report  # at least the stall timeout
     assert "rank 2: wrote no record; rank 0's watchdog found it did not answer" in report
     trace = json.loads((tmp_path / "trace.json").read_text())
     rows = {e["pid"] for e in trace["traceEvents"] if e.get("name") == "allreduce"}
     assert rows == {0, 1}, rows
-    assert elapsed < 40
 
 
 def test_ranks_out_of_step_are_named_as_a_mismatch(tmp_path):
     code, out, _ = mpirun(3, "flight.py", "mismatch", env={"COLLECTIVES_DUMP_DIR": str(tmp_path)})
+    assert code == 0, out  # every rank caught its MismatchError and ended
     assert out.count("MismatchError") == 3, out
     assert len(list(tmp_path.glob("rank*.json"))) == 3
     report = analyze(tmp_path)
@@ -50,22 +53,27 @@ def test_ranks_out_of_step_are_named_as_a_mismatch(tmp_path):
 
 
 def test_a_straggler_is_named_and_leads_waited_for(tmp_path):
+    """Rank 2 sleeps 30 ms before each of 80 allreduces: the watch names it, the counters
+    (alike on every rank) and the timeline's calls put it first. How much of the others'
+    time it took depends on the machine's load; the watch's arithmetic is
+    test_flight_analysis.py's."""
     trace_file = tmp_path / "timeline.json"
     env = {"COLLECTIVES_STRAGGLER_WINDOW_S": "1", "COLLECTIVES_DUMP_DIR": str(tmp_path)}
     code, out, _ = mpirun(3, "flight.py", "straggler", str(trace_file), env=env)
     assert code == 0, out
     assert re.search(r"collectives straggler: the other ranks spent \d+% of their time in "
                      r"the last \d s waiting for rank 2", out), out
-    assert out.count("collectives straggler: the other ranks spent") == 1, out  # said once
+    named = re.findall(r"collectives straggler: the other ranks spent .* waiting for rank (\d)",
+                       out)
+    assert set(named) == {"2"}, out
     seen = [json.loads(m) for m in re.findall(r"rank \d waited_for (.*)", out)]
     assert len(seen) == 3 and seen[0] == seen[1] == seen[2], seen  # alike on every rank
     waited = {int(r): s for r, s in seen[0].items()}
-    # 80 sleeps of 30 ms, waited out by two ranks each
-    assert max(waited, key=waited.get) == 2 and 2 * 80 * 0.03 <= waited[2] < 10, waited
+    assert waited[2] > sum(s for r, s in waited.items() if r != 2), waited
     events = json.loads(trace_file.read_text())["traceEvents"]
     lasts = [e["args"]["last_to_arrive"] for e in events
              if e.get("name") == "allreduce" and "last_to_arrive" in e.get("args", {})]
-    assert len(lasts) >= 3 * 80 and lasts.count(2) >= 0.9 * len(lasts), lasts
+    assert len(lasts) >= 3 * 80 and 2 * lasts.count(2) > len(lasts), lasts
 
 
 def test_sigusr1_dumps_a_rank_waiting_inside_a_collective(tmp_path):

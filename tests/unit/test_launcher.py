@@ -5,10 +5,12 @@ grow it back, on this machine's reserved slots (tests/scripts/launched.py)."""
 from __future__ import annotations
 
 import ast
+import fcntl
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -108,7 +110,7 @@ def test_a_writer_keeps_the_last_two_snapshots(tmp_path):
     writer.wait()
     found = sorted(e.commit for e in snapshot.entries(str(tmp_path)))
     assert found == [4, 5]
-    newest = snapshot.entries(str(tmp_path))[0]
+    newest = max(snapshot.entries(str(tmp_path)), key=lambda e: e.commit)
     assert snapshot.load(newest.path)["replicated"]["step"] == newest.commit
 
 
@@ -130,12 +132,13 @@ def test_an_unwritable_snapshot_folder_is_refused_at_start(tmp_path):
 
 
 def test_too_few_slots_end_the_run_after_the_start_timeout(tmp_path):
-    start = time.monotonic()
+    """No job is started, and the run ends at its --start-timeout, saying so."""
     done = launcher(tmp_path, "-np", "3", "-H", "localhost:2", "--start-timeout", "1", "true")
     assert done.returncode != 0
     assert "2 slots listed" in done.stderr and "fewer than --min-np=3" in done.stderr, \
         done.stderr
-    assert time.monotonic() - start < 30
+    assert "after waiting 1 s (--start-timeout)" in done.stderr, done.stderr
+    assert "job 1:" not in done.stderr, done.stderr
 
 
 def finished(out: str, steps: int) -> list[tuple]:
@@ -164,7 +167,7 @@ def test_a_job_grows_shrinks_in_place_and_grows_back(tmp_path, api):
                     "--snapshot-dir", str(tmp_path / "snaps"),
                     sys.executable, str(ROOT / "tests" / "scripts" / "launched.py"), api,
                     EVENTS=str(events), DISCOVERY=str(listing), GROW_AT="8:localhost:3",
-                    KILL_AT="3:3", STEPS=str(steps), STEP_S="0.1")
+                    KILL_AT="3:3", STEPS=str(steps), STEP_S="0")
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     ranks = finished(out, steps)
@@ -186,16 +189,20 @@ RIG = Path(os.environ.get("NETRIG", ROOT.parent / "shared" / "netrig")) / "netri
 @pytest.fixture(scope="module")
 def rig():
     """Three emulated hosts at 1 Gbit/s (../shared/netrig, or $NETRIG); skips where the rig
-    is missing or cannot come up (it needs root and network namespaces)."""
+    is missing or cannot come up (it needs root and network namespaces). The machine has
+    one rig: a test process holds an exclusive lock on it from up to down, so that
+    processes running tests side by side (pytest -n) take turns."""
     if not RIG.exists() or os.geteuid() != 0:
         pytest.skip(f"no rig: {RIG} missing or not root")
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
-    up = subprocess.run([str(RIG), "up", "3", "1gbit", "0"], capture_output=True, text=True,
-                        env=env, timeout=120)
-    if up.returncode != 0:
-        pytest.skip(f"the rig did not come up: {up.stderr[-500:]}")
-    yield env
-    subprocess.run([str(RIG), "down"], capture_output=True, env=env, timeout=120)
+    with open(Path(tempfile.gettempdir()) / "collectives-tests-rig.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        up = subprocess.run([str(RIG), "up", "3", "1gbit", "0"], capture_output=True,
+                            text=True, env=env, timeout=120)
+        if up.returncode != 0:
+            pytest.skip(f"the rig did not come up: {up.stderr[-500:]}")
+        yield env
+        subprocess.run([str(RIG), "down"], capture_output=True, env=env, timeout=120)
 
 
 @pytest.mark.parametrize("api,order", [
@@ -221,7 +228,7 @@ def test_on_three_hosts_a_job_grows_survives_a_rank_and_a_host(tmp_path, api, or
                COLLECTIVES_AUTOTUNE="0", XDG_CACHE_HOME=str(tmp_path),
                COLLECTIVES_MPIRUN=f"{RIG} mpirun", EVENTS=str(events),
                DISCOVERY=str(hosts_file), GROW_AT="8:host0:1;host1:1;host2:1",
-               KILL_AT="3:3", KILL_HOST_AT="45:host1", STEPS=str(steps), STEP_S="0.1")
+               KILL_AT="3:3", KILL_HOST_AT="45:host1", STEPS=str(steps), STEP_S="0")
     proc = subprocess.Popen(
         [str(BIN / "collectives-run"), "-np", "2", "--min-np", "2",
          "--host-discovery-script", str(listing), "--snapshot-dir", str(tmp_path / "snaps"),
@@ -281,8 +288,7 @@ def test_a_job_that_fails_before_any_commit_is_not_started_forever(tmp_path):
 
 def test_what_makes_the_launcher_restart_a_job():
     """More slots than ranks (up to --max-np), or a host of the job unlisted (while the
-    others keep --min-np slots); a host listed and unlisted again before the launcher
-    acted changes nothing; this machine's aliases are its hostname."""
+    others keep --min-np slots); this machine's aliases are its hostname."""
     from collectives import run
     args = run.parse_args(["-np", "1", "--max-np", "3", "true"])
     here = hosts.canonical("localhost")
@@ -290,6 +296,28 @@ def test_what_makes_the_launcher_restart_a_job():
     assert run.wanted_change(args, {"h0": 1}, job) == ""
     assert run.wanted_change(args, {"h0": 1, "h1": 1}, job) == "2 slots for 1 ranks"
     assert run.wanted_change(args, {"h0": 4}, job) == "3 slots for 1 ranks"  # --max-np
-    assert run.wanted_change(args, {"h0": 1}, job) == ""  # h1 unlisted again: no change
     assert run.wanted_change(args, {"h1": 1}, job) == "host h0 no longer listed"
     assert run.wanted_change(args, {"localhost": 1}, {"size": 1, "hosts": [here]}) == ""
+
+
+def test_a_host_listed_and_unlisted_between_two_polls_changes_nothing(tmp_path, monkeypatch):
+    """The launcher decides from the listing as it is at its poll: a host that discovery
+    saw come and go since the last one leaves no trace (no restart, no slots), while one
+    still listed asks for one."""
+    from collectives import run
+    source = discovery_source(tmp_path, "file", "h0:1\n")
+    monkeypatch.setattr(discovery, "POLL_S", 3600.0)  # the reads below are the test's
+    args = run.parse_args(["-np", "1", "--max-np", "3", "--host-discovery-script",
+                           str(source), "true"])
+    listing = run.Hosts(args)
+    assert first_listing(listing.discovery) == {"h0": 1}
+    job = {"size": 1, "hosts": ["h0"]}
+    source.write_text("h0:1\nh1:2\n")
+    listing.discovery._read_once()
+    source.write_text("h0:1\n")
+    listing.discovery._read_once()
+    assert listing.usable() == {"h0": 1}
+    assert run.wanted_change(args, listing.usable(), job) == ""
+    source.write_text("h0:1\nh1:2\n")
+    listing.discovery._read_once()
+    assert run.wanted_change(args, listing.usable(), job) == "3 slots for 1 ranks"
