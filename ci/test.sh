@@ -14,7 +14,10 @@ if [ -x ci/compile_cuda.sh ]; then
   ci/compile_cuda.sh
 fi
 echo "== tests/unit"
-"$py" -m pytest -q -p no:cacheprovider --color=no tests/unit
+# Three test processes on two cores: most unit tests wait on jobs of their own (mpirun,
+# the launcher, the rig), so a third keeps the cores busy. Tests that share one thing of
+# the machine take turns on it (the rig: a lock in test_launcher.py).
+"$py" -m pytest -q -p no:cacheprovider --color=no -n 3 tests/unit
 ci/mpitest.sh 1
 ci/mpitest.sh 2
 ci/mpitest.sh 3

@@ -1,8 +1,9 @@
 """Every fenced snippet in README.md and in docs/*.md runs as written.
 
 Python blocks run as scripts under `mpirun -np 2` (they use collectives); shell blocks run
-line by line from the repository root, but for the lines in NOT_RUN; `text` blocks (output,
-signatures, fragments) are not run."""
+line by line from the repository root, but for the lines in NOT_RUN, and a line that runs
+pytest on part of this suite, which the suite runs anyway, collects its tests instead (it
+must select some); `text` blocks (output, signatures, fragments) are not run."""
 
 from __future__ import annotations
 
@@ -73,9 +74,15 @@ def test_shell_snippet_runs(page, index):
         command = line.split("#")[0].strip()
         if not command or command in NOT_RUN:
             continue
+        part_of_the_suite = re.search(r"-m pytest .*\btests/", command) is not None
+        if part_of_the_suite:
+            command += " --collect-only"
         proc = subprocess.run(command, shell=True, capture_output=True, text=True,
                               env=_env(), timeout=600, cwd=ROOT)
         assert proc.returncode == 0, f"{command}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        if part_of_the_suite:
+            assert re.search(r"^[1-9]\d*(/\d+)? tests? collected", proc.stdout, re.M), \
+                f"{command}: selects no test:\n{proc.stdout[-3000:]}"
 
 
 def test_the_flags_of_train_py_are_the_ones_its_help_gives():
