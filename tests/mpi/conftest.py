@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -40,6 +42,20 @@ def initialized():
 def comm() -> MPI.Comm:
     """An independent communicator for building references (not the library's own)."""
     return MPI.COMM_WORLD
+
+
+#: The longest a test waits for a state another thread or rank makes before the wait
+#: counts as a hang.
+WAIT_S = 60.0
+
+
+def until(done: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    """Poll done() until it holds; fail naming what, past timeout_s (a hang, not a slow
+    machine: nothing here is timed). The one wait of this suite that sleeps: between polls."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.0005)
 
 
 def unit_roundoff(dtype) -> float:

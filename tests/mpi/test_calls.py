@@ -7,12 +7,11 @@ over. Calls of our own ("calls_test") run through the engine as the library's do
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import assert_equal
+from conftest import assert_equal, until
 from mpi4py import MPI
 
 import collectives as C
@@ -22,15 +21,8 @@ from collectives.runtime.engine import ENGINE, Handle, Job
 
 pytestmark = pytest.mark.mpi
 
-#: The longest any one wait may take before it counts as a hang.
-TIMEOUT_S = 60.0
-
-
 def _result(handle: Handle) -> Any:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not handle.done():
-        assert time.monotonic() < deadline, f"{handle.name}: not done within {TIMEOUT_S}s"
-        time.sleep(0.001)
+    until(handle.done, f"{handle.name}: done")
     return C.synchronize(handle)
 
 

@@ -6,18 +6,17 @@ handle; a Python thread keeps running while a call waits in its data phase (GIL 
 
 A gate (an async call whose move waits on an Event) holds the engine on every rank, so what
 is submitted meanwhile is known to be queued: no test depends on timing. Every wait is
-bounded by TIMEOUT_S; a test that runs past it fails (and conftest aborts the job)."""
+bounded by WAIT_S; a test that runs past it fails (and conftest aborts the job)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import assert_equal
+from conftest import WAIT_S, assert_equal, until
 
 import collectives as C
 from collectives import algorithms
@@ -27,26 +26,17 @@ from collectives.runtime.engine import ENGINE, Handle, Job
 
 pytestmark = pytest.mark.mpi
 
-#: The longest any one wait in these tests may take before it counts as a hang.
-TIMEOUT_S = 60.0
 #: The mpi4py tag of test_python_thread_runs_while_a_call_waits_in_its_data_phase's signal.
 TAG_GO = 7301
 
 
-def _within(done: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not done():
-        assert time.monotonic() < deadline, f"{what}: not within {TIMEOUT_S}s"
-        time.sleep(0.001)
-
-
 def _wait(event: threading.Event, what: str) -> None:
-    assert event.wait(TIMEOUT_S), f"{what}: not within {TIMEOUT_S}s"
+    assert event.wait(WAIT_S), f"{what}: not within {WAIT_S}s"
 
 
 def _result(handle: Handle) -> Any:
     """synchronize(handle), failing instead of hanging if the call never finishes."""
-    _within(lambda: C.poll(handle), handle.name)
+    until(lambda: C.poll(handle), handle.name)
     return C.synchronize(handle)
 
 
@@ -60,7 +50,7 @@ def _engine_free() -> bool:
 def _idle() -> None:
     """Wait until nothing is queued or running (a finished handle is done a moment before
     the engine lets go of its call)."""
-    _within(_engine_free, "engine idle")
+    until(_engine_free, "engine idle")
 
 
 def _custom(tag: str, move: Callable[[], Any]) -> tuple[Any, calls.Call, Job]:
@@ -132,7 +122,7 @@ def test_async_calls_run_and_complete_in_submission_order(comm):
     gate.open()
     for i, (h, want) in enumerate(zip(handles, expected)):
         assert_equal(_result(h), want, f"call {i}")
-    _within(lambda: len(finished) == len(handles), "done callbacks")
+    until(lambda: len(finished) == len(handles), "done callbacks")
     assert finished == list(range(len(handles)))
     assert comm.allgather(finished) == [finished] * n
 
@@ -175,7 +165,7 @@ def test_sync_call_runs_inline_on_the_callers_thread_when_the_engine_is_free(com
     caller = threading.Thread(target=lambda: box.append(
         (threading.current_thread(), run("inline thread", threading.current_thread))))
     caller.start()
-    caller.join(TIMEOUT_S)
+    caller.join(WAIT_S)
     assert not caller.is_alive(), "the sync call from a second thread hung"
     assert box and box[0][1] is box[0][0], box
 
@@ -373,14 +363,14 @@ def test_python_thread_runs_while_a_call_waits_in_its_data_phase(comm, monkeypat
         real_reduce = algorithms.reduce
 
         def reduce_on_signal(*args: Any) -> None:
-            _within(lambda: comm.Iprobe(source=0, tag=TAG_GO), "rank 0's signal")
+            until(lambda: comm.Iprobe(source=0, tag=TAG_GO), "rank 0's signal")
             comm.recv(source=0, tag=TAG_GO)
             real_reduce(*args)
 
         monkeypatch.setattr(algorithms, "reduce", reduce_on_signal)
     h = C.allreduce_async(_ramp(rank, 0), op=C.Sum, algorithm="ring")
     if rank == 0:
-        _within(lambda: ENGINE.native.snapshot()[:1] == ("running",), "engine in the call")
+        until(lambda: ENGINE.native.snapshot()[:1] == ("running",), "engine in the call")
         assert ENGINE.native.snapshot()[2] == "allreduce"
         assert not C.poll(h), "finished without rank 1's data"
         comm.send(None, dest=1, tag=TAG_GO)

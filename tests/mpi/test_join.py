@@ -4,8 +4,6 @@ other collectives raise on every rank; DistributedOptimizer ends with identical 
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -101,18 +99,21 @@ def test_other_collectives_raise_while_some_have_joined_and_the_joined_wait_on(c
 
 
 def test_join_with_async_work_in_flight_raises(comm):
-    """Rank 0 submits late, so every other rank's async call is still in flight when it
-    calls join(): a clear error, and the library stays usable."""
+    """Rank 0 submits only once every other rank has called join() (told by a message on
+    comm), so their async calls are still in flight then: a clear error, and the library
+    stays usable."""
     r, n = comm.Get_rank(), comm.Get_size()
     if n == 1:
         pytest.skip("needs a rank to wait for")
     if r == 0:
-        time.sleep(0.3)
+        for peer in range(1, n):
+            comm.recv(source=peer, tag=11)
     h = C.allreduce_async(np.ones(1 << 16, np.float32), op=C.Sum)
     if r != 0:
         with pytest.raises(RuntimeError, match=r"join: collectives submitted before it are "
                                                r"still in flight .* synchronize\(\) them"):
             C.join()
+        comm.send(None, dest=0, tag=11)
     assert_equal(C.synchronize(h), np.full(1 << 16, float(n), np.float32), "async result")
     assert len(set(comm.allgather(C.join()))) == 1  # every rank can join now
 

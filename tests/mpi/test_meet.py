@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import assert_equal
+from conftest import WAIT_S, assert_equal, until
 from mpi4py import MPI
 
 import collectives as C
@@ -21,7 +21,6 @@ from collectives.runtime import meet, topology
 
 pytestmark = pytest.mark.mpi
 
-TIMEOUT_S = 60.0
 INT64 = np.iinfo(np.int64)
 
 needs_threads = pytest.mark.skipif(
@@ -30,7 +29,7 @@ needs_threads = pytest.mark.skipif(
 
 
 def _meet(value: int) -> int:
-    """meet.meet(job, value), failing the test if it is not back within TIMEOUT_S."""
+    """meet.meet(job, value), failing the test if it is not back within WAIT_S."""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -41,8 +40,8 @@ def _meet(value: int) -> int:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    thread.join(TIMEOUT_S)
-    assert not thread.is_alive(), f"meet({value}) not back within {TIMEOUT_S}s"
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), f"meet({value}) not back within {WAIT_S}s"
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -96,10 +95,7 @@ def test_a_meeting_is_not_held_up_by_a_call_queued_on_the_engine(comm):
     assert _meet(r + 7) == 7
     if r != 0:
         handle = C.allreduce_async(x, op=C.Sum)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not C.poll(handle):
-        assert time.monotonic() < deadline, f"allreduce not done within {TIMEOUT_S}s"
-        time.sleep(0.001)
+    until(lambda: C.poll(handle), "the allreduce done")
     assert_equal(C.synchronize(handle), np.arange(9.0) * n + n * (n - 1) / 2, "the allreduce")
     assert _meet(r) == 0
 

@@ -7,11 +7,10 @@ the cap with the results they give without it."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
+from conftest import until
 from mpi4py import MPI
 
 import collectives as C
@@ -23,7 +22,6 @@ from collectives.runtime.engine import ENGINE, Job
 
 pytestmark = pytest.mark.mpi
 
-TIMEOUT_S = 60.0
 TAG = 4711
 #: Storage dtypes the algorithms hand to p2p (bfloat16 travels as its uint16 bits).
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64"]
@@ -31,10 +29,7 @@ COUNTS = [0, 1, 3, 7, 1001, (1 << 18) + 1]
 
 
 def _wait(requests: list[MPI.Request]) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not MPI.Request.Testall(requests):
-        assert time.monotonic() < deadline, f"messages not done within {TIMEOUT_S}s"
-        time.sleep(0.0005)
+    until(lambda: MPI.Request.Testall(requests), "messages done")
 
 
 def _data(dtype: str, count: int, rank: int) -> np.ndarray:

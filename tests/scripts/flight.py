@@ -3,7 +3,8 @@
 - stop: rank 2 stops itself (SIGSTOP) before its 21st allreduce; the others time out.
 - mismatch: after 10 allreduces rank 2 calls allgather where the others call allreduce.
 - straggler: rank 2 sleeps 30 ms before each of 80 allreduces, under a timeline.
-- signal: rank 1 sends SIGUSR1 to rank 0, which waits inside an allreduce, then joins it.
+- signal: rank 1 sends SIGUSR1 to rank 0 until rank 0's record shows it waiting inside an
+  allreduce, then joins it.
 - ring: 20 allreduces under COLLECTIVES_FLIGHT_RECORDER, then a dump on request."""
 
 import json
@@ -51,10 +52,22 @@ elif case == "straggler":
     print(f"rank {rank} waited_for {json.dumps(C.stats()['waited_for'])}", flush=True)
 elif case == "signal":
     first = C.broadcast_object(os.getpid(), 0)
-    if rank == 1:
-        time.sleep(1)
-        os.kill(first, signal.SIGUSR1)
-        time.sleep(2)
+    if rank == 1:  # signal rank 0 until its record shows it waiting inside the allreduce
+        path = os.path.join(os.environ["COLLECTIVES_DUMP_DIR"], "rank0.json")
+
+        def written() -> dict | None:  # rank 0's record as last written (files replaced whole)
+            if not os.path.exists(path):
+                return None
+            with open(path) as f:
+                return json.load(f)
+
+        while True:  # (the test's timeout ends a job that never gets there)
+            before = written()
+            os.kill(first, signal.SIGUSR1)
+            while (record := written()) is None or record == before:
+                time.sleep(0.01)  # until rank 0 has written its record again
+            if record["state"]["state"] == "waiting":
+                break
     C.allreduce(x)
     print(f"rank {rank} done", flush=True)
 elif case == "ring":
