@@ -174,10 +174,12 @@ def test_grouped_gives_each_vector_its_own_bits(comm, monkeypatch, block):
         flat = [np.asarray(x, f32).reshape(-1) for x in xs]
         refs = []
         for i, x in enumerate(flat):
-            if x.size:  # (an empty vector has no bits and no errors)
-                expected, *ref_errors[i] = ref_compressed_allreduce(comm.allgather(x),
-                                                                    *ref_errors[i], block)
-            refs.append(expected if x.size else x)
+            if not x.size:  # an empty vector has no bits and no errors
+                refs.append(x)
+                continue
+            expected, *ref_errors[i] = ref_compressed_allreduce(comm.allgather(x),
+                                                                *ref_errors[i], block)
+            refs.append(expected)
         want = [compressed_allreduce(x, w, s, block) for x, w, s in zip(xs, *alone)]
         got = C.grouped_compressed_allreduce(xs, *grouped, block)
         copies = [x.clone() if isinstance(x, torch.Tensor) else x.copy() for x in xs]

@@ -118,7 +118,7 @@ def main() -> None:
             if C.rank() == 0:
                 with open(os.path.join(EVENTS, "steps"), "a") as f:
                     f.write(f"{time.time()!r} {job} {state.step} {C.size()}\n")
-            awaiting |= events(state.step, state.sizes) and C.rank() == 0
+            awaiting |= events(state.step, state.sizes)  # (events acts on rank 0 only)
             x, y = data(state.step, batch, dim)
             n, r = C.size(), C.rank()
             lo, hi = r * batch // n, (r + 1) * batch // n

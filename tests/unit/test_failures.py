@@ -68,8 +68,7 @@ def test_a_barrier_beside_the_engine_warns_then_raises():
 def test_a_data_phase_wait_ends_at_the_communicators_timeout(tmp_path, case, what):
     """The data phases waited in MPI_Waitall, unbounded: a rank whose messages never came
     held the others forever, whatever the timeout."""
-    code, out = mpirun(2, "data_phase_stall.py", case,
-                                env={"COLLECTIVES_DUMP_DIR": str(tmp_path)})
+    code, out = mpirun(2, "data_phase_stall.py", case, env={"COLLECTIVES_DUMP_DIR": str(tmp_path)})
     found = re.search(rf"rank 0 StallError after ([0-9.]+) s: {what}: Timed out "
                       r"waiting \d+ms for other ranks \(timeout 1.5 s\)", out)
     assert found and float(found.group(1)) >= 1.5, out  # at the timeout, not before
