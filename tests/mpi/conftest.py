@@ -149,10 +149,61 @@ def skip_unrunnable(algo: str) -> None:
 
 
 def assert_same_on_all_ranks(comm: MPI.Comm, result: np.ndarray, what: str) -> None:
-    """Every rank's result is bit-identical (digest of the raw bytes)."""
-    digest = hashlib.sha256(np.ascontiguousarray(result).tobytes()).hexdigest()
+    """Every rank's result is bit-identical (digest of its shape, dtype and raw bytes)."""
+    digest = hashlib.sha256(repr((result.shape, result.dtype.str)).encode()
+                            + np.ascontiguousarray(result).tobytes()).hexdigest()
     digests = comm.allgather(digest)
     assert len(set(digests)) == 1, f"{what}: results differ across ranks: {digests}"
+
+
+def split_rows(rows: int, n: int) -> list[int]:
+    """The row boundaries of n near-equal parts, the larger first (reducescatter's split)."""
+    base, extra = divmod(rows, n)
+    return [i * base + min(i, extra) for i in range(n + 1)]
+
+
+def assert_reduced(comm: MPI.Comm, result: np.ndarray, before: np.ndarray, op, dtype: str,
+                   what: str) -> None:
+    """result, the same on every rank, is the reduction of every rank's `before`. Each rank
+    checks its share of the rows against the reference of that share (every rank's rows of
+    it, sent by alltoall) and the ranks' digests agree: every element is checked, and the
+    reference costs its whole once in the job, not once per rank. (The exchanges come
+    first, so that a rank's failed check leaves no other waiting in one.)"""
+    n, r = comm.Get_size(), comm.Get_rank()
+    cut = split_rows(len(before), n)
+    parts = comm.alltoall([before[cut[j]:cut[j + 1]] for j in range(n)])
+    assert_same_on_all_ranks(comm, result, what)
+    assert result.shape == before.shape, f"{what}: shape {result.shape} != {before.shape}"
+    assert_equal(result[cut[r]:cut[r + 1]], reference_reduce(parts, op, dtype, n), what)
+
+
+def assert_scattered(comm: MPI.Comm, result: np.ndarray, before: np.ndarray, op, dtype: str,
+                     what: str) -> None:
+    """result is this rank's rows (split_rows) of the reduction of every rank's `before`,
+    against the reference of those rows only (every rank's rows of them, by alltoall)."""
+    n = comm.Get_size()
+    cut = split_rows(len(before), n)
+    parts = comm.alltoall([before[cut[j]:cut[j + 1]] for j in range(n)])
+    assert_equal(result, reference_reduce(parts, op, dtype, n), what)
+
+
+def assert_gathered(comm: MPI.Comm, result: np.ndarray, before: np.ndarray, what: str) -> None:
+    """result, the same on every rank, is every rank's `before` in rank order: each rank
+    finds its own rows where the ranks' row counts put them, and the digests agree."""
+    rows = comm.allgather(len(before))
+    start = sum(rows[:comm.Get_rank()])
+    assert_same_on_all_ranks(comm, result, what)
+    assert len(result) == sum(rows), f"{what}: {len(result)} rows, expected {sum(rows)}"
+    assert_equal(result[start:start + len(before)], before, what)
+
+
+def assert_broadcast(comm: MPI.Comm, result: np.ndarray, before: np.ndarray, root: int,
+                     what: str) -> None:
+    """result, the same on every rank, is the root's `before`: the digests agree, and the
+    root compares."""
+    assert_same_on_all_ranks(comm, result, what)
+    if comm.Get_rank() == root:
+        assert_equal(result, before, what)
 
 
 def assert_equal(result: np.ndarray, expected: np.ndarray, what: str) -> None:

@@ -11,10 +11,13 @@ import torch
 from conftest import (
     DTYPES,
     OPS,
+    assert_broadcast,
     assert_equal,
+    assert_gathered,
+    assert_reduced,
     assert_same_on_all_ranks,
+    assert_scattered,
     make_input,
-    reference_reduce,
     rounding_bound,
     run_case,
     skip_unrunnable,
@@ -61,9 +64,7 @@ def test_allreduce(comm, algo, dtype):
                 fn = C.allreduce_ if inplace else C.allreduce
                 before, got = run_case(lambda t: fn(t, op=op, algorithm=algo), x,  # noqa: B023
                                        inplace, what)
-                expected = reference_reduce(comm.allgather(before), op, dtype, n)
-                assert_equal(got, expected, what)
-                assert_same_on_all_ranks(comm, got, what)
+                assert_reduced(comm, got, before, op, dtype, what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,10 +80,7 @@ def test_reducescatter(comm, algo, dtype):
                 x = to_framework(make_input(dtype, shape, seed), dtype, framework)
                 before, got = run_case(lambda t: C.reducescatter(t, op=op, algorithm=algo),  # noqa: B023
                                        x, False, what)
-                full = reference_reduce(comm.allgather(before), op, dtype, n)
-                split = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
-                start = sum(split[:r])
-                assert_equal(got, full[start:start + split[r]], what)
+                assert_scattered(comm, got, before, op, dtype, what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,8 +97,7 @@ def test_allgather(comm, algo, dtype):
                 x = to_framework(make_input(dtype, shape, seed), dtype, framework)
                 before, got = run_case(lambda t: C.allgather(t, algorithm=algo), x,  # noqa: B023
                                        False, what)
-                assert_equal(got, np.concatenate(comm.allgather(before)), what)
-                assert_same_on_all_ranks(comm, got, what)
+                assert_gathered(comm, got, before, what)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -123,8 +120,7 @@ def test_allgather_into_out(comm, algo):
                     got = C.allgather(x, algorithm=algo, out=out) if sync else \
                         C.synchronize(C.allgather_async(x, algorithm=algo, out=out))
                     assert got is out, what
-                    expected = np.concatenate(comm.allgather(to_numpy(x)))
-                    assert_equal(to_numpy(out), expected, what)
+                    assert_gathered(comm, to_numpy(out), to_numpy(x), what)
                     out.fill(0) if framework == "numpy" else out.zero_()
 
 
@@ -141,7 +137,7 @@ def test_broadcast(comm, algo, dtype):
                 fn = C.broadcast_ if inplace else C.broadcast
                 before, got = run_case(lambda t: fn(t, root_rank=root, algorithm=algo),  # noqa: B023
                                        x, inplace, what)
-                assert_equal(got, comm.allgather(before)[root], what)
+                assert_broadcast(comm, got, before, root, what)
 
 
 @pytest.mark.parametrize("algo", ALGOS)

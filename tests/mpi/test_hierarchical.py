@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import (
     assert_equal,
+    assert_reduced,
     assert_same_on_all_ranks,
     make_input,
-    reference_reduce,
     run_case,
 )
 from mpi4py import MPI
@@ -59,16 +59,14 @@ def _counts(itemsize: int) -> list[int]:
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "in"])
 def test_chunked_allreduce_matches_the_reference(comm, small_chunks, dtype, op, inplace):
-    n, r = comm.Get_size(), comm.Get_rank()
+    r = comm.Get_rank()
     for count in _counts(np.dtype(dtype).itemsize):
         x = make_input(dtype, (count,), seed=100 + r)
         what = f"hierarchical {op.name} {dtype} x{count} {'in' if inplace else 'out'}"
         fn = C.allreduce_ if inplace else C.allreduce
         before, got = run_case(lambda t: fn(t, op=op, algorithm="hierarchical"), x,  # noqa: B023
                                inplace, what)
-        expected = reference_reduce(comm.allgather(before), op, dtype, n)
-        assert_equal(got, expected, what)
-        assert_same_on_all_ranks(comm, got, what)
+        assert_reduced(comm, got, before, op, dtype, what)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
