@@ -22,7 +22,7 @@ from collectives.api.base import (
 from collectives.api.calls import Call, Prepared
 from collectives.auto import online, select
 from collectives.compression import Compression, check_compression
-from collectives.dtypes import FLOATING, NUMPY_NAMES, STORAGE, torch_dtype_name
+from collectives.dtypes import FLOATING, NUMPY_NAMES, STORAGE, loaded_torch, torch_dtype_name
 from collectives.ops import ReduceOp, check_op
 from collectives.runtime import faults, profiling, topology
 from collectives.runtime.buffers import (
@@ -35,12 +35,6 @@ from collectives.runtime.buffers import (
     wrap,
 )
 from collectives.runtime.engine import Handle, Job
-
-try:
-    import torch
-    _Tensor = torch.Tensor
-except ImportError:
-    torch = _Tensor = None
 
 # ----------------------------------------------------------------------------- allreduce
 
@@ -67,7 +61,8 @@ def _fast(topo: topology.Topology, x: Any, op: Any, algorithm: Any, inplace: boo
             faults.reraise(topo, exc)
     # a tensor goes in by address: its dtype and shape are the described call's, so only
     # where it lives and its layout are left to check
-    if type(x) is not _Tensor or not x.is_cpu or x.requires_grad and inplace \
+    torch = loaded_torch()
+    if torch is None or type(x) is not torch.Tensor or not x.is_cpu or x.requires_grad and inplace \
             or x.layout is not torch.strided or not x.is_contiguous():
         return None
     call = topo.state(calls.Calls).fast.get((op, x.dtype, x.shape, algorithm, inplace))
@@ -246,10 +241,10 @@ class _Group(NamedTuple):
 def _host_group(tensors: list, inplace: bool) -> _Group | None:
     """The group straight through the C++ pack and unpack (a fraction of a microsecond per
     tensor): contiguous host NumPy arrays, or contiguous CPU torch tensors. None otherwise."""
-    first = tensors[0]
+    first, torch = tensors[0], loaded_torch()
     if all(type(t) is np.ndarray and t.flags.c_contiguous for t in tensors):
         dtype, like = NUMPY_NAMES.get(first.dtype), np.empty_like
-    elif torch is not None and all(type(t) is _Tensor and t.device.type == "cpu"
+    elif torch is not None and all(type(t) is torch.Tensor and t.device.type == "cpu"
                                    and t.is_contiguous() for t in tensors):
         dtype, like = torch_dtype_name(first.dtype), torch.empty_like
     else:

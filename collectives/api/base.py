@@ -18,12 +18,6 @@ from collectives.runtime import topology
 from collectives.runtime.buffers import Buffer, host_float, store_float
 from collectives.runtime.engine import Handle
 
-try:
-    import torch
-    _Tensor = torch.Tensor
-except ImportError:
-    torch = _Tensor = None
-
 _INT64 = CODES["int64"]
 
 

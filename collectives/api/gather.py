@@ -20,18 +20,12 @@ from collectives.api.base import (
 )
 from collectives.api.calls import Call, Prepared
 from collectives.auto import select
-from collectives.dtypes import CODES, STORAGE
+from collectives.dtypes import CODES, STORAGE, loaded_torch
 from collectives.ops import ReduceOp
 from collectives.runtime import topology
 from collectives.runtime.agreement import PIGGYBACK_BYTES
 from collectives.runtime.buffers import Buffer, wrap
 from collectives.runtime.engine import ENGINE, Handle, Job
-
-try:
-    import torch
-    _Tensor = torch.Tensor
-except ImportError:
-    torch = _Tensor = None
 
 _INT64 = CODES["int64"]
 
@@ -350,7 +344,7 @@ def _alltoall(topo: topology.Topology, x: Any, splits: Any,
         if splits is None:
             return out.result()
         got = np.array(received, np.int32)
-        return out.result(), (torch.from_numpy(got) if buf.kind == "torch" else got)
+        return out.result(), (loaded_torch().from_numpy(got) if buf.kind == "torch" else got)
 
     return call, matrix.job(move)
 

@@ -28,15 +28,10 @@ import numpy as np
 
 from collectives import algorithms, kernels
 from collectives.auto import select
-from collectives.dtypes import FLOATING, NUMPY_NAMES, torch_dtype, torch_dtype_name
+from collectives.dtypes import FLOATING, NUMPY_NAMES, loaded_torch, torch_dtype, torch_dtype_name
 from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime.buffers import to_device, to_host
 from collectives.runtime.topology import Topology
-
-try:
-    import torch
-except ImportError:
-    torch = None
 
 
 def _is_cupy(x: Any) -> bool:
@@ -48,7 +43,7 @@ def _float_dtype(x: Any) -> str | None:
     else None: only those are compressed."""
     if isinstance(x, np.ndarray) or _is_cupy(x):
         name = NUMPY_NAMES.get(np.dtype(x.dtype))
-    elif torch is not None and isinstance(x, torch.Tensor):
+    elif (torch := loaded_torch()) is not None and isinstance(x, torch.Tensor):
         name = torch_dtype_name(x.dtype)
     else:
         return None

@@ -17,13 +17,8 @@ from typing import Any
 import numpy as np
 
 from collectives import config
-from collectives.dtypes import NAMES, NUMPY_NAMES, STORAGE, torch_dtype_name
+from collectives.dtypes import NAMES, NUMPY_NAMES, STORAGE, loaded_torch, torch_dtype_name
 from collectives.kernels import _C
-
-try:
-    import torch
-except ImportError:  # torch is optional for NumPy-only users
-    torch = None
 
 try:
     import cupy
@@ -60,6 +55,8 @@ class Buffer:
         if self.kind == "numpy":
             return wrap(host_empty(shape, self.flat.dtype), "out")
         if self.kind == "torch":
+            import torch
+
             if not self.orig.is_cpu:
                 return wrap(torch.empty(shape, dtype=self.orig.dtype, device=self.orig.device),
                             "out")
@@ -75,6 +72,8 @@ class Buffer:
             return self.orig
         if self.pinned is not None:
             if self.kind == "torch":
+                import torch
+
                 out = torch.empty(self.shape, dtype=self.orig.dtype, device=self.orig.device)
                 return out.copy_(self.pinned.view(self.shape))
             with self.orig.device:
@@ -85,6 +84,8 @@ class Buffer:
         if self.kind == "numpy":
             return data
         if self.kind == "torch":
+            import torch
+
             host = torch.from_numpy(data)
             if self.dtype == "bfloat16":
                 host = host.view(torch.bfloat16)
@@ -105,6 +106,8 @@ class Buffer:
         if not self.staged:
             return
         if self.pinned is not None and self.kind == "torch":
+            import torch
+
             with torch.no_grad():
                 self.orig.copy_(self.pinned.view(self.shape))
         elif self.pinned is not None and self.orig.flags.c_contiguous:
@@ -115,6 +118,8 @@ class Buffer:
         elif self.kind == "numpy":
             self.orig[...] = self.flat.reshape(self.shape)
         elif self.kind == "torch":
+            import torch
+
             with torch.no_grad():
                 self.orig.copy_(self.result())
         else:
@@ -160,7 +165,9 @@ def host_float(flat: np.ndarray, dtype: str) -> np.ndarray:
 
 def store_float(flat: np.ndarray, dtype: str, values: np.ndarray) -> None:
     """flat (storage of a floating dtype) = values rounded to dtype (to nearest even)."""
-    if dtype == "bfloat16":
+    if dtype == "bfloat16":  # only a torch tensor's storage: torch is imported
+        import torch
+
         flat[...] = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy()
     else:
         flat[...] = values
@@ -194,6 +201,7 @@ def wrap(x: Any, name: str = "x") -> Buffer:
             _stageable(name, x, x.nbytes)
         flat = x.reshape(-1) if contiguous else np.ascontiguousarray(x).reshape(-1)
         return Buffer(x, "numpy", flat, dtype, x.shape, not contiguous)
+    torch = loaded_torch()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.layout != torch.strided:
             raise TypeError(f"{name}: expected a dense tensor, got layout {x.layout}; pass "
@@ -258,6 +266,8 @@ def _pinned_like(like: Any, kind: str, dtype: str, shape: tuple) -> Buffer:
     """A staged Buffer for device data of like's kind, dtype and device with this shape: an
     uninitialized page-locked host array, flat viewing it."""
     if kind == "torch":
+        import torch
+
         host = torch.empty(shape, dtype=like.dtype, pin_memory=True)
         view = host.view(torch.int16) if dtype == "bfloat16" else host
         flat = view.reshape(-1).numpy().view(STORAGE[dtype])

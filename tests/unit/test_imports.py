@@ -6,7 +6,8 @@ every import statement anywhere in it, function-level and `if TYPE_CHECKING:` on
 (a lazy import only postpones a cycle to the first call; a type-only import still ties the
 modules' designs together). A submodule's `import` of its own parent package's name is an
 edge (it uses the package's names); `from pkg import sub` is an edge to pkg.sub, and
-`from pkg import name` to pkg when pkg's __init__.py binds name."""
+`from pkg import name` to pkg when pkg's __init__.py binds name. And what the facade imports:
+torch only once the job does, the backend registered either way."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: folder -> the dotted name it is installed as
@@ -250,3 +253,27 @@ def test_optim_has_one_name():
                            "print(sorted(m for m in sys.modules if m.startswith('optim')))"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+def _run(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=True).stdout.strip()
+
+
+def test_numpy_calls_leave_torch_unimported():
+    """A NumPy-only job never imports torch (about 1.6 s of CPU in every rank)."""
+    assert _run("import sys, numpy as np, collectives as C, collectives.elastic; C.init(); "
+                "C.allreduce(np.ones(3)); C.allgather(np.ones(2)); C.broadcast(np.ones(1)); "
+                "C.grouped_allreduce([np.ones(2), np.ones(3)]); "
+                "C.allreduce(np.ones(3, np.float32), compression=C.Compression.fp16); "
+                "print('torch' in sys.modules)") == "False"
+
+
+@pytest.mark.parametrize("first", ["torch", "collectives", "collectives.ddp_hooks"])
+def test_the_backend_is_registered_whichever_is_imported_first(first):
+    """torch before collectives, after it, or imported by the DDP hooks' documented name."""
+    code = {"torch": "import torch, collectives",
+            "collectives": "import collectives, torch",
+            "collectives.ddp_hooks": "from collectives.ddp_hooks import int8_hook"}[first]
+    assert _run(f"{code}; import torch.distributed as dist; "
+                "print('collectives' in dist.Backend.backend_list)") == "True"

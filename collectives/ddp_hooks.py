@@ -1,0 +1,12 @@
+"""The DDP communication hooks under their documented name (they live in
+integrations/ddp_hooks.py): `from collectives.ddp_hooks import int8_hook`."""
+
+from collectives.integrations.ddp_hooks import (
+    OnebitHookState,
+    allreduce_hook,
+    fp16_hook,
+    int8_hook,
+    onebit_hook,
+)
+
+__all__ = ["OnebitHookState", "allreduce_hook", "fp16_hook", "int8_hook", "onebit_hook"]
