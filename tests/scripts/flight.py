@@ -15,6 +15,7 @@ import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import collectives as C
 
@@ -31,6 +32,8 @@ if case == "stop":
             C.allreduce(x)
     except C.StallError as exc:
         print(f"rank {rank} StallError: {exc}", flush=True)
+        # ranks 0 and 1 leave together: mpirun ends the job at the first one's exit
+        MPI.COMM_WORLD.sendrecv(rank, dest=1 - rank, source=1 - rank)
         os._exit(0)  # rank 2 stays stopped: mpirun ends it once the others are gone
 elif case == "mismatch":
     for _ in range(10):

@@ -29,12 +29,10 @@ import sys
 import time
 import types
 
-import collectives.optim  # noqa: F401 (C.optim)
 import numpy as np
 
 import collectives as C
 from collectives import elastic
-from collectives.elastic import buddies
 from collectives.runtime import topology
 
 DIE_AT = 20  # the victim dies at this step
@@ -124,9 +122,13 @@ def train_scenario(killfile: str, api: str) -> None:
     the world size (set again by a reset callback); a TorchState holds model, optimizer,
     the step and the sizes each step ran at, committed every COMMIT_EVERY steps. Survivors
     must end with the parameters a single process gets by replaying the steps at the sizes
-    they ran at: the steps since the last commit are rolled back and run again."""
+    they ran at: the steps since the last commit are rolled back and run again. (Its
+    imports are torch's: the raise scenarios run without.)"""
+    import collectives.optim  # noqa: F401 (C.optim)
     import torch
     from replay import data, replay
+
+    from collectives.elastic import buddies
 
     steps, dim, batch, lr = 2 * DIE_AT, 8, 24, 0.02
 

@@ -274,7 +274,8 @@ def test_on_three_hosts_a_job_grows_survives_a_rank_and_a_host(tmp_path, api, or
     assert all(err < 1e-10 for *_, err, _ in ranks), out
     assert len({digest for *_, digest in ranks}) == 1 and all(r[2] == runs for r in ranks), out
     assert re.search(r"job \d: 2 ranks on host0:1,host2:1", out), out
-    assert order == "unlisted-first" or "lost host host1" in out, out
+    # the restart names its cause: either one where both came at once
+    assert "lost host host1" in out or "(host host1 no longer listed)" in out, out
 
 
 def test_a_job_that_fails_before_any_commit_is_not_started_forever(tmp_path):
