@@ -7,9 +7,10 @@
 This module is the facade: the public API (collectives.api) under the package's name, and,
 where torch is installed, the "collectives" torch.distributed backend, registered once torch
 is imported, before or after collectives (integrations/on_import.py: a job that never
-imports torch does not pay for it). The layers below it, lowest first (each package's docstring says what it owns and may import):
-config, dtypes, ops (leaves) -> kernels -> runtime -> algorithms -> auto -> compression
--> api -> optim -> elastic -> integrations -> horovod. See docs/architecture.md."""
+imports torch does not pay for it). The layers below it, lowest first (each package's
+docstring says what it owns and may import): config, dtypes, ops (leaves) -> kernels ->
+runtime -> algorithms -> auto -> compression -> api -> optim -> elastic -> integrations ->
+horovod. See docs/architecture.md."""
 
 from collectives import mpi_defaults  # noqa: F401  (before anything starts MPI)
 from collectives.api import *  # noqa: F403
