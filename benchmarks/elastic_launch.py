@@ -7,7 +7,7 @@ a lost host costs.
 Runs collectives-run on tests/scripts/launched.py (a small model, a commit and a snapshot at
 every step, --step-s seconds a step). On one host: started at 3 ranks with 3 slots listed;
 at step 8 a 4th is listed (the job grows), the last rank dies after 3 steps at 4 (the job
-shrinks in place and grows back). With --rig (../shared/netrig, or $NETRIG; three hosts, one
+shrinks in place and grows back). With --rig ($NETRIG names its folder; three hosts, one
 slot each, 1 Gbit/s): started on host0 and host1; host2 listed at step 8; the rank on host2
 dies after 3 steps at 3; at step 45 host1 is killed whole (`netrig.sh kill-host`) and
 unlisted. From rank 0's log of every step's start (time, step, size) it prints, for each

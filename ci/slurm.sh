@@ -5,7 +5,7 @@
 # (mpirun inside the allocation) and an `srun --mpi=pmix` launch (Slurm's PMIx server starts the
 # ranks, no mpirun). Every run must train to the same parameters (one sha256 digest).
 #   1. one host: this machine (at least 2 CPUs), 2 tasks;
-#   2. two hosts on the rig (../shared/netrig, or $NETRIG): host0 and host1, each in its own
+#   2. two hosts on the rig (its folder in $NETRIG): host0 and host1, each in its own
 #      network namespace with its own slurmd, one task per host; skipped where the rig is
 #      missing or cannot come up.
 # Each job is waited for at most $SLURM_CI_TIMEOUT seconds (default 600); the daemons and the

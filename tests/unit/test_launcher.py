@@ -188,7 +188,7 @@ RIG = Path(os.environ.get("NETRIG", ROOT.parent / "shared" / "netrig")) / "netri
 
 @pytest.fixture(scope="module")
 def rig():
-    """Three emulated hosts at 1 Gbit/s (../shared/netrig, or $NETRIG); skips where the rig
+    """Three emulated hosts at 1 Gbit/s (the rig, its folder in $NETRIG); skips where the rig
     is missing or cannot come up (it needs root and network namespaces). The machine has
     one rig: a test process holds an exclusive lock on it from up to down, so that
     processes running tests side by side (pytest -n) take turns."""
