@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -26,22 +27,32 @@ def register() -> None:
 
 class _Watch(importlib.abc.MetaPathFinder):
     """torch's import, found by the finders after this one, with `register` run after its
-    module executes."""
+    module executes. A spec found but never executed (a library probing with
+    importlib.util.find_spec whether torch is installed) leaves the watch in place."""
+
+    def __init__(self) -> None:
+        self._asking = threading.local()  # this thread is asking the finders after this one
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "torch":
+        if name != "torch" or getattr(self._asking, "now", False):
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._asking.now = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._asking.now = False
         if spec is None or spec.loader is None:
             return spec
-        execute = spec.loader.exec_module
+        loader = spec.loader
 
         def execute_then_register(module: ModuleType) -> None:
-            execute(module)
+            del loader.exec_module  # the loader's own again
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            loader.exec_module(module)
             register()
 
-        spec.loader.exec_module = execute_then_register
+        loader.exec_module = execute_then_register
         return spec
 
 

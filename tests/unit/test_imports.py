@@ -269,11 +269,14 @@ def test_numpy_calls_leave_torch_unimported():
                 "print('torch' in sys.modules)") == "False"
 
 
-@pytest.mark.parametrize("first", ["torch", "collectives", "collectives.ddp_hooks"])
+@pytest.mark.parametrize("first", ["torch", "collectives", "collectives.ddp_hooks", "probe"])
 def test_the_backend_is_registered_whichever_is_imported_first(first):
-    """torch before collectives, after it, or imported by the DDP hooks' documented name."""
+    """torch before collectives, after it, or imported by the DDP hooks' documented name; and
+    after a library asked whether torch is installed (a spec found, not executed)."""
     code = {"torch": "import torch, collectives",
             "collectives": "import collectives, torch",
-            "collectives.ddp_hooks": "from collectives.ddp_hooks import int8_hook"}[first]
+            "collectives.ddp_hooks": "from collectives.ddp_hooks import int8_hook",
+            "probe": "import collectives, importlib.util; importlib.util.find_spec('torch'); "
+                     "import torch"}[first]
     assert _run(f"{code}; import torch.distributed as dist; "
                 "print('collectives' in dist.Backend.backend_list)") == "True"
