@@ -7,7 +7,15 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import DTYPES, OPS, assert_equal, assert_same_on_all_ranks, make_input, reference_reduce
+from conftest import (
+    DTYPES,
+    OPS,
+    assert_equal,
+    assert_same_on_all_ranks,
+    make_input,
+    reference_reduce,
+    split_rows,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -91,9 +99,8 @@ def test_property_allreduce_and_reducescatter(algo, dtype, op, rows, cols, seed)
     assert_equal(got, expected, f"allreduce {algo} {dtype} {op.name} {(rows, cols)}")
     part = C.reducescatter(x, op=op, algorithm=algo)
     part = part.to(torch.float64).numpy() if dtype == "bfloat16" else part
-    split = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
-    start = sum(split[:r])
-    assert_equal(part, expected[start:start + split[r]], f"reducescatter {algo} {dtype}")
+    cut = split_rows(rows, n)
+    assert_equal(part, expected[cut[r]:cut[r + 1]], f"reducescatter {algo} {dtype}")
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,

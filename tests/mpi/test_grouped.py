@@ -14,6 +14,7 @@ from conftest import (
     make_input,
     reference_reduce,
     skip_unrunnable,
+    split_rows,
     to_framework,
     to_numpy,
 )
@@ -130,10 +131,8 @@ def test_grouped_reducescatter_matches_per_tensor_reducescatters(comm, algo, dty
                                       algorithm=algo)
         for k, (g, d) in enumerate(zip(got, data)):
             full = reference_reduce(comm.allgather(d), op, dtype, n)
-            base, extra = divmod(d.shape[0], n)
-            start = r * base + min(r, extra)
-            stop = start + base + (1 if r < extra else 0)
-            assert_equal(to_numpy(g), full[start:stop], f"{op} tensor {k}")
+            cut = split_rows(d.shape[0], n)
+            assert_equal(to_numpy(g), full[cut[r]:cut[r + 1]], f"{op} tensor {k}")
     h = C.grouped_reducescatter_async([np.ones((n, 2), np.float64)], op=C.Sum)
     assert_equal(C.synchronize(h)[0], np.full((1, 2), float(n)), "async")
 
