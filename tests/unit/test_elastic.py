@@ -76,7 +76,10 @@ def test_every_survivor_raises_naming_the_dead_rank(tmp_path, layout, call, dyin
     assert not_timed_out(out), out
     left = np_ - len(dead)
     for _, ranks, step, shrunk, total, members, size, everyone in found:
-        assert ast.literal_eval(ranks) == dead and int(step) == 20, out
+        # The victims die before their call of step 20, so a survivor fails there, or in step
+        # 19 when it was still waiting for a message the victim had sent: Open MPI drops what
+        # a dead process sent and no one had received yet.
+        assert ast.literal_eval(ranks) == dead and int(step) in (19, 20), out
         assert int(shrunk) == int(total) == left, out
         # the global process set follows the shrunk job
         assert ast.literal_eval(members) == list(range(left)) and int(size) == left, out
