@@ -36,6 +36,7 @@ import collectives as C  # before mpi4py starts MPI: collectives/mpi_defaults.py
 from collectives import algorithms
 from collectives.algorithms import shm
 from collectives.auto import select, state
+from collectives.compression import Int4Compressor, Int8Compressor
 from collectives.runtime import topology
 import numpy as np
 from mpi4py import MPI
@@ -46,6 +47,12 @@ OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")
 #: library's collective called directly through mpi4py (mpi-raw; `mpi` is the same collective
 #: behind our API: argument checks, agreement, stats).
 EXTRA_ALGOS = ("gloo", "onebit", "mpi-raw", "copy")
+#: Block-quantized allreduces (lossy): `auto`'s form, and each form forced.
+COMPRESSED = {"int8": C.Compression.int8, "int4": C.Compression.int4,
+              **{f"{name}-{form}": maker(form) for name, maker in
+                 (("int8", Int8Compressor), ("int4", Int4Compressor))
+                 for form in ("allgather", "two-phase")}}
+LOSSY = ("gloo", "onebit", "copy", *COMPRESSED)  # not checked against NumPy
 BUS_FACTOR = {
     "allreduce": lambda n: 2 * (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
@@ -157,9 +164,13 @@ def make_call(op: str, algo: str, x: Any, gloo: Gloo | None, inplace: bool = Fal
 
         worker, server = (np.zeros(k, np.float32) for k in error_sizes(x.size, C.size()))
         return lambda: C.compressed_allreduce(x, worker, server, block_size=256)
+    reduce_op = {"sum": C.Sum, "average": C.Average}[redop]
+    if algo in COMPRESSED:
+        compression = COMPRESSED[algo]
+        return (lambda: C.allreduce(x, op=reduce_op, compression=compression)) \
+            if op == "allreduce" else None
     if op != "alltoall" and algo not in C.ALGORITHMS:
         return None  # an alltoall-only algorithm
-    reduce_op = {"sum": C.Sum, "average": C.Average}[redop]
     if op == "allreduce":
         if inplace:
             return lambda: C.allreduce_(x, op=reduce_op, algorithm=algo)
@@ -192,7 +203,7 @@ def count_wrong(op: str, algo: str, x: np.ndarray, comm: MPI.Comm, gloo,
                 redop: str = "sum") -> int:
     """Elements differing from a NumPy reference over mpi4py-gathered inputs (out of
     place, on a NumPy copy of x)."""
-    if algo in ("gloo", "onebit", "copy"):  # gloo: not ours; onebit: lossy by design
+    if algo in LOSSY:  # gloo: not ours; onebit and the quantized: lossy by design
         return -1
     inputs = comm.allgather(x)
     n, r = comm.Get_size(), comm.Get_rank()
@@ -311,7 +322,8 @@ def variants(op: str, args) -> list[Variant]:
         if algo == "copy":
             out.append(Variant("copy", "numpy", "out", "none"))
             continue
-        frameworks = args.framework if algo not in ("gloo", "mpi-raw", "onebit") else ["numpy"]
+        frameworks = args.framework if algo not in ("gloo", "mpi-raw", "onebit", *COMPRESSED) \
+            else ["numpy"]
         out += [Variant(algo, f, p, r) for f in frameworks for p in places for r in redops
                 if not (r == "average" and algo in ("gloo", "mpi-raw", "onebit"))]
     return out
@@ -466,7 +478,8 @@ def main(argv: list[str] | None = None) -> None:
         if op not in OPS:
             p.error(f"--op: {op!r} is not one of {OPS}")
     for a in args.algo:
-        known = algorithms.ALGORITHMS + algorithms.ALLTOALL_ALGORITHMS + EXTRA_ALGOS
+        known = algorithms.ALGORITHMS + algorithms.ALLTOALL_ALGORITHMS + EXTRA_ALGOS \
+            + tuple(COMPRESSED)
         if a not in known:
             p.error(f"--algo: {a!r} is not one of {sorted(set(known))}")
     args.place = args.place or (["in"] if args.inplace else ["out"])

@@ -83,6 +83,13 @@ def numpy_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(blocks / scales[:, None]).astype(np.int8).reshape(-1), scales
 
 
+def numpy_int4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    blocks = x.reshape(-1, K.INT4_BLOCK_SIZE)
+    scales = np.abs(blocks).max(axis=1) / f32(7)
+    v = np.rint(blocks / scales[:, None]).astype(np.int8).reshape(-1).view(np.uint8) & 0xF
+    return v[0::2] | (v[1::2] << 4), scales
+
+
 def numpy_onebit(x: np.ndarray, error: np.ndarray) -> tuple[np.ndarray, np.float32]:
     c = x + error
     scale = f32(np.linalg.norm(c) / np.sqrt(c.size))
@@ -114,6 +121,7 @@ def cases(count: int, n_tensors: int) -> list[Case]:
     torch_buf = torch.from_numpy(buf)
     outs = [np.empty_like(t) for t in tensors]
     h, (q, scales) = K.quantize_fp16(x), K.quantize_int8(x)
+    q4, scales4 = K.quantize_int4(x)
     err_ours, err_np = np.zeros(count, f32), np.zeros(count, f32)
     bits, scale = K.onebit_compress(x, np.zeros(count, f32))
     chunks = [K.onebit_compress(rng.standard_normal(count).astype(f32), np.zeros(count, f32))
@@ -146,6 +154,10 @@ def cases(count: int, n_tensors: int) -> list[Case]:
         Case("dequantize_int8", n, count * 4, lambda: K.dequantize_int8(q, scales, count),
              "numpy blocks", lambda: q.reshape(-1, K.INT8_BLOCK_SIZE) * scales[:, None], vector,
              False),
+        Case("quantize_int4", n, count * 4, lambda: K.quantize_int4(x),
+             "numpy blocks", lambda: numpy_int4(x), vector),
+        Case("dequantize_int4", n, count * 4, lambda: K.dequantize_int4(q4, scales4, count),
+             "-", None, vector, False),
         Case("onebit_compress", n, count * 4, lambda: K.onebit_compress(x, err_ours),
              "numpy packbits", lambda: numpy_onebit(x, err_np), vector),
         Case("onebit_compress B=2048", n, count * 4,

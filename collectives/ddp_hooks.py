@@ -5,8 +5,9 @@ from collectives.integrations.ddp_hooks import (
     OnebitHookState,
     allreduce_hook,
     fp16_hook,
+    int4_hook,
     int8_hook,
     onebit_hook,
 )
 
-__all__ = ["OnebitHookState", "allreduce_hook", "fp16_hook", "int8_hook", "onebit_hook"]
+__all__ = ["OnebitHookState", "allreduce_hook", "fp16_hook", "int4_hook", "int8_hook", "onebit_hook"]

@@ -41,7 +41,7 @@ from tqdm import tqdm
 import collectives as C
 
 COMPRESSIONS = {"none": C.Compression.none, "fp16": C.Compression.fp16, "int8": C.Compression.int8,
-                "onebit": "onebit"}  # 1-bit gradients: with --zero only
+                "int4": C.Compression.int4, "onebit": "onebit"}  # 1-bit gradients: with --zero only
 
 
 def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:

@@ -128,7 +128,7 @@ class ZeroOptimizer(Overlapped):
                              "it is created); load saved state with load_state_dict() after "
                              "wrapping")
         if compression != ONEBIT and not any(compression is c for c in _COMPRESSORS.values()):
-            raise ValueError(f"compression: expected Compression.none, fp16, int8 or "
+            raise ValueError(f"compression: expected Compression.none, fp16, int8, int4 or "
                              f"{ONEBIT!r}, got {compression!r}")
         if onebit_block_size is not None:
             _check_int("onebit_block_size", onebit_block_size, 1)

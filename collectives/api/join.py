@@ -25,7 +25,7 @@ import numpy as np
 from collectives import algorithms
 from collectives.api import calls, on_device, process_sets
 from collectives.auto import online, select
-from collectives.compression import Compression
+from collectives.compression import Compression, by_name
 from collectives.dtypes import FLOATING, STORAGE
 from collectives.ops import ReduceOp
 from collectives.runtime import agreement, faults
@@ -64,7 +64,7 @@ def _contribute(topo: Topology, collective: str, fields: tuple) -> None:
     if f.get("memory") == "device":
         on_device.contribute(topo, op, dtype, data)
         return
-    compressor = getattr(Compression, f["compression"])
+    compressor = by_name(f["compression"])
     if compressor is not Compression.none and dtype in FLOATING:
         compressor.allreduce(topo, host_float(data, dtype), op, algorithm)
         return

@@ -10,14 +10,16 @@ override them:
   none   the array as it is
   fp16   float16 on the wire (half of float32's bytes), summed in float16 as it travels
   int8   int8 plus one float32 scale per block; quantized values cannot be added, so
-         every rank's pair is allgathered (reducescatter: each rank's block sent to its
-         rank) and summed locally in rank order
+         every rank's pair is allgathered and summed locally in rank order, or, where
+         cheaper, reduced in two phases (twophase.py: bytes that do not grow with the
+         ranks); reducescatter: each rank's block sent to its rank and summed there
+  int4   the same with 4-bit values, two a byte, and shorter blocks
   1-bit  signs plus scales with error feedback: its own two-phase exchange, with the
          error buffers (state) held by the caller (onebit.py)
 Non-floating arrays are never compressed (as in Horovod).
 
-The compression layer: this module (none, fp16, int8) and onebit.py (1-bit with error
-feedback; its state is the caller's).
+The compression layer: this module (none, fp16, int8, int4), twophase.py (the two-phase
+quantized allreduce) and onebit.py (1-bit with error feedback; its state is the caller's).
 May import: the leaves, kernels, runtime, algorithms, auto."""
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from collectives import algorithms, kernels
 from collectives.auto import select
+from collectives.compression import twophase
 from collectives.dtypes import FLOATING, NUMPY_NAMES, loaded_torch, torch_dtype, torch_dtype_name
 from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime.buffers import to_device, to_host
@@ -141,13 +144,43 @@ class FP16Compressor(TensorCompressor):
         return x if ctx is None else _cast(x, ctx)
 
 
-class Int8Compressor(TensorCompressor):
-    """Floating arrays travel as int8 with one float32 scale per block of
-    kernels.INT8_BLOCK_SIZE elements (about a quarter of float32's bytes). Sum and Average
-    only: the values are summed after they travel."""
+class BlockQuantizer(TensorCompressor):
+    """Floating arrays travel as `bits`-bit integers with one float32 scale per block of
+    `block` elements (int8, int4). Sum and Average only: quantized values are summed after
+    they travel, in one of two forms (twophase.py): every rank's vector allgathered and
+    summed locally, or two phases (an alltoall of chunks, each reduced in float32 by its
+    rank and quantized again, then an allgather), whose bytes per rank do not grow with the
+    ranks; `form` "auto" takes the cheaper by the modelled cost, the same on every rank.
 
-    name = "int8"
+    form: "auto", "allgather" or "two-phase"; a compressor with a fixed form is named after
+    it (Int8Compressor("two-phase") is Compression.int8/two-phase in the call's agreement,
+    so ranks that choose differently get a MismatchError, not a hang)."""
+
     ops = (ReduceOp.Sum, ReduceOp.Average)
+    #: value bits, elements per scale; on_device: whether device data is quantized where it
+    #: is (else it is staged through the host first)
+    bits: int
+    block: int
+    on_device: bool = False
+
+    def __init__(self, form: str = "auto"):
+        if form not in ("auto", *twophase.FORMS):
+            raise ValueError(f"form: expected 'auto' or one of {list(twophase.FORMS)}, "
+                             f"got {form!r}")
+        self.form = form
+        if form != "auto":
+            self.name = f"{type(self).name}/{form}"
+
+    def quantize(self, x: Any) -> tuple[Any, Any]:
+        """A flat float32 vector -> (payload, float32 scales)."""
+        raise NotImplementedError
+
+    def dequantize(self, q: Any, scales: Any, count: int, out: Any = None) -> Any:
+        """The float32 vector of count elements of (q, scales), into out if given."""
+        raise NotImplementedError
+
+    def payload_bytes(self, count: int) -> int:
+        return (count * self.bits + 7) // 8
 
     def compress(self, x: Any) -> tuple[Any, Any]:
         dtype = _float_dtype(x)
@@ -155,23 +188,42 @@ class Int8Compressor(TensorCompressor):
             return x, None
         if isinstance(x, np.ndarray) or _is_cupy(x):
             flat = x.reshape(-1).astype(np.float32, copy=False)
+            if _is_cupy(x) and not self.on_device:
+                flat = to_host(flat)
         else:
             flat = x.detach().float().reshape(-1)
-        q, scales = kernels.quantize_int8(flat)
+            if flat.device.type != "cpu" and not self.on_device:
+                flat = flat.cpu()
+        q, scales = self.quantize(flat)
         return q, (scales, tuple(x.shape), dtype)
 
     def decompress(self, x: Any, ctx: Any) -> Any:
         if ctx is None:
             return x
         scales, shape, dtype = ctx
-        out = kernels.dequantize_int8(x, scales, int(np.prod(shape, dtype=np.int64)))
+        out = self.dequantize(x, scales, int(np.prod(shape, dtype=np.int64)))
         return _cast(out.reshape(shape), dtype)
 
     def allreduce(self, topo: Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
                   state: Any = None) -> np.ndarray:
+        """In the form `form` names or `auto` chooses (twophase.choose). Device data stays
+        on the device in the allgather form of a compressor with device kernels; else it is
+        staged through the host."""
+        form = self.form if self.form != "auto" else twophase.choose(topo, self, x.size)
+        if form == "allgather" and (self.on_device or isinstance(x, np.ndarray)):
+            return self.allgathered(topo, x, op, algorithm)
+        host = to_host(x).reshape(-1).astype(np.float32, copy=False)
+        if form == "allgather":
+            out = self.allgathered(topo, host, op, algorithm)
+        else:
+            out = twophase.allreduce(topo, self, host, op, algorithm)
+        return to_device(out, x)
+
+    def allgathered(self, topo: Topology, x: Any, op: ReduceOp, algorithm: str) -> Any:
         """Every rank's compress(x) allgathered; each rank decompresses and sums them in
         rank order, so results are bit-identical everywhere. Bytes received per rank:
-        (n-1)(m/4 + scales), against a float32 ring's 2(n-1)/n m: cheaper up to 8 ranks."""
+        (n-1) m b/8 (+ scales), against a float32 ring's 2(n-1)/n 4m: for int8 cheaper up
+        to 8 ranks, but growing with them (the two-phase form does not)."""
         n = topo.size
         q, (scales, shape, _) = self.compress(x)
         gathered = []
@@ -187,14 +239,15 @@ class Int8Compressor(TensorCompressor):
                       algorithm: str, state: Any = None) -> np.ndarray:
         """Each block of x compressed on its own and sent to its rank (alltoall); each rank
         decompresses and sums the blocks it received in rank order. Bytes received per
-        rank: (n-1)(b/4 + scales) for a block of b elements, against (n-1) b float32."""
+        rank: (n-1)(b bits + scales) for a block of b elements, against (n-1) b float32:
+        one phase, whose bytes do not grow with the ranks."""
         n, r = topo.size, topo.rank
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        pairs = [kernels.quantize_int8(x[starts[j]:starts[j + 1]].astype(np.float32,
-                                                                         copy=False))
+        pairs = [self.quantize(x[starts[j]:starts[j + 1]].astype(np.float32, copy=False))
                  for j in range(n)]
         received = []
-        for k, send_counts in ((0, counts), (1, [p[1].size for p in pairs])):
+        for k in (0, 1):
+            send_counts = [p[k].size for p in pairs]
             send = np.concatenate([p[k] for p in pairs])
             recv = np.empty(n * send_counts[r], send.dtype)
             algo = select.concrete(topo, "alltoall", algorithm if algorithm in
@@ -217,13 +270,57 @@ class Int8Compressor(TensorCompressor):
         return total
 
 
+class Int8Compressor(BlockQuantizer):
+    """int8 with one float32 scale per block of kernels.INT8_BLOCK_SIZE elements (about a
+    quarter of float32's bytes); its kernels also run on the device."""
+
+    name = "int8"
+    bits, block, on_device = 8, kernels.INT8_BLOCK_SIZE, True
+
+    def quantize(self, x: Any) -> tuple[Any, Any]:
+        return kernels.quantize_int8(x)
+
+    def dequantize(self, q: Any, scales: Any, count: int, out: Any = None) -> Any:
+        if isinstance(q, np.ndarray) and q.dtype == np.uint8:  # a packet's bytes
+            q = q.view(np.int8)
+        values = kernels.dequantize_int8(q, scales, count)
+        if out is None:
+            return values
+        out[:] = values
+        return out
+
+
+class Int4Compressor(BlockQuantizer):
+    """int4, two values a byte, with one float32 scale per block of kernels.INT4_BLOCK_SIZE
+    elements (about an eighth of float32's bytes; each value within max|block| / 14).
+    Host kernels: device data is staged through the host."""
+
+    name = "int4"
+    bits, block = 4, kernels.INT4_BLOCK_SIZE
+
+    def quantize(self, x: Any) -> tuple[Any, Any]:
+        return kernels.quantize_int4(x)
+
+    def dequantize(self, q: Any, scales: Any, count: int, out: Any = None) -> Any:
+        return kernels.dequantize_int4(q, scales, count, out)
+
+
+def by_name(name: str) -> TensorCompressor:
+    """The compressor a call's agreed fields name (its `name`: "int8", "int8/two-phase"):
+    how a joined rank takes part in a compressed call it did not make."""
+    base, _, form = name.partition("/")
+    found = getattr(Compression, base)
+    return type(found)(form) if form else found
+
+
 def check_compression(compression: object) -> TensorCompressor:
     """A collective's `compression` argument as a compressor (None: Compression.none)."""
     if compression is None:
         return Compression.none
     if isinstance(compression, TensorCompressor):
         return compression
-    raise ValueError(f"compression: expected Compression.none, fp16 or int8, got {compression!r}")
+    raise ValueError(f"compression: expected Compression.none, fp16, int8 or int4, got "
+                     f"{compression!r}")
 
 
 class Compression:
@@ -232,3 +329,4 @@ class Compression:
     none = TensorCompressor()
     fp16 = FP16Compressor()
     int8 = Int8Compressor()
+    int4 = Int4Compressor()

@@ -2,15 +2,20 @@
 
     ddp.register_comm_hook(None, fp16_hook)          # state: a process group, or None
     ddp.register_comm_hook(MPI.COMM_WORLD, allreduce_hook)   # or an mpi4py communicator
-    ddp.register_comm_hook(None, int8_hook)
+    ddp.register_comm_hook(None, int8_hook)          # or int4_hook
     state = OnebitHookState(warmup_steps=100)
     ddp.register_comm_hook(state, onebit_hook)       # save state.state_dict() with the model
 
   fp16    float16 on the wire: half of float32's bytes.
   int8    our block-int8 (one float32 scale per block of kernels.INT8_BLOCK_SIZE values):
-          every rank's int8 bucket is allgathered and the n of them are decompressed and
-          summed in rank order (compression.Int8Compressor), so every rank gets the same
-          bits; about a quarter of float32's bytes per rank and peer.
+          about a quarter of float32's bytes. On our backend the library's allreduce
+          (compression.BlockQuantizer: every rank's bucket allgathered and summed in rank
+          order, or two phases whose bytes do not grow with the ranks, whichever `auto`
+          prices cheaper); on another backend the allgather form. Every rank gets the
+          same bits.
+  int4    the same with block-int4 values, two a byte (kernels.INT4_BLOCK_SIZE values a
+          scale): about an eighth of float32's bytes, each value within 1/14 of its
+          block's largest.
   1-bit   signs plus a float32 scale per 32 values (OnebitHookState.block_size), with
           error feedback on the worker and the server side (compression/onebit.py): ~1/16
           of float32's bytes. What one step's compression loses is sent in the next, so the
@@ -105,22 +110,33 @@ def _gather_rows(part: torch.Tensor, group: Any) -> np.ndarray:
     return rows.numpy()
 
 
-def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-    """Average the bucket as block-int8 values and scales. state: the process group (None:
-    the default group)."""
+def _quantized(state: Any, bucket: dist.GradBucket, codec: Any) -> Future[torch.Tensor]:
+    """The bucket averaged under a block quantizer (int8, int4): on our group one call of
+    the library (its form `auto`'s choice); on another backend the allgather form over its
+    collectives (the bits of the library's call in that form)."""
     group, buffer = _group(state), bucket.buffer()
     ours = _ours(group)
     if ours is not None:
         return torch_work.future(api.allreduce_async_(buffer, ReduceOp.Average,
-                                                    compression=Compression.int8,
-                                                    comm=ours.comm))
-    codec = Compression.int8
+                                                    compression=codec, comm=ours.comm))
     q, (scales, shape, _) = codec.compress(buffer)
     # a Sum, divided here: the call is not on our engine, so no rank of it has joined
     total = codec.combine(_gather_rows(q, group), _gather_rows(scales, group), shape,
                           ReduceOp.Sum, group.size())
     kernels.divide(total, "float32", group.size())
     return torch_work.done(buffer.copy_(torch.from_numpy(total).view(buffer.shape)))
+
+
+def int8_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Average the bucket as block-int8 values and scales. state: the process group (None:
+    the default group)."""
+    return _quantized(state, bucket, Compression.int8)
+
+
+def int4_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Average the bucket as block-int4 values (two a byte) and scales. state: the process
+    group (None: the default group)."""
+    return _quantized(state, bucket, Compression.int4)
 
 
 class OnebitHookState:

@@ -16,7 +16,14 @@ from typing import Any
 import numpy as np
 
 from collectives.dtypes import CODES, NAMES, NUMPY_NAMES, STORAGE, torch_dtype_name
-from collectives.kernels.args import INT8_BLOCK_SIZE, block_length, check_count, like, nblocks
+from collectives.kernels.args import (
+    INT4_BLOCK_SIZE,
+    INT8_BLOCK_SIZE,
+    block_length,
+    check_count,
+    like,
+    nblocks,
+)
 from collectives.ops import ReduceOp
 
 try:
@@ -250,6 +257,32 @@ def quantize_int8(x: Array) -> tuple[Array, Array]:
     scales = np.empty(nblocks(src.size, INT8_BLOCK_SIZE), np.float32)
     _C.quantize_int8(src, q, scales, src.size)
     return _like(q, x), _like(scales, x)
+
+
+def quantize_int4(x: Array) -> tuple[Array, Array]:
+    """x (read flat, float32, host) -> (q uint8 of (size + 1) // 2 bytes, scales float32),
+    one scale per INT4_BLOCK_SIZE elements, two values a byte (element 2k in the low nibble
+    of q[k]). scale = max|x in block| / 7 and each value clamp(rint(x / scale), -7, 7), so
+    an element is off by at most max|x in block| / 14 (+ rounding); zero and non-finite
+    blocks as quantize_int8's. Host memory only: device data is staged by its caller."""
+    src = _host_f32(x, "x")
+    q = np.empty((src.size + 1) // 2, np.uint8)
+    scales = np.empty(nblocks(src.size, INT4_BLOCK_SIZE), np.float32)
+    _C.quantize_int4(src, q, scales, src.size)
+    return _like(q, x), _like(scales, x)
+
+
+def dequantize_int4(q: Array, scales: Array, count: int, out: Array | None = None) -> Array:
+    """float32 vector of count elements: value i of q times scales[i // INT4_BLOCK_SIZE],
+    into out (a float32 host vector of count elements) if given."""
+    count = check_count(count)
+    qs, dtype = _host(q, "q")
+    if dtype != "uint8":
+        raise TypeError(f"q: expected uint8 (two int4 values a byte), got {dtype}")
+    sc = _host_f32(scales, "scales")
+    dst = np.empty(count, np.float32) if out is None else _host_f32(out, "out")
+    _C.dequantize_int4(qs, sc, dst, count)
+    return _like(dst, q) if out is None else out
 
 
 def dequantize_int8(q: Array, scales: Array, count: int) -> Array:

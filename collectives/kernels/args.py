@@ -17,6 +17,8 @@ CUDA_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
 #: Elements sharing one float32 scale in quantize_int8 (kInt8Block in csrc/kernels/quantize.h,
 #: INT8_BLOCK in csrc/cuda/quantize.cu).
 INT8_BLOCK_SIZE = 256
+#: Elements sharing one float32 scale in quantize_int4 (kInt4Block in csrc/kernels/quantize.h).
+INT4_BLOCK_SIZE = 128
 
 
 def _is_int(x: object) -> bool:

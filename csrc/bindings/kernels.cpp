@@ -144,6 +144,29 @@ void py_dequantize_int8(const py::buffer& q, const py::buffer& scales, const py:
   dequantize_int8(qp, sp, dst, count);
 }
 
+int64_t int4_blocks(int64_t count) { return (count + kInt4Block - 1) / kInt4Block; }
+
+void py_quantize_int4(const py::buffer& x, const py::buffer& q, const py::buffer& scales,
+                      int64_t count) {
+  check::count(count);
+  const auto* src = static_cast<const float*>(check::ptr(x, "x", DType::f32, false, count));
+  auto* qp = static_cast<uint8_t*>(check::ptr(q, "q", DType::u8, true, (count + 1) / 2));
+  auto* sp = static_cast<float*>(check::ptr(scales, "scales", DType::f32, true, int4_blocks(count)));
+  py::gil_scoped_release release;
+  quantize_int4(src, qp, sp, count);
+}
+
+void py_dequantize_int4(const py::buffer& q, const py::buffer& scales, const py::buffer& out,
+                        int64_t count) {
+  check::count(count);
+  const auto* qp = static_cast<const uint8_t*>(check::ptr(q, "q", DType::u8, false, (count + 1) / 2));
+  const auto* sp =
+      static_cast<const float*>(check::ptr(scales, "scales", DType::f32, false, int4_blocks(count)));
+  auto* dst = static_cast<float*>(check::ptr(out, "out", DType::f32, true, count));
+  py::gil_scoped_release release;
+  dequantize_int4(qp, sp, dst, count);
+}
+
 // Scales needed by count elements in blocks of `block` (block >= 1).
 int64_t onebit_blocks(int64_t count, int64_t block) {
   if (block < 1) throw py::value_error("block_size: must be >= 1, got " + std::to_string(block));
@@ -241,6 +264,7 @@ void bind_kernels(py::module_& m) {
 
   // fusion packing, quantization, 1-bit compression
   m.attr("INT8_BLOCK_SIZE") = kInt8Block;
+  m.attr("INT4_BLOCK_SIZE") = kInt4Block;
   m.def("pack", &py_pack, py::arg("out"), py::arg("tensors"), py::arg("dtype"),
         py::arg("torch_dtype"), py::arg("scale"),
         "out[:total] = concat(tensors) * scale in one call; returns total. tensors are NumPy "
@@ -256,6 +280,10 @@ void bind_kernels(py::module_& m) {
         py::arg("count"), "q, scales = int8 quantization of x, one scale per INT8_BLOCK_SIZE");
   m.def("dequantize_int8", &py_dequantize_int8, py::arg("q"), py::arg("scales"),
         py::arg("out"), py::arg("count"), "out = q * scales[i / INT8_BLOCK_SIZE]");
+  m.def("quantize_int4", &py_quantize_int4, py::arg("x"), py::arg("q"), py::arg("scales"),
+        py::arg("count"), "q (two values a byte), scales = int4 quantization of x");
+  m.def("dequantize_int4", &py_dequantize_int4, py::arg("q"), py::arg("scales"),
+        py::arg("out"), py::arg("count"), "out = the values of q * scales[i / INT4_BLOCK_SIZE]");
   m.def("onebit_compress", &py_onebit_compress, py::arg("x"), py::arg("error"),
         py::arg("bits"), py::arg("scales"), py::arg("count"), py::arg("block"),
         "bits, scales = 1-bit compression of x + error; error updated in place");

@@ -1,4 +1,4 @@
-// float16 and block-int8 quantization. Every loop is branch-free so GCC/Clang vectorize
+// float16, block-int8 and block-int4 quantization. Every loop is branch-free so GCC/Clang vectorize
 // it at -O3 (csrc/README.md shows the -fopt-info-vec evidence).
 #include "quantize.h"
 
@@ -35,6 +35,22 @@ COLLECTIVES_CLONES void quantize_block(const float* __restrict__ x, int8_t* __re
   }
 }
 
+// Two int4 values (each in [-7, 7]) in one byte: lo in the low nibble, hi in the high one.
+COLLECTIVES_CLONES void quantize_block4(const float* __restrict__ x, uint8_t* __restrict__ q,
+                                       int64_t n, float scale) {
+  for (int64_t k = 0; k < n / 2; ++k) {
+    const float lo = (x[2 * k] / scale + 12582912.0f) - 12582912.0f;
+    const float hi = (x[2 * k + 1] / scale + 12582912.0f) - 12582912.0f;
+    const int32_t a = std::clamp(static_cast<int32_t>(lo), -7, 7);
+    const int32_t b = std::clamp(static_cast<int32_t>(hi), -7, 7);
+    q[k] = static_cast<uint8_t>((a & 0xf) | ((b & 0xf) << 4));
+  }
+  if (n % 2) {
+    const float lo = (x[n - 1] / scale + 12582912.0f) - 12582912.0f;
+    q[n / 2] = static_cast<uint8_t>(std::clamp(static_cast<int32_t>(lo), -7, 7) & 0xf);
+  }
+}
+
 }  // namespace
 
 COLLECTIVES_CLONES void quantize_fp16(const float* __restrict__ x, uint16_t* __restrict__ h,
@@ -68,6 +84,42 @@ void dequantize_int8(const int8_t* __restrict__ q, const float* __restrict__ sca
     const int64_t n = std::min(kInt8Block, count - lo);
     const float s = scales[b];
     for (int64_t i = 0; i < n; ++i) x[lo + i] = static_cast<float>(q[lo + i]) * s;
+  }
+}
+
+void quantize_int4(const float* x, uint8_t* q, float* scales, int64_t count) {
+  // blocks hold an even number of elements, so each starts on a byte
+  for (int64_t lo = 0, b = 0; lo < count; lo += kInt4Block, ++b) {
+    const int64_t n = std::min(kInt4Block, count - lo);
+    const int32_t amax = abs_max_bits(x + lo, n);
+    const float amax_f = bits_float(static_cast<uint32_t>(amax));
+    const float scale = amax >= 0x7f800000 ? NAN : amax_f / 7.0f;
+    scales[b] = scale;
+    if (scale > 0.0f) {
+      quantize_block4(x + lo, q + lo / 2, n, scale);
+    } else {
+      std::memset(q + lo / 2, 0, static_cast<size_t>((n + 1) / 2));
+    }
+  }
+}
+
+COLLECTIVES_CLONES void dequantize_int4(const uint8_t* __restrict__ q,
+                                        const float* __restrict__ scales,
+                                        float* __restrict__ x, int64_t count) {
+  for (int64_t lo = 0, b = 0; lo < count; lo += kInt4Block, ++b) {
+    const int64_t n = std::min(kInt4Block, count - lo);
+    const float s = scales[b];
+    const uint8_t* in = q + lo / 2;
+    float* out = x + lo;
+    for (int64_t k = 0; k < n / 2; ++k) {  // sign-extend each nibble by shifts
+      const int8_t byte = static_cast<int8_t>(in[k]);
+      out[2 * k] = static_cast<float>(static_cast<int8_t>(byte << 4) >> 4) * s;
+      out[2 * k + 1] = static_cast<float>(byte >> 4) * s;
+    }
+    if (n % 2) {
+      const int8_t byte = static_cast<int8_t>(in[n / 2]);
+      out[n - 1] = static_cast<float>(static_cast<int8_t>(byte << 4) >> 4) * s;
+    }
   }
 }
 

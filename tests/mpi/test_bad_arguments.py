@@ -47,6 +47,9 @@ CASES = {
     "allreduce int8 op": (lambda bad: C.allreduce(GOOD, op=C.Max if bad else C.Sum,
                                                   compression=C.Compression.int8),
                           ValueError, "op"),
+    "allreduce int4 op": (lambda bad: C.allreduce(GOOD, op=C.Min if bad else C.Average,
+                                                  compression=C.Compression.int4),
+                          ValueError, "op"),
     "allreduce_ in place": (lambda bad: C.allreduce_(np.zeros(4, np.complex64) if bad
                                                      else GOOD.copy()), TypeError, "dtype"),
     "allgather scalar": (lambda bad: C.allgather(np.array(1.0) if bad else np.ones((1, 2))),

@@ -1,4 +1,4 @@
-"""DDP communication hooks (fp16, int8, 1-bit) on our backend and on gloo: the same bits as
+"""DDP communication hooks (fp16, int8, int4, 1-bit) on our backend and on gloo: the same bits as
 the library's own compressed calls, warm-up, DDP training, bitwise resume from a checkpoint."""
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import collectives as C
 from collectives.algorithms.onebit import error_sizes
-from collectives.integrations.ddp_hooks import OnebitHookState, fp16_hook, int8_hook, onebit_hook
+from collectives.compression import Int4Compressor, Int8Compressor
+from collectives.integrations.ddp_hooks import (
+    OnebitHookState,
+    fp16_hook,
+    int4_hook,
+    int8_hook,
+    onebit_hook,
+)
 
 
 @pytest.fixture(scope="module", autouse=True, params=["collectives", "gloo"])
@@ -48,8 +55,8 @@ def _grads(comm, size: int, step: int) -> torch.Tensor:
     return torch.randn(size, generator=g)
 
 
-@pytest.mark.parametrize("size", [1, 7, 1000])
-def test_fp16_and_int8_average_as_the_library_does(comm, size):
+@pytest.mark.parametrize("size", [1, 7, 1000, 40000])
+def test_fp16_int8_and_int4_average_as_the_library_does(comm, backend, size):
     n = comm.Get_size()
     x = _grads(comm, size, 0)
     parts = comm.allgather(x.double().numpy())
@@ -59,9 +66,13 @@ def test_fp16_and_int8_average_as_the_library_does(comm, size):
     bound = rounding_bound("float16", n + 1, sum(np.abs(p) for p in parts) / n)
     assert np.all(np.abs(half.numpy() - exact) <= bound)
     assert_same_on_all_ranks(comm, half.numpy(), "fp16_hook")
-    quarter = int8_hook(None, _Bucket(x.clone())).wait()
-    assert torch.equal(quarter, C.allreduce(x, C.Average, compression=C.Compression.int8))
-    assert_same_on_all_ranks(comm, quarter.numpy(), "int8_hook")
+    for hook, codec, maker in ((int8_hook, "int8", Int8Compressor),
+                               (int4_hook, "int4", Int4Compressor)):
+        got = hook(None, _Bucket(x.clone())).wait()
+        # ours: the library's call, in `auto`'s form; gloo: the allgather form
+        like = getattr(C.Compression, codec) if backend == "collectives" else maker("allgather")
+        assert torch.equal(got, C.allreduce(x, C.Average, compression=like)), codec
+        assert_same_on_all_ranks(comm, got.numpy(), hook.__name__)
 
 
 @pytest.mark.parametrize("block_size", [None, 64])
@@ -102,6 +113,7 @@ def test_on_our_backend_a_bucket_is_one_call_of_the_library(backend):
     state = OnebitHookState(warmup_steps=1)
     for hook, hook_state, collective in [(fp16_hook, None, "allreduce"),
                                          (int8_hook, None, "allreduce"),
+                                         (int4_hook, None, "allreduce"),
                                          (onebit_hook, state, "allreduce"),  # its warm-up
                                          (onebit_hook, state, "compressed_allreduce")]:
         before = _calls()

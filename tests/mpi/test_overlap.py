@@ -69,7 +69,7 @@ def _reduced_during_backward(model: nn.Module, opt, steps: int = 3) -> list[int]
     return out
 
 
-@pytest.mark.parametrize("compression", ["none", "fp16", "int8"])
+@pytest.mark.parametrize("compression", ["none", "fp16", "int8", "int4"])
 def test_distributed_optimizer_reduces_during_backward(comm, compression):
     model = _Model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),

@@ -222,7 +222,7 @@ def test_resharding_to_another_world_size(comm):
         C.remove_process_set(pair)
 
 
-@pytest.mark.parametrize("compression", ["fp16", "int8", "onebit"])
+@pytest.mark.parametrize("compression", ["fp16", "int8", "int4", "onebit"])
 def test_compression(comm, compression):
     """Gradients reduce-scattered compressed: close to the uncompressed run, not equal to
     it, and alike on every rank."""
@@ -233,10 +233,11 @@ def test_compression(comm, compression):
     for step in range(3):
         _step(comm, model, opt, step)
         _ref_step(n, ref, ref_opt, step)
-    tol = {"fp16": 1e-3, "int8": 2e-2, "onebit": 0.1}[compression]
+    tol = {"fp16": 1e-3, "int8": 2e-2, "int4": 0.1, "onebit": 0.1}[compression]
     assert 0 < max_diff(model, ref) <= tol
     assert_same_on_all_ranks(comm, flat_params(model).numpy(), "parameters")
-    with pytest.raises(ValueError, match="compression: expected Compression.none, fp16, int8"):
+    with pytest.raises(ValueError, match="compression: expected Compression.none, fp16, int8, "
+                                         "int4 or"):
         ZeroOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1), compression="int4")
 
 

@@ -1,8 +1,10 @@
-"""collectives/compression/__init__.py on one process: the fp16 and int8 compress/decompress
-pairs against NumPy references (fp16 exact where float16 can hold the value and rounded as
-NumPy rounds elsewhere; int8 within half of its block's scale max|x|/127), Compression.none
-passing arrays through, check_compression's errors, and int8's combine() summing every
-rank's pair in rank order (bit for bit, against a float32 NumPy sum in that order)."""
+"""collectives/compression/__init__.py on one process: the fp16, int8 and int4
+compress/decompress pairs against NumPy references (fp16 exact where float16 can hold the
+value and rounded as NumPy rounds elsewhere; int8 and int4 within half of their block's
+scale, max|x|/127 and max|x|/7), Compression.none passing arrays through,
+check_compression's errors, int8's combine() summing every rank's pair in rank order (bit
+for bit, against a float32 NumPy sum in that order), and twophase.py's chunks and `auto`'s
+choice of form by cost on made-up layouts."""
 
 from __future__ import annotations
 
@@ -11,9 +13,16 @@ import re
 import numpy as np
 import pytest
 import torch
+from fake_topology import FakeTopology
 
-from collectives.compression import Compression, check_compression
-from collectives.kernels import INT8_BLOCK_SIZE
+from collectives.compression import (
+    Compression,
+    Int4Compressor,
+    Int8Compressor,
+    check_compression,
+    twophase,
+)
+from collectives.kernels import INT4_BLOCK_SIZE, INT8_BLOCK_SIZE
 from collectives.ops import ReduceOp
 
 SHAPES = [(0,), (1,), (7,), (3, 5), (2, INT8_BLOCK_SIZE + 3), (4 * INT8_BLOCK_SIZE,)]
@@ -165,12 +174,83 @@ def test_combine_sums_every_ranks_pair_in_rank_order(ranks, op):
 
 def test_check_compression_accepts_none_and_the_compressors():
     assert check_compression(None) is Compression.none
-    for c in (Compression.none, Compression.fp16, Compression.int8):
+    for c in (Compression.none, Compression.fp16, Compression.int8, Compression.int4,
+              Int4Compressor("two-phase")):
         assert check_compression(c) is c
 
 
 @pytest.mark.parametrize("bad", ["fp16", "none", 1, True, object, Compression, type(Compression.fp16)])
 def test_check_compression_names_a_bad_value(bad):
-    with pytest.raises(ValueError, match=r"^compression: expected Compression.none, fp16 or int8, "
-                                         rf"got {re.escape(repr(bad))}$"):
+    with pytest.raises(ValueError, match=r"^compression: expected Compression.none, fp16, int8 or "
+                                         rf"int4, got {re.escape(repr(bad))}$"):
         check_compression(bad)
+
+
+# ---------------------------------------------------------------------------------- int4
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (7,), (3, 5), (2, INT4_BLOCK_SIZE + 3)])
+def test_int4_round_trip_is_within_half_a_block_scale(shape):
+    x = values(shape, 4, 10)
+    before = x.copy()
+    q, ctx = Compression.int4.compress(x)
+    assert q.dtype == np.uint8 and q.size == (x.size + 1) // 2
+    back = Compression.int4.decompress(q, ctx)
+    assert back.dtype == x.dtype and back.shape == shape
+    flat = np.abs(x.reshape(-1).astype(np.float64))
+    scales = np.array([flat[lo:lo + INT4_BLOCK_SIZE].max() / 7
+                       for lo in range(0, flat.size, INT4_BLOCK_SIZE)])
+    bound = np.repeat(scales, INT4_BLOCK_SIZE)[:x.size].reshape(shape) * (0.5 + 1e-5)
+    assert np.all(np.abs(back.astype(np.float64) - x) <= bound)
+    assert np.array_equal(x, before)
+
+
+def test_int4_refuses_ops_it_cannot_add_and_keeps_torch_dtypes():
+    with pytest.raises(ValueError, match=r"^op: Compression.int4 supports .*got Max"):
+        Compression.int4.check_op(ReduceOp.Max)
+    x = torch.linspace(-3, 3, 300, dtype=torch.bfloat16)
+    back = Compression.int4.decompress(*Compression.int4.compress(x))
+    assert back.dtype == torch.bfloat16 and back.shape == x.shape
+    assert (back.double() - x.double()).abs().max() <= 3 / 7 / 2 + 3 * 2.0 ** -8
+
+
+# ------------------------------------------------------------------------------ forms
+
+def test_a_fixed_form_is_in_the_name_and_a_bad_one_is_refused():
+    assert repr(Compression.int8) == "Compression.int8"
+    assert Int8Compressor("two-phase").name == "int8/two-phase"
+    assert Int4Compressor("allgather").name == "int4/allgather"
+    with pytest.raises(ValueError, match=r"^form: expected 'auto' or one of \['allgather', "
+                                         r"'two-phase'\], got 'ring'$"):
+        Int8Compressor("ring")
+
+
+@pytest.mark.parametrize("codec", [Compression.int8, Compression.int4])
+def test_auto_takes_two_phases_where_the_allgather_would_grow_with_the_ranks(codec):
+    """Two ranks receive as many bytes either way, in one step fewer by allgather; from
+    three, large vectors go in two phases, on one node and across nodes alike; small ones,
+    paying each phase's steps, go by allgather; one rank needs no exchange."""
+    big, small = 1 << 20, 16
+    assert twophase.choose(FakeTopology(1), codec, big) == "allgather"
+    assert twophase.choose(FakeTopology(2), codec, big) == "allgather"
+    assert twophase.choose(FakeTopology(1, 1), codec, big) == "allgather"
+    for layout in [(3,), (4,), (8,), (1, 1, 1, 1), (2, 2), (4, 4), (2, 1)]:
+        topo = FakeTopology(*layout)
+        assert twophase.choose(topo, codec, big) == "two-phase", layout
+        assert twophase.choose(topo, codec, small) == "allgather", layout
+        ratio = twophase.cost("allgather", topo, codec, big) / twophase.cost(
+            "two-phase", topo, codec, big)
+        assert ratio > 1, layout
+    # the allgather form's bytes grow with the ranks, the two phases' do not
+    grow = [twophase.cost("allgather", FakeTopology(*(1,) * n), codec, big) for n in (4, 16)]
+    flat_ = [twophase.cost("two-phase", FakeTopology(*(1,) * n), codec, big) for n in (4, 16)]
+    assert grow[1] / grow[0] > 4 and flat_[1] / flat_[0] < 1.5
+
+
+@pytest.mark.parametrize("count,n,block", [(0, 3, 256), (1, 3, 256), (256, 3, 256),
+                                           (257, 2, 256), (1000, 4, 128), (5 * 128 + 1, 3, 128)])
+def test_chunks_are_whole_blocks(count, n, block):
+    bounds = twophase.chunk_bounds(count, n, block)
+    assert len(bounds) == n + 1 and bounds[0] == 0 and bounds[-1] == count
+    assert all(b % block == 0 or b == count for b in bounds) and bounds == sorted(bounds)
+    sizes = [-(-(b - a) // block) for a, b in zip(bounds, bounds[1:])]
+    assert max(sizes) - min(sizes) <= 1

@@ -1,4 +1,4 @@
-"""The C++ kernels behind collectives.kernels: reduce and divide, fused pack/unpack, fp16/int8
+"""The C++ kernels behind collectives.kernels: reduce and divide, fused pack/unpack, fp16/int8/int4
 quantization and 1-bit compression, checked against the NumPy reference (tests/vectors/make_kernel_vectors.py)
 and the shared vectors it generated (tests/vectors/kernels.npz, also run on CUDA)."""
 
@@ -56,6 +56,8 @@ def test_vectors_match_the_reference():
 def test_int8_block_size_is_one_constant():
     assert K.INT8_BLOCK_SIZE == _C.INT8_BLOCK_SIZE == ref.INT8_BLOCK_SIZE
     assert vectors["meta.int8.block_size"] == K.INT8_BLOCK_SIZE
+    assert K.INT4_BLOCK_SIZE == _C.INT4_BLOCK_SIZE == ref.INT4_BLOCK_SIZE
+    assert vectors["meta.int4.block_size"] == K.INT4_BLOCK_SIZE
 
 
 # ---- reduce / divide --------------------------------------------------------------------
@@ -303,6 +305,50 @@ def test_int8_error_bound():
     bound = np.repeat(padded.reshape(scales.size, -1).max(axis=1), K.INT8_BLOCK_SIZE)[: x.size]
     assert (np.abs(back - x) <= bound / 127).all()
     assert (np.abs(back - x) <= bound / 254 * 1.0001).all()
+
+
+@pytest.mark.parametrize("name", sorted(ref.cases(vectors, "int4")))
+def test_int4_vectors(name):
+    case = ref.cases(vectors, "int4")[name]
+    q, scales = K.quantize_int4(case["x"])
+    assert _same(q, case["q"]) and _same(scales, case["scales"])
+    assert _same(K.dequantize_int4(q, scales, case["x"].size), case["out"])
+
+
+def test_int4_packs_two_values_a_byte_low_nibble_first():
+    x = np.array([1, -1, 7, -7, 0], f32)  # max 7: scale 1, the values as they are
+    q, scales = K.quantize_int4(x)
+    assert scales.tolist() == [1.0]
+    assert q.tolist() == [0x01 | 0xF0, 0x07 | 0x90, 0x00]  # -1 is 0xF, -7 is 0x9
+    assert K.dequantize_int4(q, scales, 5).tolist() == x.tolist()
+
+
+def test_int4_error_bound():
+    rng = np.random.default_rng(3)
+    x = (rng.standard_t(2, 100_001) * 10.0 ** rng.integers(-20, 20, 100_001)).astype(f32)
+    q, scales = K.quantize_int4(x)
+    assert q.dtype == np.uint8 and q.size == 50_001
+    assert scales.size == -(-x.size // K.INT4_BLOCK_SIZE)
+    back = K.dequantize_int4(q, scales, x.size)
+    padded = np.zeros(scales.size * K.INT4_BLOCK_SIZE, f32)
+    padded[: x.size] = np.abs(x)
+    bound = np.repeat(padded.reshape(scales.size, -1).max(axis=1), K.INT4_BLOCK_SIZE)[: x.size]
+    assert (np.abs(back - x) <= bound / 14 * 1.0001).all()
+    assert (np.abs(back - x) > bound / 28).any(), "int4's error is as coarse as 4 bits"
+    out = np.full(x.size, np.nan, f32)
+    assert K.dequantize_int4(q, scales, x.size, out=out) is out and _same(out, back)
+
+
+def test_int4_rejects_bad_input():
+    with pytest.raises(TypeError, match="x: expected float32"):
+        K.quantize_int4(np.ones(3))
+    q, scales = K.quantize_int4(np.ones(300, f32))
+    with pytest.raises(ValueError, match="scales: holds 2 elements, need 3"):
+        K.dequantize_int4(q, scales[:2], 300)
+    with pytest.raises(ValueError, match="q: holds 150 elements, need 151"):
+        K.dequantize_int4(q, scales, 301)
+    with pytest.raises(TypeError, match="q: expected uint8"):
+        K.dequantize_int4(q.view(np.int8), scales, 300)
 
 
 def test_int8_rejects_bad_input():

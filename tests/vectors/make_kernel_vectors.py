@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 INT8_BLOCK_SIZE = 256
+INT4_BLOCK_SIZE = 128
 SEED = 20240611
 PATH = Path(__file__).with_name("kernels.npz")
 f32 = np.float32
@@ -49,6 +50,31 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray, count: int) -> np.ndarray:
     return q[:count].astype(f32) * np.repeat(scales, INT8_BLOCK_SIZE)[:count]
+
+
+def quantize_int4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """scale = max|x| / 7 per block; v = clamp(rint(x / scale), -7, 7), packed two a byte
+    (element 2k low nibble, 2k + 1 high); NaN/inf block: scale NaN, v = 0."""
+    x = x.reshape(-1).astype(f32)
+    nblocks = -(-x.size // INT4_BLOCK_SIZE)
+    blocks = np.zeros(nblocks * INT4_BLOCK_SIZE, f32)
+    blocks[: x.size] = x
+    blocks = blocks.reshape(nblocks, INT4_BLOCK_SIZE)
+    amax = np.abs(blocks).max(axis=1, initial=f32(0))
+    scales = np.where(np.isfinite(amax), amax / f32(7), f32(np.nan)).astype(f32)
+    usable = scales > 0
+    with np.errstate(invalid="ignore"):
+        v = np.clip(np.rint(blocks / np.where(usable, scales, f32(1))[:, None]), -7, 7)
+    v = np.where(usable[:, None], v, 0).astype(np.int8).reshape(-1)[: x.size]
+    nibbles = np.zeros(2 * ((x.size + 1) // 2), np.uint8)
+    nibbles[: x.size] = v.view(np.uint8) & 0xF
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8), scales
+
+
+def dequantize_int4(q: np.ndarray, scales: np.ndarray, count: int) -> np.ndarray:
+    nibbles = np.stack([q & 0xF, q >> 4], axis=1).reshape(-1)[:count].astype(np.int8)
+    values = np.where(nibbles > 7, nibbles - 16, nibbles).astype(f32)
+    return values * np.repeat(scales, INT4_BLOCK_SIZE)[:count]
 
 
 def _blocks(count: int, block_size: int | None) -> int:
@@ -234,6 +260,27 @@ def quantize_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return out
 
 
+def int4_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """int4's cases: the counts of int8's, and blocks of special values, with an odd count
+    (a half-filled last byte)."""
+    out = {}
+    for n in COUNTS:
+        out[f"int4.n{n}.x"] = (rng.standard_normal(n) * 3).astype(f32)
+    x = (rng.standard_normal(5 * INT4_BLOCK_SIZE + 3) * 0.01).astype(f32)
+    x[:INT4_BLOCK_SIZE] = 0  # all-zero block
+    x[INT4_BLOCK_SIZE + 3] = np.nan  # NaN block
+    x[2 * INT4_BLOCK_SIZE + 5] = -np.inf  # inf block
+    x[3 * INT4_BLOCK_SIZE:4 * INT4_BLOCK_SIZE] *= f32(1e-38)  # subnormal and tiny values
+    x[4 * INT4_BLOCK_SIZE:4 * INT4_BLOCK_SIZE + 8] = [7, -7, 6.5, -6.5, 0.5, -0.5, 3.5, 2.5]
+    out["int4.special.x"] = x
+    for key in [k for k in out if k.startswith("int4.")]:
+        case = key.rsplit(".", 1)[0]
+        q, scales = quantize_int4(out[key])
+        out[f"{case}.q"], out[f"{case}.scales"] = q, scales
+        out[f"{case}.out"] = dequantize_int4(q, scales, out[key].size)
+    return out
+
+
 def onebit_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
     out = {}
     cases = [(f"n{n}", n, None) for n in COUNTS]
@@ -382,9 +429,10 @@ def adam_vectors(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def make_vectors() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(SEED)
-    vectors = {"meta.int8.block_size": np.int64(INT8_BLOCK_SIZE)}
+    vectors = {"meta.int8.block_size": np.int64(INT8_BLOCK_SIZE),
+               "meta.int4.block_size": np.int64(INT4_BLOCK_SIZE)}
     for part in (pack_vectors, quantize_vectors, onebit_vectors, reduce_vectors,
-                 divide_vectors, adam_vectors):
+                 divide_vectors, adam_vectors, int4_vectors):
         vectors.update(part(rng))
     return vectors
 
