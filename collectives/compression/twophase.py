@@ -1,4 +1,5 @@
-"""Block-quantized allreduce in two phases, whose bytes per rank do not grow with the ranks.
+"""Block-quantized allreduce in two phases, whose bytes per rank do not grow with the ranks,
+and reducescatter on two levels.
 
 Quantized values cannot be added as they travel. The allgather form (every rank's
 quantized vector to every rank, summed locally) has each rank receive (n-1) m b/8 bytes for
@@ -33,6 +34,10 @@ Cost (`cost`, what `auto` compares, P = one rank's packet of m elements: m b/8 b
 two phases: an alltoall of P and an allgather of P plus decoding m elements twice, and on
 two levels a float32 reduce-scatter and allgather of 4m inside the node. The allgather
 form wins at 2 ranks (the same bytes in one step fewer) and for small vectors.
+
+reducescatter() is the first phase alone (each block to its rank), on two levels across
+nodes: a float32 reduce-scatter inside each node first, so that only quantized values cross
+the links (see its docstring).
 
 A codec is the compressor (compression/__init__.py: BlockQuantizer): codec.block elements
 per scale, codec.quantize(x) -> (payload uint8, scales float32), codec.dequantize(payload,
@@ -179,6 +184,55 @@ def hierarchical(topo: Topology, codec: Any, x: np.ndarray, op: ReduceOp) -> np.
     ag = flat.cheapest("allgather", x.nbytes, node, p, flat.ours())
     flat.FLAT[ag].allgather(topo.node_comm, mine, out, counts)
     return out
+
+
+def even_nodes(topo: Topology) -> bool:
+    """Whether every node has as many ranks (reducescatter's two levels need it)."""
+    return len({len(node) for node in topo.nodes}) == 1
+
+
+def reducescatter(topo: Topology, codec: Any, x: np.ndarray, counts: list[int], op: ReduceOp
+                  ) -> np.ndarray:
+    """Block topo.rank (counts[topo.rank] elements, float32) of the sum over every rank of
+    the float32 host vector x (block j: counts[j] elements, rank j's), on two levels (even
+    nodes of several ranks):
+      1. a float32 reduce-scatter inside the node, local rank i receiving the node's sum of
+         the blocks of every node's local rank i (the ranks of its cross communicator)
+      2. among those ranks, each block quantized and sent to its rank (an alltoall); each
+         decodes the N it receives and sums them in the communicator's rank order (an
+         Average divides once)
+    A node sends (N-1)/N m b/8 bytes across the links, where one level sends L times that
+    (every rank's blocks for every other node's ranks)."""
+    layout, p = Layout.of(topo), costmodel.params()
+    i = topo.local_rank
+    # the world ranks of each local index's cross communicator, in its rank order
+    groups = [sorted(node[k] for node in topo.nodes) for k in range(topo.local_size)]
+    starts = offsets(counts)
+    pieces = [np.concatenate([x[starts[t]:starts[t + 1]] for t in group]) if group else
+              np.empty(0, np.float32) for group in groups]
+    node_counts = [piece.size for piece in pieces]
+    mine = np.empty(node_counts[i], np.float32)
+    rs = flat.cheapest("reducescatter", x.nbytes, layout.intra(), p, flat.ours())
+    flat.FLAT[rs].reducescatter(topo.node_comm, np.concatenate(pieces), mine, node_counts,
+                                KERNEL_OP[ReduceOp.Sum], "float32")
+    group, comm = groups[i], topo.cross_comm
+    sizes = [packet_bytes(codec, counts[t]) for t in group]
+    at, held = offsets(sizes), offsets([counts[t] for t in group])
+    send = np.empty(at[-1], np.uint8)
+    for c in range(len(group)):
+        if held[c + 1] > held[c]:
+            encode(codec, mine[held[c]:held[c + 1]], send[at[c]:at[c + 1]])
+    me, count = comm.Get_rank(), counts[topo.rank]
+    received = np.empty(len(group) * sizes[me], np.uint8)
+    alltoall, _ = _cross_moves(comm, at[-1])
+    alltoall(send, received, sizes, [sizes[me]] * len(group))
+    total, part = np.zeros(count, np.float32), np.empty(count, np.float32)
+    for c in range(len(group)):  # the communicator's rank order: the same on every run
+        if count:
+            decode(codec, received[c * sizes[me]:(c + 1) * sizes[me]], count, part)
+            np.add(total, part, out=total)
+    algorithms.average(total, "float32", op, topo.size)
+    return total
 
 
 def two_levels(topo: Topology) -> bool:

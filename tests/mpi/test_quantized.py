@@ -196,3 +196,32 @@ def test_two_phase_error_is_within_its_bound(comm, codec):
     assert np.all(error <= bound * (1 + 1e-5) + 1e-6), float(np.max(error - bound))
     if codec == "int4":
         assert np.mean(error) > 4 * np.mean(np.abs(reference_allgather("int8", xs, False) - exact))
+
+
+def _reference_reducescatter(codec: str, xs: list[np.ndarray], counts: list[int], rank: int,
+                             average: bool) -> np.ndarray:
+    """This rank's block: one level, every rank's block decoded and summed in rank order;
+    on even nodes of several ranks, each node's float32 sum of it (exact for whole numbers)
+    decoded and summed in the order of the world ranks holding its local index."""
+    nodes, n = topology.get().nodes, len(xs)
+    lo = sum(counts[:rank])
+    block = [x[lo:lo + counts[rank]] for x in xs]
+    if len(nodes) > 1 and max(map(len, nodes)) > 1 and len({len(m) for m in nodes}) == 1:
+        local = next(node.index(rank) for node in nodes if rank in node)
+        order = sorted(nodes, key=lambda node: node[local])
+        block = [_sum([block[r] for r in node], None) for node in order]
+    return _sum([_decoded(codec, b) for b in block], n if average else None)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("op", [C.Sum, C.Average])
+def test_reducescatter_gives_its_references_bits(comm, codec, op):
+    """One level, or on even nodes a float32 node level first (twophase.reducescatter)."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    for rows in sorted({0, 1, max(n - 1, 0), 7, 300}):
+        xs = [x.reshape(rows, 3) for x in inputs(n, 3 * rows, rows + 1, integers=True)]
+        split = [rows // n + (q < rows % n) for q in range(n)]
+        got = C.reducescatter(xs[r].copy(), op=op, compression=getattr(C.Compression, codec))
+        expected = _reference_reducescatter(codec, [x.reshape(-1) for x in xs],
+                                            [3 * s for s in split], r, op is C.Average)
+        assert_equal(got, expected.reshape(split[r], 3), f"{codec} {op.name} of {rows} rows")
