@@ -54,6 +54,7 @@ from collectives import algorithms
 from collectives.algorithms import costmodel, flat
 from collectives.algorithms.costmodel import Layout
 from collectives.auto import select
+from collectives.kernels.args import nblocks
 from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime.p2p import even_bounds, offsets
 from collectives.runtime.topology import Topology
@@ -61,10 +62,6 @@ from collectives.runtime.topology import Topology
 #: The ways a block-quantized allreduce moves: every rank's vector to every rank, or the two
 #: phases of this module; `auto` picks the cheaper by cost().
 FORMS = ("allgather", "two-phase")
-
-
-def nblocks(count: int, block: int) -> int:
-    return -(-count // block)
 
 
 def packet_bytes(codec: Any, count: int) -> int:

@@ -25,6 +25,13 @@ COLLECTIVES_CLONES int32_t abs_max_bits(const float* __restrict__ x, int64_t n) 
   return m;
 }
 
+// The scale of a block for `levels` steps each side of zero: max|x| / levels, NaN where the
+// block holds NaN or +-inf (int8's and int4's rule).
+float block_scale(const float* x, int64_t n, float levels) {
+  const int32_t amax = abs_max_bits(x, n);
+  return amax >= 0x7f800000 ? NAN : bits_float(static_cast<uint32_t>(amax)) / levels;
+}
+
 COLLECTIVES_CLONES void quantize_block(const float* __restrict__ x, int8_t* __restrict__ q,
                                       int64_t n, float scale) {
   // x / scale lies in [-127, 127] (up to rounding), where adding and removing 1.5 * 2^23
@@ -66,9 +73,7 @@ COLLECTIVES_CLONES void dequantize_fp16(const uint16_t* __restrict__ h, float* _
 void quantize_int8(const float* x, int8_t* q, float* scales, int64_t count) {
   for (int64_t lo = 0, b = 0; lo < count; lo += kInt8Block, ++b) {
     const int64_t n = std::min(kInt8Block, count - lo);
-    const int32_t amax = abs_max_bits(x + lo, n);
-    const float amax_f = bits_float(static_cast<uint32_t>(amax));
-    const float scale = amax >= 0x7f800000 ? NAN : amax_f / 127.0f;
+    const float scale = block_scale(x + lo, n, 127.0f);
     scales[b] = scale;
     if (scale > 0.0f) {
       quantize_block(x + lo, q + lo, n, scale);
@@ -91,9 +96,7 @@ void quantize_int4(const float* x, uint8_t* q, float* scales, int64_t count) {
   // blocks hold an even number of elements, so each starts on a byte
   for (int64_t lo = 0, b = 0; lo < count; lo += kInt4Block, ++b) {
     const int64_t n = std::min(kInt4Block, count - lo);
-    const int32_t amax = abs_max_bits(x + lo, n);
-    const float amax_f = bits_float(static_cast<uint32_t>(amax));
-    const float scale = amax >= 0x7f800000 ? NAN : amax_f / 7.0f;
+    const float scale = block_scale(x + lo, n, 7.0f);
     scales[b] = scale;
     if (scale > 0.0f) {
       quantize_block4(x + lo, q + lo / 2, n, scale);
