@@ -90,7 +90,7 @@ setup(
             extra_compile_args=["-O3", "-fno-math-errno", "-Wall"],
         )
     ],
-    entry_points={"console_scripts": ["collectives-run = collectives.run:main"]},
+    entry_points={"console_scripts": ["collectives-run = collectives.launcher:main"]},
     cmdclass={"build_ext": BuildExt},
     zip_safe=False,
 )

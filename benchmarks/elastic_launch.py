@@ -32,8 +32,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rig", action="store_true", help="three emulated hosts")
     ap.add_argument("--api", choices=["train", "adam", "zero"], default="train",
-                    help="DistributedOptimizer over SGD (train) or Adam (adam), or "
-                         "ZeroOptimizer stage 2 (zero)")
+                    help="DistributedOptimizer over SGD on a linear model (train) or "
+                         "over Adam on a 32-64-64-1 network (adam), or ZeroOptimizer "
+                         "stage 2 (zero)")
     ap.add_argument("--steps", type=int, default=70)
     ap.add_argument("--step-s", type=float, default=0.1)
     args = ap.parse_args()

@@ -53,7 +53,7 @@ def run(func: Callable[..., Any] | None = None, *, min_size: int = 1) -> Any:
     launcher sets), commits are also written to disk on a thread (elastic/snapshot.py), and
     the job starts from the newest snapshot its hosts hold, at whatever size it now has
     (then the reset callbacks run). Under the launcher (`collectives-run`,
-    collectives/run.py), a commit at which the launcher changes the job's hosts ends every
+    collectives/launcher.py), a commit at which the launcher changes the job's hosts ends every
     process once the commit is on disk (SystemExit(0)); the launcher starts the job again
     on the new hosts, from that commit."""
     if func is None:
@@ -73,6 +73,8 @@ def run(func: Callable[..., Any] | None = None, *, min_size: int = 1) -> Any:
             raise ValueError("snapshot_dir: the launcher sets COLLECTIVES_RUN_DIR and "
                              "COLLECTIVES_SNAPSHOT_DIR together; got no snapshot folder")
         state.attach(members, writer, config.snapshot_interval_s)
+        if members is not None:  # the launcher restarts only a job that says it is elastic
+            members.report(state.commits, "started")
         resumed = None if writer is None else snapshot.resume(state, config.snapshot_dir)
         if resumed is not None:
             state.commits = resumed

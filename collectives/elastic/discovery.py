@@ -1,14 +1,15 @@
 """Host discovery in Horovod's form: a source that lists the hosts a job may run on, one
 `host:slots` line per host (`host` alone: one slot), read again every POLL_S seconds by the
-launcher (collectives/run.py), which grows the job into slots listed and moves it off hosts
+launcher (collectives/launcher.py), which grows the job into slots listed and moves it off hosts
 that leave the listing.
 
 The source is a path: an executable is run and its standard output read (Horovod's
 `--host-discovery-script`), any other file is read as it is. Blank lines and lines from
 `#` on are skipped. Reading runs on a thread, so a slow script never holds up the
 launcher; a read that fails (the script's status, a line that is not `host[:slots]`,
-SCRIPT_TIMEOUT_S passed) warns once and keeps the last good listing. Cost: a script run or
-a file read per POLL_S, in the launcher."""
+SCRIPT_TIMEOUT_S passed) keeps the last good listing (none yet: no job starts), and the
+first failure after a good read warns once, saying so. Cost: a script run or a file read
+per POLL_S, in the launcher."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class Discovery:
     def __init__(self, source: str):
         self.source = source
         self._hosts: dict[str, int] | None = None  # the last good listing; None: none yet
-        self._said: set[str] = set()  # failures warned of already
+        self._failing = False  # a read failed since the last good one (warned of)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -80,11 +81,17 @@ class Discovery:
         try:
             hosts = read(self.source)
         except (OSError, ValueError, RuntimeError, subprocess.TimeoutExpired) as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            if why not in self._said:
-                self._said.add(why)
+            if not self._failing:
+                self._failing = True
+                with self._lock:
+                    last = self._hosts
+                then = "no listing yet: no job starts until a read succeeds" if last is None \
+                    else (f"the launcher keeps its last listing "
+                          f"({','.join(f'{h}:{n}' for h, n in last.items())}) until a read "
+                          f"succeeds, warning no more until then")
                 warnings.warn(f"collectives.elastic: host discovery from {self.source} "
-                              f"failed ({why}); keeping its last listing", stacklevel=2)
+                              f"failed ({type(exc).__name__}: {exc}); {then}", stacklevel=2)
             return
         with self._lock:
             self._hosts = hosts
+        self._failing = False

@@ -1,6 +1,6 @@
 """Where an elastic job may run, as `host -> slots`: horovodrun's `-H host0:2,host1:2`, a
 hostfile, a host-discovery script (elastic/discovery.py) or a Slurm allocation, read by
-the launcher (collectives/run.py)."""
+the launcher (collectives/launcher.py)."""
 
 from __future__ import annotations
 

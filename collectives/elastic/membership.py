@@ -1,4 +1,4 @@
-"""The job's side of the launcher (`collectives-run`, collectives/run.py), which owns the
+"""The job's side of the launcher (`collectives-run`, collectives/launcher.py), which owns the
 job's membership: it starts the job, watches the hosts, and restarts the job on a new host
 list when it should grow or lose a host; failed ranks are shrunk in place by the job.
 
@@ -9,8 +9,9 @@ launcher sets; it must be on a filesystem rank 0's host shares with the launcher
   that commit on every rank, rank 0 says so in its status, and every rank exits: the next
   job resumes from that commit);
 - `status.json`: written by the job's rank 0 (atomically): its epoch, size, hosts and
-  commit count, and `state`: "running" (written at the first commit at each size),
-  "stopped" (at a commit, for a restart) or "done" (the training function returned).
+  commit count, and `state`: "started" (as collectives.elastic.run begins: the job is
+  elastic), "running" (written at the first commit at each size), "stopped" (at a commit,
+  for a restart) or "done" (the training function returned).
 
 Cost at a commit under the launcher: a stat of the `stop` file on rank 0 and one small
 broadcast (rank 0's answer, which also says whether the commit is snapshotted)."""
@@ -70,10 +71,12 @@ class Membership:
     def report(self, commits: int, state: str = "running") -> None:
         """Rank 0: write the job's status (for "running", only when its size changed)."""
         topo = topology.get()
-        if topo.rank != 0 or (state == "running"
-                              and self._reported == (topo.generation, topo.size)):
+        if topo.rank != 0:
             return
-        self._reported = (topo.generation, topo.size)
+        if state == "running":
+            if self._reported == (topo.generation, topo.size):
+                return
+            self._reported = (topo.generation, topo.size)
         hosts = sorted({host for host, _ in topo.processes})
         status = {"epoch": self.epoch, "size": topo.size, "hosts": hosts,
                   "commits": commits, "state": state, "time": time.time()}

@@ -1,19 +1,21 @@
 """An elastic training job for collectives-run (tests/unit/test_launcher.py): SGD with
 momentum on a linear model, one global batch split over the ranks, committed at every
 step, for STEPS steps (STEP_S seconds each at least), through DistributedOptimizer
-(`train`; `adam`: over torch's Adam, whose moments and step count are in the commits too)
-or ZeroOptimizer stage 2 (`zero`). Membership changes happen at steps, once per
-run (a marker file in EVENTS, a folder, claims each):
+(`train`; `adam`: over torch's Adam at lr 1e-3 on a 32-64-64-1 network, whose moments and
+step count are in the commits too) or ZeroOptimizer stage 2 (`zero`). Membership changes
+happen at steps, once per run (a marker file in EVENTS, a folder, claims each):
 - GROW_AT=S:LISTING: rank 0 writes LISTING (`;` between lines) into the discovery file
   DISCOVERY at step S: the launcher grows (or moves) the job;
 - KILL_AT=K:N: the last rank SIGKILLs itself once the job has run K steps in a row at N
   ranks: the job shrinks in place;
-- KILL_HOST_AT=S:HOST: rank 0 writes the time and HOST into EVENTS/kill-host (the test
-  kills the host) and the job goes on until it is gone.
-After each event the launcher acts on (the grow listing written, a shrink in place once
-its size is reported, the host kill asked for), rank 0 waits before its next commit until
-the launcher asks the job to stop (at most AWAIT_S, 60 s): the sizes a run goes through
-follow from the events alone, not from how long a step takes. Rank 0 appends
+- KILL_HOST_AT=S:HOST: rank 0 writes HOST into EVENTS/kill-host (the test kills the
+  host, or unlists it first) and the job trains on, each step at least HOST_STEP_S (0.1 s)
+  from then, until the host is gone or the launcher stops it: the host dies while the
+  ranks train, in whatever call they are in.
+After each of the other events (the grow listing written, a shrink in place once its size
+is reported), rank 0 waits before its next commit until the launcher asks the job to stop
+(at most AWAIT_S, 60 s): the sizes a run goes through follow from the events alone, not
+from how long a step takes. Rank 0 appends
 `time job step size` to EVENTS/steps at every step (wall-clock time, the launcher's number
 of the job, the step about to run, the job's size): what benchmarks/elastic_launch.py
 times changes by. Every rank prints its steps, the sizes they
@@ -30,7 +32,7 @@ import time
 
 import collectives.optim  # noqa: F401 (C.optim)
 import torch
-from replay import adam_replay, data, replay
+from replay import adam_replay, data, linear, mlp, replay
 
 import collectives as C
 from collectives import elastic
@@ -39,6 +41,7 @@ from collectives.elastic import membership
 STEPS = int(os.environ.get("STEPS", 40))
 EVENTS = os.environ["EVENTS"]
 AWAIT_S = 60.0
+HOST_STEP_S = 0.1
 
 
 def claim(name: str) -> bool:
@@ -50,9 +53,10 @@ def claim(name: str) -> bool:
         return False
 
 
-def events(step: int, sizes: list[int]) -> bool:
-    """Make the events due at step; whether one of them is for the launcher to act on."""
-    acts = False
+def events(step: int, sizes: list[int]) -> tuple[bool, bool]:
+    """Make the events due at step: (whether one of them is for the launcher to act on,
+    whether the host kill was asked for)."""
+    acts = host_asked = False
     grow = os.environ.get("GROW_AT")
     if grow and C.rank() == 0:
         at, listing = grow.split(":", 1)
@@ -74,8 +78,8 @@ def events(step: int, sizes: list[int]) -> bool:
             with open(os.path.join(EVENTS, "kill-host.tmp"), "w") as f:
                 f.write(name)
             os.replace(os.path.join(EVENTS, "kill-host.tmp"), os.path.join(EVENTS, "kill-host"))
-            acts = True
-    return acts
+            host_asked = True
+    return acts, host_asked
 
 
 def await_stop(members: membership.Membership) -> None:
@@ -90,10 +94,9 @@ def main() -> None:
     api = sys.argv[1]
     C.init()
     steps_s = float(os.environ.get("STEP_S", 0.05))
-    dim, batch, lr = 8, 24, 0.02
+    dim, batch, lr = (32, 24, 1e-3) if api == "adam" else (8, 24, 0.02)
 
-    model = torch.nn.Linear(dim, 1, bias=False).double()
-    torch.nn.init.zeros_(model.weight)
+    model = mlp(dim) if api == "adam" else linear(dim)
     inner = torch.optim.Adam(model.parameters(), lr=lr) if api == "adam" else \
         torch.optim.SGD(model.parameters(), lr=lr * C.size(), momentum=0.9)
     opt = C.optim.ZeroOptimizer(inner, stage=2) if api == "zero" \
@@ -112,13 +115,16 @@ def main() -> None:
 
     @elastic.run
     def train(state: elastic.TorchState) -> None:
-        nonlocal awaiting
+        nonlocal awaiting, steps_s
         while state.step < STEPS:
             began = time.monotonic()
             if C.rank() == 0:
                 with open(os.path.join(EVENTS, "steps"), "a") as f:
                     f.write(f"{time.time()!r} {job} {state.step} {C.size()}\n")
-            awaiting |= events(state.step, state.sizes)  # (events acts on rank 0 only)
+            acts, host_asked = events(state.step, state.sizes)  # (on rank 0 only)
+            awaiting |= acts
+            if host_asked:
+                steps_s = max(steps_s, HOST_STEP_S)
             x, y = data(state.step, batch, dim)
             n, r = C.size(), C.rank()
             lo, hi = r * batch // n, (r + 1) * batch // n
@@ -135,18 +141,20 @@ def main() -> None:
             awaiting |= C.size() < started_at and C.rank() == 0
 
     train(state)
+    params = list(model.parameters())
     if api == "adam":
-        weight = adam_replay(len(state.sizes), batch, dim, lr)
+        expected = adam_replay(len(state.sizes), batch, dim, lr)
     else:
         weight, momentum = replay(state.sizes, batch, dim, lr)
-    err = (model.weight - weight).abs().max().item()
+        expected = [weight]
+    err = max((p - e).abs().max().item() for p, e in zip(params, expected))
     if api == "zero":  # the momentum, put together from every rank's shard
         whole = opt.consolidated_state_dict()
         if whole is not None:
             err = max(err, (whole["state"][0]["momentum_buffer"] - momentum).abs().max().item())
     runs = [(n, len(list(g))) for n, g in itertools.groupby(state.sizes)]
     print(f"rank {C.rank()} of {C.size()}: trained {state.step} steps, sizes in order "
-          f"{runs}, max error {err:.2e}, digest {float(model.weight.detach().sum())!r}", flush=True)
+          f"{runs}, max error {err:.2e}, digest {float(sum(p.detach().sum() for p in params))!r}", flush=True)
 
 
 if __name__ == "__main__":

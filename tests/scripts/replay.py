@@ -1,6 +1,7 @@
 """The linear regression that the elastic test scripts train (survive.py, launched.py), and
 its float64 single-process replay: SGD with momentum on the full batch, each step at the
-learning rate of the world size it ran at, or Adam (whose steps do not depend on it)."""
+learning rate of the world size it ran at, or Adam on a small network (whose steps do not
+depend on it)."""
 
 from __future__ import annotations
 
@@ -17,36 +18,53 @@ def data(step: int, batch: int, dim: int,
     return x.to(dtype), (x @ torch.arange(1.0, dim + 1, dtype=torch.float64)).to(dtype)
 
 
-def _full_batch(sizes: list[int], batch: int, dim: int,
+def _full_batch(model: torch.nn.Module, sizes: list[int], batch: int, dim: int,
                 optimizer: torch.optim.Optimizer, lr_for: Callable[[int], float]) -> None:
-    """One step of optimizer (over its one weight) per entry of sizes, on the full
+    """One step of optimizer (over model's parameters) per entry of sizes, on the full
     batch, at lr_for(that size)."""
-    ref = optimizer.param_groups[0]["params"][0]
     for step, n in enumerate(sizes):
         x, y = data(step, batch, dim)
-        optimizer.param_groups[0]["lr"] = lr_for(n)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_for(n)
         optimizer.zero_grad()
         # the mean of n per-rank losses, each scaled by n / batch, is the full-batch loss
-        (((x @ ref.t()).squeeze(1) - y) ** 2).sum().div(batch).backward()
+        ((model(x).squeeze(1) - y) ** 2).sum().div(batch).backward()
         optimizer.step()
 
 
-def _zeros(dim: int) -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.zeros(1, dim, dtype=torch.float64))
+def linear(dim: int) -> torch.nn.Module:
+    """The linear model of the SGD runs: one float64 weight row, from zeros."""
+    model = torch.nn.Linear(dim, 1, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    return model
+
+
+def mlp(dim: int) -> torch.nn.Module:
+    """The network of the Adam runs: dim-64-64-1 with tanh, float64, drawn from seed 0 (the
+    same on every rank and in the replay)."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 1)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.empty_like(p).uniform_(-1, 1, generator=g) / p.shape[-1] ** 0.5)
+    return model
 
 
 def replay(sizes: list[int], batch: int, dim: int,
            lr: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight and momentum after one step per entry of sizes, from zeros, at lr times
     that size: what every rank of the elastic job must end with."""
-    weight = _zeros(dim)
-    opt = torch.optim.SGD([weight], lr=lr, momentum=0.9)
-    _full_batch(sizes, batch, dim, opt, lambda n: lr * n)
-    return weight.detach(), opt.state[weight]["momentum_buffer"]
+    model = linear(dim)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    _full_batch(model, sizes, batch, dim, opt, lambda n: lr * n)
+    return model.weight.detach(), opt.state[model.weight]["momentum_buffer"]
 
 
-def adam_replay(steps: int, batch: int, dim: int, lr: float) -> torch.Tensor:
-    """The weight after steps steps of Adam at lr on the full batch, from zeros."""
-    weight = _zeros(dim)
-    _full_batch([1] * steps, batch, dim, torch.optim.Adam([weight], lr=lr), lambda n: lr)
-    return weight.detach()
+def adam_replay(steps: int, batch: int, dim: int, lr: float) -> list[torch.Tensor]:
+    """The parameters of mlp(dim) after steps steps of Adam at lr on the full batch."""
+    model = mlp(dim)
+    _full_batch(model, [1] * steps, batch, dim, torch.optim.Adam(model.parameters(), lr=lr),
+                lambda n: lr)
+    return [p.detach() for p in model.parameters()]

@@ -16,18 +16,20 @@ in its environment, and watches three things:
   launcher starts the job again on the new host list, where `run` resumes from the snapshot
   (elastic/snapshot.py) and calls the reset callbacks. No step is lost.
 - **A lost host** (its daemon gone: Open MPI ends the whole job, with status 0): the job
-  neither finished nor stopped, so the launcher leaves the host out (Horovod's blacklist,
-  for --blacklist-cooldown-range seconds if given) and starts the job again on the hosts
-  left, from the last snapshot every host left holds.
+  neither finished nor stopped, so the launcher leaves the host out (Horovod's blacklist:
+  for good, or with --blacklist-cooldown-range MIN MAX for MIN seconds after its first
+  loss, twice as long after each next one, at most MAX) and starts the job again on the
+  hosts left, from the last snapshot every host left holds.
 Whether the job finished is read from its rank 0's status, never from mpirun's exit status.
-One line per change goes to standard error (hosts, size, why, the time it took)."""
+A command that never reaches collectives.elastic.run (its rank 0 writes no status) is not
+elastic: it runs once, and the launcher exits with its status. One line per change goes to
+standard error (hosts, size, why, the time it took)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import random
 import re
 import shlex
 import shutil
@@ -82,8 +84,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                     help="seconds to wait for --min-np slots before giving up (default 60)")
     ap.add_argument("--blacklist-cooldown-range", type=float, nargs=2, default=None,
                     metavar=("MIN", "MAX"),
-                    help="a host left out after a loss comes back after a random time "
-                         "in [MIN, MAX] seconds (default: never)")
+                    help="a host left out after a loss comes back after MIN seconds, "
+                         "twice as long after each further loss, at most MAX (default: "
+                         "never)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
     args = ap.parse_args(argv)
     if not args.command:
@@ -96,6 +99,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.min_np = args.np or 1
     if args.max_np is not None and args.max_np < args.min_np:
         ap.error(f"--max-np: expected at least --min-np={args.min_np}, got {args.max_np}")
+    if args.blacklist_cooldown_range is not None:
+        low, high = args.blacklist_cooldown_range
+        if not 0 <= low <= high:
+            ap.error(f"--blacklist-cooldown-range: expected 0 <= MIN <= MAX, got {low:g} "
+                     f"{high:g}")
     return args
 
 
@@ -115,6 +123,7 @@ class Hosts:
             self.fixed = _hosts.from_slurm(dict(os.environ)) or \
                 {"localhost": args.np or args.min_np}
         self.left_out: dict[str, float] = {}  # host -> when it may come back (inf: never)
+        self.losses: dict[str, int] = {}  # host -> times it was lost in this run
         self.cooldown = args.blacklist_cooldown_range
 
     def listed(self) -> dict[str, int] | None:
@@ -125,10 +134,15 @@ class Hosts:
         self.left_out = {h: t for h, t in self.left_out.items() if t > now}
         return {h: s for h, s in (self.listed() or {}).items() if h not in self.left_out}
 
-    def leave_out(self, host: str) -> None:
-        back = float("inf") if self.cooldown is None else \
-            time.monotonic() + random.uniform(*self.cooldown)
-        self.left_out[host] = back
+    def leave_out(self, host: str) -> float:
+        """Leave host out after its loss; the seconds until it may come back (inf: never)."""
+        self.losses[host] = self.losses.get(host, 0) + 1
+        delay = float("inf")
+        if self.cooldown is not None:
+            low, high = self.cooldown
+            delay = min(high, low * 2.0 ** (self.losses[host] - 1))
+        self.left_out[host] = time.monotonic() + delay
+        return delay
 
 
 def say(start: float, text: str) -> None:
@@ -279,9 +293,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         commits = -1 if end is None else end["commits"]
         if job.lost_hosts:
             for host in job.lost_hosts:
-                hosts.leave_out(host)
+                delay = hosts.leave_out(host)
+                say(start, f"host {host} left out " + ("for good" if delay == float("inf")
+                                                        else f"for {delay:g} s"))
             why, since = f"lost host {','.join(job.lost_hosts)}", time.monotonic()
             failed_starts = 0
+        elif end is None:
+            say(start, f"job {epoch} ended with status {rc} without reaching "
+                       f"collectives.elastic.run (no status from its rank 0): not an elastic "
+                       f"job, so it is not started again")
+            return rc
         else:
             failed_starts = failed_starts + 1 if commits <= last_commits else 1
             why, since = f"job {epoch} ended with status {rc}", time.monotonic()
