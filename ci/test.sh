@@ -17,7 +17,7 @@ echo "== tests/unit"
 # Three test processes on two cores: most unit tests wait on jobs of their own (mpirun,
 # the launcher, the rig), so a third keeps the cores busy. Tests that share one thing of
 # the machine take turns on it (the rig: a lock in test_launcher.py).
-"$py" -m pytest -q -p no:cacheprovider --color=no -n 3 tests/unit
+"$py" -m pytest -q -p no:cacheprovider --color=no -n 3 --durations=40 tests/unit
 ci/mpitest.sh 1
 ci/mpitest.sh 2
 ci/mpitest.sh 3
