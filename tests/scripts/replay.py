@@ -19,9 +19,10 @@ def data(step: int, batch: int, dim: int,
 
 
 def _full_batch(model: torch.nn.Module, sizes: list[int], batch: int, dim: int,
-                optimizer: torch.optim.Optimizer, lr_for: Callable[[int], float]) -> None:
+                optimizer: torch.optim.Optimizer, lr_for: Callable[[int], float],
+                after: Callable[[int], None] = lambda done: None) -> None:
     """One step of optimizer (over model's parameters) per entry of sizes, on the full
-    batch, at lr_for(that size)."""
+    batch, at lr_for(that size); after(steps done) after each."""
     for step, n in enumerate(sizes):
         x, y = data(step, batch, dim)
         for group in optimizer.param_groups:
@@ -30,6 +31,7 @@ def _full_batch(model: torch.nn.Module, sizes: list[int], batch: int, dim: int,
         # the mean of n per-rank losses, each scaled by n / batch, is the full-batch loss
         ((model(x).squeeze(1) - y) ** 2).sum().div(batch).backward()
         optimizer.step()
+        after(step + 1)
 
 
 def linear(dim: int) -> torch.nn.Module:
@@ -64,7 +66,24 @@ def replay(sizes: list[int], batch: int, dim: int,
 
 def adam_replay(steps: int, batch: int, dim: int, lr: float) -> list[torch.Tensor]:
     """The parameters of mlp(dim) after steps steps of Adam at lr on the full batch."""
+    return adam_replays({steps}, batch, dim, lr)[steps][0]
+
+
+def adam_replays(counts: set[int], batch: int, dim: int,
+                 lr: float) -> dict[int, tuple[list[torch.Tensor], list[dict]]]:
+    """For each number of steps in counts, the parameters of mlp(dim) after that many steps
+    of Adam at lr on the full batch, and Adam's state of each (its step, exp_avg and
+    exp_avg_sq): one replay for every count."""
     model = mlp(dim)
-    _full_batch(model, [1] * steps, batch, dim, torch.optim.Adam(model.parameters(), lr=lr),
-                lambda n: lr)
-    return [p.detach() for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    found = {}
+
+    def keep(done: int) -> None:
+        if done in counts:
+            found[done] = ([p.detach().clone() for p in model.parameters()],
+                           [{k: v.clone() for k, v in opt.state[p].items()}
+                            for p in model.parameters()])
+
+    keep(0)
+    _full_batch(model, [1] * max(counts), batch, dim, opt, lambda n: lr, keep)
+    return found

@@ -304,6 +304,42 @@ def test_on_three_hosts_a_job_grows_survives_a_rank_and_a_host(tmp_path, api, or
     assert re.search(r"job \d: 2 ranks on host0:1,host2:1", out), out
     # the restart names its cause: either one where both came at once
     assert "lost host host1" in out or "(host host1 no longer listed)" in out, out
+    if api == "adam":
+        assert_snapshots_replay(tmp_path / "snaps")
+
+
+def assert_snapshots_replay(root: Path) -> None:
+    """Every replicated snapshot file left on any host (the last two of each process that
+    wrote, whether or not a restart read it) holds the parameters and Adam's state of the
+    float64 replay at its own step count: a file that mixes two commits (its tensors
+    refilled while it was written) fails here even where no restart resumes from it."""
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    try:
+        from replay import adam_replays
+    finally:
+        sys.path.pop(0)
+    files = [(path, snapshot.load(str(path))["replicated"]) for path in root.glob("*/*.snap")
+             if "r" in path.name.split(".")[3]]
+    assert files, sorted(root.rglob("*"))
+    # launched.py's adam run: batch 24, dim 32, lr 1e-3
+    expected = adam_replays({r["values"]["step"] for _, r in files}, 24, 32, 1e-3)
+    for path, r in files:
+        step = r["values"]["step"]
+        assert len(r["values"]["sizes"]) == step, (path, r["values"])
+        params, adam = expected[step]
+        got, state = list(r["torch"]["model"].values()), r["torch"]["optimizer"]["state"]
+        assert len(got) == len(params) and len(state) == len(adam), (path, step)
+        for i, want in enumerate(params):
+            assert close(got[i], want), (path, step, f"parameter {i}")
+        for i, want in enumerate(adam):
+            assert set(state[i]) == set(want), (path, step, state[i].keys())
+            assert all(close(state[i][k], want[k]) for k in want), (path, step, f"Adam {i}")
+
+
+def close(got, want) -> bool:
+    """Whether got equals want but for the rounding of sums taken in another order."""
+    got, want = got.double(), want.double()
+    return bool(((got - want).abs() <= 1e-9 * (1 + want.abs())).all())
 
 
 ELASTIC_EXIT_3 = """
