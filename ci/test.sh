@@ -22,7 +22,7 @@ ci/mpitest.sh 1
 ci/mpitest.sh 2
 ci/mpitest.sh 3
 ci/mpitest.sh 4
-ci/mpitest.sh 4 2 -k "hierarchical or auto or topology or agreement or join or grouped_gives_each_vector or test_quantized"
-ci/mpitest.sh 3 2 -k "hierarchical or auto or topology or agreement or join or grouped_gives_each_vector or test_quantized"
+ci/mpitest.sh 4 2 -k "hierarchical or auto or topology or agreement or join or grouped_gives_each_vector or test_quantized or test_topk"
+ci/mpitest.sh 3 2 -k "hierarchical or auto or topology or agreement or join or grouped_gives_each_vector or test_quantized or test_topk"
 ci/paths.sh
 echo "== all suites passed in $(( $(date +%s) - start ))s"

@@ -166,6 +166,7 @@ def _compressed(topo: topology.Topology, buf: Buffer, op: ReduceOp, algorithm: s
                 post: float = 1.0) -> tuple[Call, Job]:
     """A floating allreduce under a compressor (compression.py), counted under its name."""
     compressor.check_op(op)
+    compressor.check_count(buf.flat.size)
     fields = (("op", op.name), ("dtype", buf.dtype), ("shape", buf.shape),
               ("algorithm", algorithm), ("compression", compressor.name)) + scaling
     call = calls.describe(topo, "allreduce", fields, compressor.name)
@@ -289,6 +290,8 @@ def _grouped_allreduce(topo: topology.Topology, tensors: Any, op: Any, algorithm
     fields = (("op", op.name), ("dtype", dtype), ("shapes", group.shapes),
               ("algorithm", algorithm), ("compression", compressor.name)) + scaling
     if compressed:
+        compressor.check_op(op)
+        compressor.check_count(packed.size)
         call = calls.describe(topo, "grouped_allreduce", fields, compressor.name)
     else:
         algo = select.concrete(topo, "allreduce", algorithm, packed.nbytes)

@@ -139,6 +139,7 @@ def compressed(topo: Topology, x: Any, op: ReduceOp, algorithm: str, compressor:
     compressor's kernels run on the device and only what travels is staged; the call and
     its bits are those of the same call on host data (its fields are the same)."""
     compressor.check_op(op)
+    compressor.check_count(x.numel() if hasattr(x, "numel") else x.size)
     fields = (("op", op.name), ("dtype", _dtype(x)), ("shape", tuple(x.shape)),
               ("algorithm", algorithm), ("compression", compressor.name))
     call = calls.describe(topo, "allreduce", fields, compressor.name)

@@ -67,6 +67,7 @@ def _compressed(topo: topology.Topology, buf: Any, op: ReduceOp, algorithm: Any,
     """A floating reducescatter under a compressor (compression/), counted under its
     name: the compressed values travel, this rank's rows are decompressed."""
     compressor.check_op(op)
+    compressor.check_count(buf.flat.size)
     call = calls.describe(topo, "reducescatter", fields + (("compression", compressor.name),),
                           compressor.name)
 

@@ -16,10 +16,13 @@ override them:
   int4   the same with 4-bit values, two a byte, and shorter blocks
   1-bit  signs plus scales with error feedback: its own two-phase exchange, with the
          error buffers (state) held by the caller (onebit.py)
+  topk   the largest entries as (index, value) pairs with error feedback, allgathered and
+         summed in rank order; each compressor holds its vector's residual (topk.py)
 Non-floating arrays are never compressed (as in Horovod).
 
 The compression layer: this module (none, fp16, int8, int4), twophase.py (the two-phase
-quantized allreduce) and onebit.py (1-bit with error feedback; its state is the caller's).
+quantized allreduce), onebit.py (1-bit with error feedback; its state is the caller's) and
+topk.py (Top-K with error feedback; its residual is the compressor's).
 May import: the leaves, kernels, runtime, algorithms, auto."""
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ class Compressor:
         array x, whose block j is counts[j] elements (x's dtype, or float32); state as for
         allreduce. Runs inside the engine, after the call's agreement."""
         raise NotImplementedError(f"Compression.{self.name} has no reducescatter")
+
+    def check_count(self, count: int) -> None:
+        """Raise ValueError if this compressor cannot take a vector of count elements
+        (checked in the caller's thread, before the call is agreed)."""
 
     def check_op(self, op: ReduceOp) -> None:
         if op not in self.ops:
@@ -310,28 +317,41 @@ class Int4Compressor(BlockQuantizer):
         return kernels.dequantize_int4(q, scales, count, out)
 
 
-def by_name(name: str) -> TensorCompressor:
-    """The compressor a call's agreed fields name (its `name`: "int8", "int8/two-phase"):
-    how a joined rank takes part in a compressed call it did not make."""
+def by_name(name: str) -> Compressor:
+    """The compressor a call's agreed fields name (its `name`: "int8", "int8/two-phase",
+    "topk/0.01"): how a joined rank takes part in a compressed call it did not make (a
+    Top-K one with no residual of its own: it sends zeros)."""
     base, _, form = name.partition("/")
+    if base == "topk":
+        return Compression.topk(float(form))
     found = getattr(Compression, base)
     return type(found)(form) if form else found
 
 
-def check_compression(compression: object) -> TensorCompressor:
+def check_compression(compression: object) -> Compressor:
     """A collective's `compression` argument as a compressor (None: Compression.none)."""
+    from collectives.compression.topk import TopKCompressor
     if compression is None:
         return Compression.none
-    if isinstance(compression, TensorCompressor):
+    if isinstance(compression, (TensorCompressor, TopKCompressor)):
         return compression
-    raise ValueError(f"compression: expected Compression.none, fp16, int8 or int4, got "
-                     f"{compression!r}")
+    raise ValueError(f"compression: expected Compression.none, fp16, int8, int4 or "
+                     f"Compression.topk(ratio), got {compression!r}")
 
 
 class Compression:
-    """The available compressors (Horovod's names)."""
+    """The available compressors (Horovod's names; topk makes one per vector, as it
+    carries that vector's residual)."""
 
     none = TensorCompressor()
     fp16 = FP16Compressor()
     int8 = Int8Compressor()
     int4 = Int4Compressor()
+
+    @staticmethod
+    def topk(ratio: float = 0.01) -> Compressor:
+        """A new Top-K compressor with error feedback sending the share ratio of each
+        vector's entries (compression/topk.py). The default, 1%: DGC (Lin et al., 2018)
+        sends 0.1% with warm-up and momentum correction; 1% needs neither."""
+        from collectives.compression.topk import TopKCompressor
+        return TopKCompressor(ratio)

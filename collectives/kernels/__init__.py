@@ -285,6 +285,36 @@ def dequantize_int4(q: Array, scales: Array, count: int, out: Array | None = Non
     return _like(dst, q) if out is None else out
 
 
+def topk_feedback(x: Array, residual: Array, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-K with error feedback (host float32, read flat): residual += x, in place; then
+    the k entries of largest |residual| (ties: the lower index; NaN above any number) are
+    returned as (indices int32 ascending, values float32) and zeroed in residual. Exactly:
+    residual after, plus the values at their indices, equals x + residual before."""
+    src = _host_f32(x, "x")
+    res = _host_f32(residual, "residual")
+    if res.size != src.size:
+        raise ValueError(f"residual: expected {src.size} elements (x's), got {res.size}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= src.size:
+        raise ValueError(f"k: expected an int in [0, {src.size}] (x's elements), got {k!r}")
+    indices = np.empty(int(k), np.int32)
+    values = np.empty(indices.size, np.float32)
+    _C.topk_feedback(src, res, indices, values, src.size, k)
+    return indices, values
+
+
+def scatter_add(indices: np.ndarray, values: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[indices[j]] += values[j] for each j in order (host: int32 indices, each within
+    out, distinct; float32 values and out); returns out."""
+    idx, dtype = _host(indices, "indices")
+    if dtype != "int32":
+        raise TypeError(f"indices: expected int32, got {dtype}")
+    val, dst = _host_f32(values, "values"), _host_f32(out, "out")
+    if val.size != idx.size:
+        raise ValueError(f"values: expected {idx.size} elements (indices'), got {val.size}")
+    _C.scatter_add(idx, val, dst, idx.size, dst.size)
+    return out
+
+
 def dequantize_int8(q: Array, scales: Array, count: int) -> Array:
     """float32 vector of count elements: q[i] * scales[i // INT8_BLOCK_SIZE]."""
     if _on_device(q):

@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "kernels/pack.h"
 #include "kernels/quantize.h"
 #include "kernels/reduce.h"
+#include "kernels/topk.h"
 
 namespace py = pybind11;
 using namespace collectives;
@@ -167,6 +169,38 @@ void py_dequantize_int4(const py::buffer& q, const py::buffer& scales, const py:
   dequantize_int4(qp, sp, dst, count);
 }
 
+void py_topk_feedback(const py::buffer& x, const py::buffer& residual, const py::buffer& indices,
+                      const py::buffer& values, int64_t count, int64_t k) {
+  check::count(count);
+  if (k < 0 || k > count)
+    throw py::value_error("k: expected 0 <= k <= count (" + std::to_string(count) + "), got " +
+                          std::to_string(k));
+  if (count > INT32_MAX)
+    throw py::value_error("count: Top-K indexes with int32, at most 2**31 - 1 elements, got " +
+                          std::to_string(count));
+  const auto* src = static_cast<const float*>(check::ptr(x, "x", DType::f32, false, count));
+  auto* res = static_cast<float*>(check::ptr(residual, "residual", DType::f32, true, count));
+  auto* idx = static_cast<int32_t*>(check::ptr(indices, "indices", DType::i32, true, k));
+  auto* val = static_cast<float*>(check::ptr(values, "values", DType::f32, true, k));
+  py::gil_scoped_release release;
+  topk_feedback(src, res, count, k, idx, val);
+}
+
+void py_scatter_add(const py::buffer& indices, const py::buffer& values, const py::buffer& out,
+                    int64_t k, int64_t count) {
+  check::count(k);
+  check::count(count);
+  const auto* idx = static_cast<const int32_t*>(check::ptr(indices, "indices", DType::i32, false, k));
+  const auto* val = static_cast<const float*>(check::ptr(values, "values", DType::f32, false, k));
+  auto* dst = static_cast<float*>(check::ptr(out, "out", DType::f32, true, count));
+  for (int64_t j = 0; j < k; ++j)
+    if (idx[j] < 0 || idx[j] >= count)
+      throw py::value_error("indices: expected each in [0, " + std::to_string(count) +
+                            "), got " + std::to_string(idx[j]) + " at " + std::to_string(j));
+  py::gil_scoped_release release;
+  scatter_add(idx, val, k, dst);
+}
+
 // Scales needed by count elements in blocks of `block` (block >= 1).
 int64_t onebit_blocks(int64_t count, int64_t block) {
   if (block < 1) throw py::value_error("block_size: must be >= 1, got " + std::to_string(block));
@@ -284,6 +318,11 @@ void bind_kernels(py::module_& m) {
         py::arg("count"), "q (two values a byte), scales = int4 quantization of x");
   m.def("dequantize_int4", &py_dequantize_int4, py::arg("q"), py::arg("scales"),
         py::arg("out"), py::arg("count"), "out = the values of q * scales[i / INT4_BLOCK_SIZE]");
+  m.def("topk_feedback", &py_topk_feedback, py::arg("x"), py::arg("residual"),
+        py::arg("indices"), py::arg("values"), py::arg("count"), py::arg("k"),
+        "indices, values = the k largest |x + residual|; residual = the rest, in place");
+  m.def("scatter_add", &py_scatter_add, py::arg("indices"), py::arg("values"), py::arg("out"),
+        py::arg("k"), py::arg("count"), "out[indices[j]] += values[j], in order");
   m.def("onebit_compress", &py_onebit_compress, py::arg("x"), py::arg("error"),
         py::arg("bits"), py::arg("scales"), py::arg("count"), py::arg("block"),
         "bits, scales = 1-bit compression of x + error; error updated in place");

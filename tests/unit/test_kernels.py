@@ -506,6 +506,59 @@ def test_onebit_rejects_bad_input():
         K.onebit_accumulate(np.zeros(10, f32), [bits], [scales], 11, 4)
 
 
+def topk_reference(c: np.ndarray, k: int) -> np.ndarray:
+    """The indices (ascending) of the k largest |c|, ties to the lower index, NaN largest:
+    a stable full sort, the independent twin of the kernel's partial selection."""
+    magnitude = np.where(np.isnan(c), np.inf, np.abs(c))
+    return np.sort(np.argsort(-magnitude, kind="stable")[:k]).astype(np.int32)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 7, 1000, 65537])
+@pytest.mark.parametrize("share", [0.0, 0.01, 0.5, 1.0])
+def test_topk_feedback_matches_a_full_sort_and_loses_nothing(count, share):
+    g = np.random.default_rng(count)
+    for ties in (False, True):  # whole numbers: many equal magnitudes
+        x = (g.integers(-5, 6, count) if ties else g.standard_normal(count)).astype(np.float32)
+        residual = (g.standard_normal(count) if not ties else g.integers(-2, 3, count)) \
+            .astype(np.float32)
+        c = (x + residual).astype(np.float32)
+        k = int(share * count)
+        indices, values = K.topk_feedback(x, residual, k)
+        assert indices.dtype == np.int32 and values.dtype == np.float32
+        np.testing.assert_array_equal(indices, topk_reference(c, k))
+        np.testing.assert_array_equal(values, c[indices])
+        rest = c.copy()
+        rest[indices] = 0
+        np.testing.assert_array_equal(residual, rest)  # sent + residual == c, exactly
+        out = np.zeros(count, np.float32)
+        K.scatter_add(indices, values, out)
+        np.testing.assert_array_equal(out + residual, c)
+
+
+def test_topk_sends_nan_first_and_leaves_x_alone():
+    x = np.array([3, -4, np.nan, 4, 1], np.float32)
+    before, residual = x.copy(), np.zeros(5, np.float32)
+    indices, values = K.topk_feedback(x, residual, 2)
+    assert indices.tolist() == [1, 2] and values[0] == -4 and np.isnan(values[1])
+    np.testing.assert_array_equal(x, before)
+    np.testing.assert_array_equal(residual, [3, 0, 0, 4, 1])
+
+
+def test_topk_and_scatter_add_reject_bad_input():
+    x, residual = np.ones(4, np.float32), np.zeros(4, np.float32)
+    for k in (-1, 5, 1.5, True):
+        with pytest.raises(ValueError, match=r"k: expected an int in \[0, 4\]"):
+            K.topk_feedback(x, residual, k)
+    with pytest.raises(ValueError, match="residual: expected 4 elements"):
+        K.topk_feedback(x, np.zeros(3, np.float32), 1)
+    with pytest.raises(TypeError, match="residual: expected float32"):
+        K.topk_feedback(x, np.zeros(4), 1)
+    with pytest.raises(ValueError, match=r"indices: expected each in \[0, 4\), got 4"):
+        K.scatter_add(np.array([0, 4], np.int32), np.ones(2, np.float32), np.zeros(4, np.float32))
+    with pytest.raises(TypeError, match="indices: expected int32"):
+        K.scatter_add(np.array([0]), np.ones(1, np.float32), np.zeros(4, np.float32))
+
+
 def test_every_cuda_module_the_device_face_loads_is_a_source_file():
     """kernels/cuda.py compiles csrc/cuda/<name>.cu for each _module(name) it calls; the
     folder is args.CUDA_SOURCES (read without CuPy, which this test does not need)."""

@@ -1,0 +1,161 @@
+"""Top-K compression with error feedback (collectives/compression/topk.py): each result is
+bit for bit the one of a NumPy reference that follows every rank's residual over several
+calls (its own selection by a stable sort, not the kernel's partial selection); every rank
+gets the same bits; the residual is the compressor's, carried across calls, saved and
+restored; other dtypes, torch tensors, in place and async give the same bits; non-floating
+data is never compressed; bad ratios and a compressor reused on another vector are clear
+errors on every rank, before anything is agreed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_equal, assert_same_on_all_ranks, split_rows
+
+import collectives as C
+
+f32 = np.float32
+
+
+def inputs(n: int, count: int, seed: int) -> list[np.ndarray]:
+    """Every rank's input for one call (rank r's magnitude 1 + r), with ties: whole halves."""
+    return [(np.random.default_rng(seed * 100 + r).integers(-40, 41, count) / 2 * (1 + r))
+            .astype(f32) for r in range(n)]
+
+
+class Reference:
+    """Every rank's residual, and the result each call must give."""
+
+    def __init__(self, n: int, count: int, ratio: float):
+        self.residuals = [np.zeros(count, f32) for _ in range(n)]
+        self.k = min(count, max(1, math.ceil(ratio * count))) if count else 0
+
+    def call(self, xs: list[np.ndarray], average: bool) -> np.ndarray:
+        total = np.zeros(xs[0].size, f32)
+        for r, x in enumerate(xs):  # rank order
+            c = (x + self.residuals[r]).astype(f32)
+            magnitude = np.where(np.isnan(c), np.inf, np.abs(c))
+            chosen = np.sort(np.argsort(-magnitude, kind="stable")[:self.k])
+            total[chosen] = (total[chosen] + c[chosen]).astype(f32)
+            c[chosen] = 0
+            self.residuals[r] = c
+        return total / f32(len(xs)) if average else total
+
+
+def counts(n: int) -> list[int]:
+    return sorted({0, 1, max(n - 1, 1), 7, 1000, 4099})
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.3, 1.0])
+@pytest.mark.parametrize("op", [C.Sum, C.Average])
+def test_calls_give_the_references_bits_and_carry_the_residual(comm, ratio, op):
+    n, r = comm.Get_size(), comm.Get_rank()
+    for count in counts(n):
+        compressor, reference = C.Compression.topk(ratio), Reference(n, count, ratio)
+        for call in range(3):  # the residual carried from one call to the next
+            xs = inputs(n, count, 10 * count + call)
+            x = xs[r].copy()
+            got = C.allreduce(x, op=op, compression=compressor)
+            expected = reference.call(xs, op is C.Average)
+            what = f"topk {ratio} {op.name} of {count}, call {call}"
+            assert got.dtype == np.float32 and got.shape == (count,), what
+            assert_equal(got, expected, what)
+            assert_equal(x, xs[r], "x")
+            assert_equal(compressor.residual, reference.residuals[r], f"{what}: residual")
+            assert_same_on_all_ranks(comm, got, what)
+
+
+def test_what_was_sent_and_the_residual_add_up_to_the_inputs(comm):
+    """Over calls, n times the average of what was sent plus every rank's residual is the
+    sum of every rank's inputs (exact here: small whole numbers add exactly in float32)."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    compressor, count = C.Compression.topk(0.05), 300
+    sent, inputs_sum = np.zeros(count, f32), np.zeros(count, f32)
+    for call in range(6):
+        xs = [np.random.default_rng(call * 10 + q).integers(-8, 9, count).astype(f32)
+              for q in range(n)]
+        sent += C.allreduce(xs[r], op=C.Sum, compression=compressor)
+        inputs_sum += sum(xs)
+    residuals = comm.allreduce(compressor.residual.astype(np.float64))
+    assert_equal((sent + residuals).astype(f32), inputs_sum, "sent + residuals")
+
+
+def test_a_nan_is_sent_not_held_back(comm):
+    x = np.ones(50, f32)
+    x[17] = np.nan
+    got = C.allreduce(x, op=C.Sum, compression=C.Compression.topk(0.02))  # k = 1
+    assert np.isnan(got[17]) and np.count_nonzero(~np.isnan(got) & (got != 0)) == 0, got
+
+
+def test_the_state_dict_restores_the_residual(comm):
+    n, r = comm.Get_size(), comm.Get_rank()
+    first, count = C.Compression.topk(0.1), 200
+    C.allreduce(inputs(n, count, 1)[r], compression=first)
+    saved = first.state_dict()
+    second = C.Compression.topk(0.1)
+    second.load_state_dict(saved)
+    xs = inputs(n, count, 2)
+    assert_equal(C.allreduce(xs[r], compression=second), C.allreduce(xs[r], compression=first),
+                 "restored")
+    with pytest.raises(ValueError, match="ratio"):
+        C.Compression.topk(0.2).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+def test_other_dtypes_give_the_float32_result_cast(comm, dtype):
+    n, r = comm.Get_size(), comm.Get_rank()
+    xs = inputs(n, 700, 3)
+    got = C.allreduce(xs[r].astype(dtype), op=C.Sum, compression=C.Compression.topk(0.1))
+    expected = Reference(n, 700, 0.1).call(xs, False)
+    assert got.dtype == np.dtype(dtype)
+    assert_equal(got, expected.astype(dtype), dtype)
+
+
+def test_in_place_torch_async_and_grouped_give_the_same_bits(comm):
+    n, r = comm.Get_size(), comm.Get_rank()
+    xs = inputs(n, 2000, 5)
+    got = C.allreduce(xs[r], op=C.Average, compression=C.Compression.topk(0.05))
+    t = torch.from_numpy(xs[r].copy()).reshape(40, 50)
+    C.allreduce_(t, op=C.Average, compression=C.Compression.topk(0.05))
+    assert_equal(t.reshape(-1).numpy(), got, "in place, torch")
+    handle = C.allreduce_async(torch.from_numpy(xs[r]), op=C.Average,
+                               compression=C.Compression.topk(0.05))
+    assert_equal(C.synchronize(handle).numpy(), got, "async")
+    halves = C.grouped_allreduce([xs[r][:1200], xs[r][1200:]], op=C.Average,
+                                 compression=C.Compression.topk(0.05))
+    assert_equal(np.concatenate(halves), got, "grouped (one fused vector)")
+    ints = np.arange(6, dtype=np.int32) + r
+    compressor = C.Compression.topk(0.5)
+    assert_equal(C.allreduce(ints, op=C.Sum, compression=compressor),
+                 sum(np.arange(6, dtype=np.int32) + q for q in range(n)), "int32 untouched")
+    assert compressor.residual is None
+
+
+def test_reducescatter_gives_this_ranks_block_of_the_allreduce(comm):
+    n, r = comm.Get_size(), comm.Get_rank()
+    xs = [x.reshape(-1, 10) for x in inputs(n, 10 * (2 * n + 1), 4)]
+    got = C.reducescatter(xs[r], op=C.Sum, compression=C.Compression.topk(0.2))
+    whole = Reference(n, xs[0].size, 0.2).call([x.reshape(-1) for x in xs], False)
+    bounds = split_rows(2 * n + 1, n)
+    assert_equal(got.reshape(-1), whole[bounds[r] * 10:bounds[r + 1] * 10], "my rows")
+
+
+@pytest.mark.parametrize("ratio", [0, -0.1, 1.5, float("nan"), True, "0.1", None])
+def test_a_bad_ratio_is_refused_naming_it(ratio):
+    with pytest.raises(ValueError, match="ratio: expected a number in"):
+        C.Compression.topk(ratio)
+
+
+def test_a_compressor_reused_on_another_vector_is_refused_on_every_rank(comm):
+    compressor = C.Compression.topk(0.1)
+    C.allreduce(np.ones(100, f32), compression=compressor)
+    with pytest.raises(ValueError, match="residual of a vector of 100 elements, got 50"):
+        C.allreduce(np.ones(50, f32), compression=compressor)
+    with pytest.raises(ValueError, match="supports"):
+        C.allreduce(np.ones(100, f32), op=C.Max, compression=compressor)
+    # the job goes on: nothing was agreed
+    assert_equal(C.allreduce(np.ones(3, f32), op=C.Sum), np.full(3, comm.Get_size(), f32),
+                 "after")
