@@ -41,7 +41,15 @@ from tqdm import tqdm
 import collectives as C
 
 COMPRESSIONS = {"none": C.Compression.none, "fp16": C.Compression.fp16, "int8": C.Compression.int8,
-                "int4": C.Compression.int4, "onebit": "onebit"}  # 1-bit gradients: with --zero only
+                "int4": C.Compression.int4, "onebit": "onebit",  # 1-bit gradients: with --zero only
+                "topk": "topk"}  # Top-K with error feedback (--topk-ratio): without --zero
+
+
+def compression(args: argparse.Namespace):
+    """--compression's compressor (Top-K: the optimizer makes one per bucket from it)."""
+    if args.compression == "topk":
+        return C.Compression.topk(args.topk_ratio)
+    return COMPRESSIONS[args.compression]
 
 
 def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:
@@ -49,11 +57,11 @@ def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:
     def build(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
         if args.zero:
             return ZeroOptimizer(make(list(model.parameters()), args.lr), stage=args.zero,
-                                 compression=COMPRESSIONS[args.compression],
+                                 compression=compression(args),
                                  module=model if args.zero == 3 else None)
         return DistributedOptimizer(make(list(model.parameters()), args.lr),
                                     named_parameters=model.named_parameters(),
-                                    compression=COMPRESSIONS[args.compression],
+                                    compression=compression(args),
                                     algorithm=args.algorithm)
     return build
 
@@ -76,6 +84,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     p.add_argument("--compression", choices=sorted(COMPRESSIONS), default="none")
+    p.add_argument("--topk-ratio", type=float, default=0.01, metavar="R",
+                   help="--compression topk: the share of each bucket's entries sent a step")
     p.add_argument("--algorithm", choices=C.ALGORITHMS, default="auto")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=64, help="global batch, over all ranks")
@@ -97,6 +107,11 @@ def parse_args() -> argparse.Namespace:
     if args.compression == "onebit" and not args.zero:
         p.error("--compression onebit: with --zero 1|2|3 (1-bit gradients with error feedback; "
                 "without ZeRO, use --optimizer onebit-adam)")
+    if args.compression == "topk" and args.zero:
+        p.error("--compression topk: without --zero (DistributedOptimizer's buckets carry the "
+                "residuals)")
+    if not 0 < args.topk_ratio <= 1:
+        p.error(f"--topk-ratio: expected a number in (0, 1], got {args.topk_ratio}")
     if args.lr is None:
         args.lr = OPTIMIZERS[args.optimizer][1]
     return args

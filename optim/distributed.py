@@ -29,6 +29,7 @@ import torch
 
 from collectives import api as C
 from collectives import kernels as _kernels
+from collectives.compression.topk import TopKCompressor
 from collectives.runtime.p2p import even_bounds
 
 from .overlap import Overlapped, bucketed
@@ -62,10 +63,13 @@ class _Reduction:
 class _Bucket:
     """Gradients of one dtype and device reduced together through one flat buffer."""
 
-    __slots__ = ("params", "buffer", "ready", "grads", "handle", "sparse")
+    __slots__ = ("params", "buffer", "ready", "grads", "handle", "sparse", "compressor")
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
+        # the reduction's compressor, or this bucket's own where it carries a residual
+        # (Top-K: what one step did not send, the next sends)
+        self.compressor: Any = None
         numel = sum(p.numel() for p in params)
         self.buffer = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)
         self.ready = 0  # parameters whose gradient is complete for this step
@@ -96,7 +100,7 @@ class _Bucket:
         self.grads = dense
         _kernels.pack(dense, self.buffer, how.prescale)  # a prefix when some are sparse
         self.handle = C.allreduce_async_(self.buffer, op=how.op, algorithm=how.algorithm,
-                                         compression=how.compression,
+                                         compression=self.compressor or how.compression,
                                          process_set=how.process_set)
 
     def finish(self, how: _Reduction) -> None:
@@ -190,9 +194,11 @@ def _check_reduction(op: object, factor: object, algorithm: object, compression:
                          f"with op={op!r}")
     if algorithm not in C.ALGORITHMS:
         raise ValueError(f"algorithm: expected one of {list(C.ALGORITHMS)}, got {algorithm!r}")
-    if not any(compression is c for c in _COMPRESSORS.values()):
-        names = [f"Compression.{n}" for n in _COMPRESSORS]
-        raise ValueError(f"compression: expected one of {names}, got {compression!r}")
+    if not any(compression is c for c in _COMPRESSORS.values()) \
+            and not isinstance(compression, TopKCompressor):
+        names = [f"Compression.{n}" for n in _COMPRESSORS if n != "topk"]
+        raise ValueError(f"compression: expected one of {names} or Compression.topk(ratio), "
+                         f"got {compression!r}")
     if process_set is not None and not isinstance(process_set, C.ProcessSet):
         raise TypeError(f"process_set: expected a collectives.ProcessSet, got "
                         f"{type(process_set).__name__}")
@@ -327,8 +333,36 @@ class DistributedOptimizer(Overlapped):
             if p.requires_grad:
                 self._names[id(p)] = self._name(p, f"param_groups[{index}][{i}]")
                 trainable.append(p)
-        self._watch(_make_buckets(list(reversed(trainable)), self._threshold, self._groups,
-                                  self._num_groups))
+        buckets = _make_buckets(list(reversed(trainable)), self._threshold, self._groups,
+                                self._num_groups)
+        if isinstance(self._how.compression, TopKCompressor):
+            for bucket in buckets:
+                bucket.compressor = self._how.compression.fresh()
+        self._watch(buckets)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict; under Top-K compression, also every bucket's
+        residual, with the rank and world size it belongs to."""
+        state = super().state_dict()
+        if isinstance(self._how.compression, TopKCompressor):
+            state["topk_residuals"] = {"rank": C.rank(), "size": C.size(), "buckets": [
+                b.compressor.state_dict() for b in self._buckets]}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict; Top-K residuals saved by another rank, in a world of another
+        size or over other buckets are dropped (the buckets start from zeros)."""
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("topk_residuals", None)
+        super().load_state_dict(state_dict)
+        if not isinstance(self._how.compression, TopKCompressor):
+            return
+        mine = saved is not None and (saved["rank"], saved["size"]) == (C.rank(), C.size()) \
+            and len(saved["buckets"]) == len(self._buckets)
+        for k, bucket in enumerate(self._buckets):
+            bucket.compressor = self._how.compression.fresh()
+            if mine:
+                bucket.compressor.load_state_dict(saved["buckets"][k])
 
     def _name(self, p: torch.Tensor, position: str) -> str:
         if p.dtype not in _GRAD_DTYPES:

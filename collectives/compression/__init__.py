@@ -20,9 +20,10 @@ override them:
          summed in rank order; each compressor holds its vector's residual (topk.py)
 Non-floating arrays are never compressed (as in Horovod).
 
-The compression layer: this module (none, fp16, int8, int4), twophase.py (the two-phase
-quantized allreduce), onebit.py (1-bit with error feedback; its state is the caller's) and
-topk.py (Top-K with error feedback; its residual is the compressor's).
+The compression layer: base.py (the interface), this module (none, fp16, int8, int4),
+twophase.py (the two-phase quantized allreduce), onebit.py (1-bit with error feedback; its
+state is the caller's) and topk.py (Top-K with error feedback; its residual is the
+compressor's).
 May import: the leaves, kernels, runtime, algorithms, auto."""
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import numpy as np
 from collectives import algorithms, kernels
 from collectives.auto import select
 from collectives.compression import twophase
+from collectives.compression.base import Compressor
+from collectives.compression.topk import TopKCompressor
 from collectives.dtypes import FLOATING, NUMPY_NAMES, loaded_torch, torch_dtype, torch_dtype_name
 from collectives.ops import KERNEL_OP, ReduceOp
 from collectives.runtime.buffers import to_device, to_host
@@ -60,42 +63,6 @@ def _cast(x: Any, dtype_name: str) -> Any:
     if isinstance(x, np.ndarray) or _is_cupy(x):
         return x.astype(dtype_name)
     return x.to(torch_dtype(dtype_name))
-
-
-class Compressor:
-    """The interface every compressor has."""
-
-    name: str
-    #: The ops an allreduce under this compressor supports.
-    ops: tuple[ReduceOp, ...] = tuple(ReduceOp)
-
-    def allreduce(self, topo: Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
-                  state: Any = None) -> np.ndarray:
-        """The reduction over topo's ranks of every rank's flat host array x (float16,
-        float32 or float64) as a new array (x's dtype, or float32). algorithm: a name or
-        `auto`, for the data movement; state: what the compressor keeps across calls on
-        the same vector, held by the caller (None if it keeps nothing). Runs inside the
-        engine, after the call's agreement."""
-        raise NotImplementedError
-
-    def reducescatter(self, topo: Topology, x: np.ndarray, counts: list[int], op: ReduceOp,
-                      algorithm: str, state: Any = None) -> np.ndarray:
-        """Block topo.rank of the reduction over topo's ranks of every rank's flat host
-        array x, whose block j is counts[j] elements (x's dtype, or float32); state as for
-        allreduce. Runs inside the engine, after the call's agreement."""
-        raise NotImplementedError(f"Compression.{self.name} has no reducescatter")
-
-    def check_count(self, count: int) -> None:
-        """Raise ValueError if this compressor cannot take a vector of count elements
-        (checked in the caller's thread, before the call is agreed)."""
-
-    def check_op(self, op: ReduceOp) -> None:
-        if op not in self.ops:
-            raise ValueError(f"op: Compression.{self.name} supports "
-                             f"{[o.name for o in self.ops]}, got {op.name}")
-
-    def __repr__(self) -> str:
-        return f"Compression.{self.name}"
 
 
 class TensorCompressor(Compressor):
@@ -330,7 +297,6 @@ def by_name(name: str) -> Compressor:
 
 def check_compression(compression: object) -> Compressor:
     """A collective's `compression` argument as a compressor (None: Compression.none)."""
-    from collectives.compression.topk import TopKCompressor
     if compression is None:
         return Compression.none
     if isinstance(compression, (TensorCompressor, TopKCompressor)):
@@ -349,9 +315,8 @@ class Compression:
     int4 = Int4Compressor()
 
     @staticmethod
-    def topk(ratio: float = 0.01) -> Compressor:
+    def topk(ratio: float = 0.01) -> TopKCompressor:
         """A new Top-K compressor with error feedback sending the share ratio of each
         vector's entries (compression/topk.py). The default, 1%: DGC (Lin et al., 2018)
         sends 0.1% with warm-up and momentum correction; 1% needs neither."""
-        from collectives.compression.topk import TopKCompressor
         return TopKCompressor(ratio)

@@ -32,7 +32,7 @@ import numpy as np
 
 from collectives import algorithms, kernels
 from collectives.auto import select
-from collectives.compression import Compressor
+from collectives.compression.base import Compressor
 from collectives.ops import ReduceOp
 from collectives.runtime.buffers import to_device, to_host
 from collectives.runtime.topology import Topology

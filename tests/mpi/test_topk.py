@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from collectives.optim import DistributedOptimizer
 from conftest import assert_equal, assert_same_on_all_ranks, split_rows
 
 import collectives as C
@@ -159,3 +160,44 @@ def test_a_compressor_reused_on_another_vector_is_refused_on_every_rank(comm):
     # the job goes on: nothing was agreed
     assert_equal(C.allreduce(np.ones(3, f32), op=C.Sum), np.full(3, comm.Get_size(), f32),
                  "after")
+
+
+def test_distributed_optimizer_reduces_each_bucket_with_its_own_residual(comm):
+    """Two parameters in two buckets (a threshold of one byte): each bucket's gradient is
+    the reference's with its own residual, step after step; the state dict carries the
+    residuals to a new optimizer on the same rank."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       compression=C.Compression.topk(0.25),
+                                       fusion_threshold_bytes=1)
+    references = {"weight": Reference(n, 18, 0.25), "bias": Reference(n, 3, 0.25)}
+    for step in range(4):
+        if step == 2:  # a new optimizer from the state dict goes on with the residuals
+            saved = opt.state_dict()
+            opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               compression=C.Compression.topk(0.25),
+                                               fusion_threshold_bytes=1)
+            opt.load_state_dict(saved)
+        twin = torch.nn.Linear(6, 3)  # every rank's gradients, outside the optimizer's hooks
+        twin.load_state_dict(model.state_dict())
+        everyone: dict[str, list[np.ndarray]] = {name: [] for name in references}
+        for q in range(n):
+            g = torch.Generator().manual_seed(step * 100 + q)
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            twin.zero_grad()
+            ((twin(x) - y) ** 2).sum().backward()
+            for name in references:
+                everyone[name].append(getattr(twin, name).grad.reshape(-1).numpy().copy())
+        expected = {name: references[name].call(everyone[name], True) for name in references}
+        g = torch.Generator().manual_seed(step * 100 + r)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).sum().backward()
+        opt.synchronize()
+        for name, want in expected.items():
+            assert_equal(getattr(model, name).grad.reshape(-1).numpy(), want, f"{name} {step}")
+        with opt.skip_synchronize():
+            opt.step()
+    assert_same_on_all_ranks(comm, model.weight.detach().numpy(), "weights")

@@ -181,8 +181,9 @@ def test_check_compression_accepts_none_and_the_compressors():
 
 @pytest.mark.parametrize("bad", ["fp16", "none", 1, True, object, Compression, type(Compression.fp16)])
 def test_check_compression_names_a_bad_value(bad):
-    with pytest.raises(ValueError, match=r"^compression: expected Compression.none, fp16, int8 or "
-                                         rf"int4, got {re.escape(repr(bad))}$"):
+    with pytest.raises(ValueError, match=r"^compression: expected Compression.none, fp16, int8, "
+                                         r"int4 or Compression.topk\(ratio\), "
+                                         rf"got {re.escape(repr(bad))}$"):
         check_compression(bad)
 
 
