@@ -94,15 +94,26 @@ class TopKCompressor(Compressor):
             self.residual = np.zeros(count, np.float32)
         return self.residual
 
+    def select(self, x: Any) -> np.ndarray:
+        """This rank's pairs of x (read flat as float32, host), packed as int32: the k
+        indices, then the k values' bits; the residual is updated."""
+        values = to_host(x).reshape(-1).astype(np.float32, copy=False)
+        residual = self._residual_for(values.size)
+        indices, sent = kernels.topk_feedback(values, residual, k_of(values.size, self.ratio))
+        return np.concatenate([indices, sent.view(np.int32)])
+
     def allreduce(self, topo: Topology, x: np.ndarray, op: ReduceOp, algorithm: str,
                   state: Any = None) -> np.ndarray:
         """The reduction of every rank's sparsified x (a flat float array) as a new float32
         array (on x's device: device data is staged through the host); this compressor's
         residual is updated."""
-        values = to_host(x).reshape(-1).astype(np.float32, copy=False)
-        residual = self._residual_for(values.size)
-        indices, sent = kernels.topk_feedback(values, residual, k_of(values.size, self.ratio))
-        return to_device(self.summed(topo, indices, sent, values.size, op, algorithm), x)
+        mine = self.select(x)
+        everyone = np.empty((topo.size, mine.size), np.int32)
+        algo = select.concrete(topo, "allgather", algorithm, everyone.nbytes)
+        algorithms.allgather(algo, topo, mine, everyone.reshape(-1), [mine.size] * topo.size)
+        out = summed(everyone, int(np.prod(x.shape, dtype=np.int64)))
+        algorithms.average(out, "float32", op, topo.size)
+        return to_device(out, x)
 
     def reducescatter(self, topo: Topology, x: np.ndarray, counts: list[int], op: ReduceOp,
                       algorithm: str, state: Any = None) -> np.ndarray:
@@ -112,17 +123,12 @@ class TopKCompressor(Compressor):
         start = sum(counts[:topo.rank])
         return whole[start:start + counts[topo.rank]].copy()
 
-    @staticmethod
-    def summed(topo: Topology, indices: np.ndarray, values: np.ndarray, count: int,
-               op: ReduceOp, algorithm: str) -> np.ndarray:
-        """Every rank's (indices, values) allgathered and added into zeros in rank order."""
-        n, k = topo.size, indices.size
-        mine = np.concatenate([indices, values.view(np.int32)])
-        everyone = np.empty((n, 2 * k), np.int32)
-        algo = select.concrete(topo, "allgather", algorithm, everyone.nbytes)
-        algorithms.allgather(algo, topo, mine, everyone.reshape(-1), [2 * k] * n)
-        out = np.zeros(count, np.float32)
-        for row in everyone:
-            kernels.scatter_add(row[:k], row[k:].view(np.float32), out)
-        algorithms.average(out, "float32", op, n)
-        return out
+
+def summed(everyone: np.ndarray, count: int) -> np.ndarray:
+    """The float32 sum of every rank's pairs (row r: rank r's select()), added into zeros
+    in rank order: the same rows give the same bits on every rank."""
+    out = np.zeros(count, np.float32)
+    k = everyone.shape[1] // 2
+    for row in everyone:
+        kernels.scatter_add(row[:k], row[k:].view(np.float32), out)
+    return out

@@ -5,6 +5,7 @@
     ddp.register_comm_hook(None, int8_hook)          # or int4_hook
     state = OnebitHookState(warmup_steps=100)
     ddp.register_comm_hook(state, onebit_hook)       # save state.state_dict() with the model
+    ddp.register_comm_hook(TopKHookState(ratio=0.01), topk_hook)   # the same
 
   fp16    float16 on the wire: half of float32's bytes.
   int8    our block-int8 (one float32 scale per block of kernels.INT8_BLOCK_SIZE values):
@@ -23,6 +24,11 @@
           themselves (no momentum), so it suits SGD and Adam alike; the first
           warmup_steps steps run uncompressed, as 1-bit Adam's freeze steps do, while the
           gradients settle.
+  Top-K  the largest ratio x n values of each bucket as (int32 index, float32 value) pairs,
+          with error feedback (compression/topk.py): what a step does not send stays in
+          the bucket's residual (TopKHookState) and is sent later. Every rank's pairs are
+          allgathered and summed in rank order: (n - 1) 8 ratio x n bytes received per
+          rank, cheaper than float32 while ratio < 1 / n.
 Every hook works on any process group. On the "collectives" backend a bucket is one async
 call of ours on the group's communicator, overlapping backward as DDP's own allreduce does;
 on another backend (gloo) the same algorithm runs over torch.distributed's collectives
@@ -44,7 +50,7 @@ from torch.futures import Future
 from collectives import api, kernels
 from collectives.algorithms.onebit import error_sizes
 from collectives.api.compressed import compressed_allreduce_async
-from collectives.compression import Compression, onebit
+from collectives.compression import Compression, onebit, topk
 from collectives.integrations import torch_backend, torch_work
 from collectives.ops import ReduceOp
 
@@ -236,3 +242,56 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
         server.copy_(s)
     return torch_work.done(buffer.copy_(
         torch.from_numpy(total[:buffer.numel()]).view(buffer.shape)))
+
+
+class TopKHookState:
+    """topk_hook's state: the process group, the share of each bucket's values sent
+    (ratio), and per bucket a Top-K compressor carrying its residual, with the layout it
+    was made for (the shapes of the bucket's parameters). state_dict() / load_state_dict()
+    save and restore the residuals with a checkpoint; a bucket whose layout differs from
+    its saved residual's (DDP rebuilds its buckets once after the first step) starts again
+    from zeros, as OnebitHookState's buffers do."""
+
+    def __init__(self, process_group: Any = None, ratio: float = 0.01):
+        self.process_group = process_group
+        self.ratio = topk.check_ratio(ratio)
+        #: bucket index -> (layout, its compressor)
+        self.compressors: dict[int, tuple[tuple, topk.TopKCompressor]] = {}
+
+    def _compressor(self, bucket: dist.GradBucket) -> topk.TopKCompressor:
+        layout = tuple(tuple(p.shape) for p in bucket.parameters())
+        found = self.compressors.get(bucket.index())
+        if found is None or found[0] != layout:
+            found = (layout, topk.TopKCompressor(self.ratio))
+            self.compressors[bucket.index()] = found
+        return found[1]
+
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio,
+                "residuals": {i: (layout, c.state_dict())
+                              for i, (layout, c) in self.compressors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ratio = topk.check_ratio(state["ratio"])
+        self.compressors = {}
+        for i, (layout, saved) in state["residuals"].items():
+            compressor = topk.TopKCompressor(self.ratio)
+            compressor.load_state_dict(saved)
+            self.compressors[int(i)] = (tuple(map(tuple, layout)), compressor)
+
+
+def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """Average the bucket's largest values with error feedback (state.ratio of them)."""
+    if not isinstance(state, TopKHookState):
+        raise TypeError(f"state: expected a TopKHookState, got {type(state).__name__}")
+    group, buffer = _group(state.process_group), bucket.buffer()
+    compressor = state._compressor(bucket)
+    ours = _ours(group)
+    if ours is not None:
+        return torch_work.future(api.allreduce_async_(buffer, ReduceOp.Average,
+                                                    compression=compressor, comm=ours.comm))
+    # another backend's group: the pairs through its allgather, summed here in rank order
+    mine = compressor.select(buffer.detach().to(torch.float32).cpu().numpy())
+    total = topk.summed(_gather_rows(torch.from_numpy(mine), group), buffer.numel())
+    kernels.divide(total, "float32", group.size())
+    return torch_work.done(buffer.copy_(torch.from_numpy(total).view(buffer.shape)))

@@ -1,4 +1,4 @@
-"""DDP communication hooks (fp16, int8, int4, 1-bit) on our backend and on gloo: the same bits as
+"""DDP communication hooks (fp16, int8, int4, 1-bit, Top-K) on our backend and on gloo: the same bits as
 the library's own compressed calls, warm-up, DDP training, bitwise resume from a checkpoint."""
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from collectives.algorithms.onebit import error_sizes
 from collectives.compression import Int4Compressor, Int8Compressor
 from collectives.integrations.ddp_hooks import (
     OnebitHookState,
+    TopKHookState,
     fp16_hook,
     int4_hook,
     int8_hook,
     onebit_hook,
+    topk_hook,
 )
 
 
@@ -75,6 +77,27 @@ def test_fp16_int8_and_int4_average_as_the_library_does(comm, backend, size):
         assert_same_on_all_ranks(comm, got.numpy(), hook.__name__)
 
 
+@pytest.mark.parametrize("size", [1, 7, 1000])
+def test_topk_is_the_librarys_topk_with_a_residual_per_bucket(comm, size):
+    """Two buckets over three steps: each bucket's average is the library's Top-K call on a
+    compressor of its own (the same residual carried), on either backend; a state loaded
+    from state_dict() goes on with the same residuals."""
+    state = TopKHookState(ratio=0.3)
+    library = {0: C.Compression.topk(0.3), 1: C.Compression.topk(0.3)}
+    for step in range(3):
+        if step == 2:
+            saved = io.BytesIO()
+            torch.save(state.state_dict(), saved)
+            state = TopKHookState(ratio=0.3)
+            state.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+        for index in (0, 1):
+            x = _grads(comm, size + index, 10 * step + index)
+            got = topk_hook(state, _Bucket(x.clone(), index, last=index == 1)).wait()
+            expected = C.allreduce(x, C.Average, compression=library[index])
+            assert torch.equal(got, expected), (step, index)
+            assert_same_on_all_ranks(comm, got.numpy(), "topk_hook")
+
+
 @pytest.mark.parametrize("block_size", [None, 64])
 @pytest.mark.parametrize("size", [1, 7, 1000])
 def test_onebit_is_compressed_allreduce_with_error_feedback_after_warmup(comm, size, block_size):
@@ -114,6 +137,7 @@ def test_on_our_backend_a_bucket_is_one_call_of_the_library(backend):
     for hook, hook_state, collective in [(fp16_hook, None, "allreduce"),
                                          (int8_hook, None, "allreduce"),
                                          (int4_hook, None, "allreduce"),
+                                         (topk_hook, TopKHookState(), "allreduce"),
                                          (onebit_hook, state, "allreduce"),  # its warm-up
                                          (onebit_hook, state, "compressed_allreduce")]:
         before = _calls()
@@ -129,6 +153,10 @@ def test_bad_state_is_refused():
         OnebitHookState(warmup_steps=-1)
     with pytest.raises(ValueError, match="block_size"):
         OnebitHookState(block_size=0)
+    with pytest.raises(TypeError, match="state: expected a TopKHookState"):
+        topk_hook(None, _Bucket(torch.ones(3)))
+    with pytest.raises(ValueError, match="ratio"):
+        TopKHookState(ratio=0)
 
 
 def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,12 +181,14 @@ def _train(comm, ddp, opt, steps: range) -> float:
     return loss.item()
 
 
-@pytest.mark.parametrize("hook", ["fp16", "int8", "onebit"])
+@pytest.mark.parametrize("hook", ["fp16", "int8", "onebit", "topk"])
 def test_ddp_trains_with_each_hook(comm, hook):
     plain = DDP(_model())
     hooked = DDP(_model(), bucket_cap_mb=0.001)  # several buckets
     if hook == "onebit":
         hooked.register_comm_hook(OnebitHookState(warmup_steps=3), onebit_hook)
+    elif hook == "topk":
+        hooked.register_comm_hook(TopKHookState(ratio=0.1), topk_hook)
     else:
         hooked.register_comm_hook(None, fp16_hook if hook == "fp16" else int8_hook)
     losses = []
