@@ -47,11 +47,14 @@ OPS = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")
 #: library's collective called directly through mpi4py (mpi-raw; `mpi` is the same collective
 #: behind our API: argument checks, agreement, stats).
 EXTRA_ALGOS = ("gloo", "onebit", "mpi-raw", "copy")
-#: Block-quantized allreduces (lossy): `auto`'s form, and each form forced.
+#: Compressed allreduces (lossy): block quantization in `auto`'s form and each form forced,
+#: and Top-K.
 COMPRESSED = {"int8": C.Compression.int8, "int4": C.Compression.int4,
               **{f"{name}-{form}": maker(form) for name, maker in
                  (("int8", Int8Compressor), ("int4", Int4Compressor))
-                 for form in ("allgather", "two-phase")}}
+                 for form in ("allgather", "two-phase")},
+              # Top-K at 1% with error feedback: a compressor per vector (make_call)
+              "topk": lambda: C.Compression.topk(0.01)}
 LOSSY = ("gloo", "onebit", "copy", *COMPRESSED)  # not checked against NumPy
 BUS_FACTOR = {
     "allreduce": lambda n: 2 * (n - 1) / n,
@@ -166,7 +169,7 @@ def make_call(op: str, algo: str, x: Any, gloo: Gloo | None, inplace: bool = Fal
         return lambda: C.compressed_allreduce(x, worker, server, block_size=256)
     reduce_op = {"sum": C.Sum, "average": C.Average}[redop]
     if algo in COMPRESSED:
-        compression = COMPRESSED[algo]
+        compression = COMPRESSED[algo]() if algo == "topk" else COMPRESSED[algo]
         return (lambda: C.allreduce(x, op=reduce_op, compression=compression)) \
             if op == "allreduce" else None
     if op != "alltoall" and algo not in C.ALGORITHMS:
