@@ -13,7 +13,8 @@ A write goes to a `.tmp` file renamed when complete, so a file that exists is wh
 rank keeps its files of the last two snapshots it wrote: a job that dies while a snapshot
 is being written still has the one before it on every host. Resuming (`choose`) takes the
 newest commit whose replicated part lies on some host and whose shards all lie on the
-hosts of the new job; a file of any other commit is never read.
+hosts of the new job; a file of any other commit is never read, and is removed once the
+job has resumed (`resume`).
 
 Cost at a commit: nothing but handing references to the thread (the commit's in-memory
 copies are what it writes), unless the previous snapshot is still being written, which the
@@ -267,7 +268,11 @@ def resume(state: Any, root: str) -> int | None:
     job's hosts hold together (choose), and return its commit; None if there is none. The
     first rank of each host announces its host's files; the replicated part is read by one
     rank and sent to rank 0 (whose sync then gives it to every rank); each shard is read
-    by one rank and resharded to the job's size over MPI (State.load_shards)."""
+    by one rank and resharded to the job's size over MPI (State.load_shards). Then the
+    first rank of each host removes its host's files of every other commit: those of
+    earlier jobs (a process keeps only its own last two) and any numbered past the chosen
+    one (a job that died mid-snapshot), which a later resume would otherwise take for
+    newer."""
     from collectives.api.gather import allgather_object
     from collectives.runtime import topology
     topo = topology.get()
@@ -305,4 +310,7 @@ def resume(state: Any, root: str) -> int | None:
         state.load_shards(old_size, {d: read(e)["shard"][which]
                                      for d, (r, e, which) in reader.items()
                                      if r == topo.rank})
+    for e in announced[topo.rank]:  # (the chosen commit's files are never removed)
+        if e.commit != commit:
+            _remove(e.path)
     return commit

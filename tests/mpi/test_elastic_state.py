@@ -5,6 +5,7 @@ gives every rank rank 0's state, which may be a later commit)."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 
@@ -58,3 +59,35 @@ def test_a_sync_during_a_snapshot_leaves_the_commit_on_disk(monkeypatch):
         assert torch.equal(on_disk["model"][k], v), k
     for i, m in enumerate(moments):
         assert torch.equal(on_disk["optimizer"]["state"][i]["exp_avg"], m)
+
+
+def test_a_resume_removes_its_hosts_files_of_every_other_commit():
+    """Commits 1 and 2 on disk, beside a shard-only file numbered 9 (as a job that died
+    mid-snapshot leaves): the resume takes commit 2, then each host keeps that commit's
+    files alone, and files that are no snapshot's."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    state = TorchState(model=model, step=0)
+    root = C.broadcast_object(tempfile.mkdtemp(prefix="collectives-test-snapshots-"), 0)
+    state.attach(None, snapshot.Writer(root), 0.0)
+    for _ in range(2):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        state.step += 1
+        state.commit()
+    state.flush_snapshots()
+    first = snapshot.first_on_host(topology.get())
+    folder = snapshot.host_dir(root)
+    if first:
+        for name in (snapshot.file_name(9, 1, 3, False, True, None), "notes.txt"):
+            open(f"{folder}/{name}", "w").close()
+    C.barrier()
+    fresh = torch.nn.Linear(4, 2)
+    resumed = TorchState(model=fresh, step=0)
+    assert snapshot.resume(resumed, root) == 2
+    resumed.sync()
+    assert resumed.step == 2 and torch.equal(fresh.weight, model.weight)
+    C.barrier()
+    left = {(e.commit, e.rank) for e in snapshot.entries(root)}
+    assert {k for k, _ in left} == {2}, left
+    assert os.path.exists(f"{folder}/notes.txt")
