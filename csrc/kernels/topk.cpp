@@ -30,13 +30,14 @@ void topk_feedback(const float* x, float* residual, int64_t count, int64_t k,
     return;
   }
   // the k-th largest magnitude: entries above it are all taken, entries equal to it in
-  // index order until k are
+  // index order until k are. nth_element leaves every magnitude above the threshold
+  // before it, so they are counted among the first k - 1 alone.
   std::vector<float> mags(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) mags[i] = magnitude(residual[i]);
   std::nth_element(mags.begin(), mags.begin() + (k - 1), mags.end(), std::greater<float>());
   const float threshold = mags[k - 1];
-  int64_t above = 0;
-  for (int64_t i = 0; i < count; ++i) above += magnitude(residual[i]) > threshold;
+  const int64_t above = std::count_if(mags.begin(), mags.begin() + (k - 1),
+                                      [threshold](float m) { return m > threshold; });
   int64_t ties = k - above, taken = 0;
   for (int64_t i = 0; i < count && taken < k; ++i) {
     const float m = magnitude(residual[i]);
