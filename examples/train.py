@@ -7,17 +7,21 @@
     mpirun -np 3 --oversubscribe python examples/train.py --zero 2 --checkpoint /tmp/z.pt
                                                                  # resumes, resharded to 3
     mpirun -np 4 --oversubscribe python examples/train.py --zero 3  # parameters sharded too
+    mpirun -np 2 python examples/train.py --balance             # shares follow each rank's speed
 
 Every rank holds the same model. Each global batch is cut into one slice per rank (all ranks
-shuffle identically from --seed); DistributedOptimizer averages the gradients while backward
-runs, or, with --zero 1|2|3, ZeroOptimizer shards the optimizer state (and the gradients,
-and the parameters, each layer gathered around its forward and backward) over the ranks.
+shuffle identically from --seed), of equal sizes or, with --balance, in proportion to each
+rank's measured speed (collectives.optim.Balancer); DistributedOptimizer averages the
+gradients while backward runs, or, with --zero 1|2|3, ZeroOptimizer shards the optimizer
+state (and the gradients, and the parameters, each layer gathered around its forward and
+backward) over the ranks.
 Rank 0 shows progress on stderr and prints loss, test accuracy and samples/s per epoch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import sys
@@ -27,12 +31,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from collectives.optim import (
+    Balancer,
     DistributedOptimizer,
     OnebitAdam,
     ZeroOptimizer,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from collectives.optim.balance import proportional_shares
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
@@ -97,6 +103,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage: 1 shards the optimizer state over the ranks, 2 the "
                         "gradients too, 3 the parameters too (0: DistributedOptimizer)")
+    p.add_argument("--balance", action="store_true", help="each rank's share of a batch "
+                   "follows its measured speed (for ranks of uneven speed)")
     p.add_argument("--checkpoint", metavar="PATH", help="save every epoch; resume if it exists "
                    "(with --zero, at any world size)")
     args = p.parse_args()
@@ -136,10 +144,16 @@ def make_model() -> nn.Module:
     )
 
 
-def my_slice(count: int) -> slice:
-    """This rank's contiguous share of `count` items (shares differ by at most one)."""
+def my_slice(count: int, balancer: Balancer | None = None) -> slice:
+    """This rank's contiguous share of `count` items: shares that differ by at most one, or
+    the balancer's (scaled to count for an epoch's short last batch)."""
     r, n = C.rank(), C.size()
-    return slice(r * count // n, (r + 1) * count // n)
+    if balancer is None:
+        return slice(r * count // n, (r + 1) * count // n)
+    shares = balancer.shares if count == balancer.global_batch \
+        else proportional_shares(count, [float(s) for s in balancer.shares])
+    first = sum(shares[:r])
+    return slice(first, first + shares[r])
 
 
 def seed_rank_rng(seed: int, epoch: int) -> None:
@@ -148,8 +162,9 @@ def seed_rank_rng(seed: int, epoch: int) -> None:
 
 
 def train_epoch(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor,
-                args: argparse.Namespace, epoch: int) -> float:
-    """One pass over the training set; returns the mean loss over all ranks' samples."""
+                args: argparse.Namespace, epoch: int, balancer: Balancer | None) -> float:
+    """One pass over the training set; returns the mean loss over all ranks' samples.
+    balancer: each rank's share of a batch follows its measured speed."""
     model.train()
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed + epoch))
     batches = order.split(args.batch_size)
@@ -157,13 +172,17 @@ def train_epoch(model: nn.Module, opt, x: torch.Tensor, y: torch.Tensor,
     bar = tqdm(batches, desc=f"epoch {epoch + 1}", file=sys.stderr, leave=False,
                disable=C.rank() != 0)
     for batch in bar:
-        mine = batch[my_slice(len(batch))]
-        loss = F.cross_entropy(model(x[mine]), y[mine], reduction="sum")
-        # averaging this over ranks gives the global batch's mean loss even when the
-        # slices differ in size
-        (loss * C.size() / len(batch)).backward()
+        mine = batch[my_slice(len(batch), balancer)]
+        timed = balancer.measure(len(mine)) if balancer else contextlib.nullcontext()
+        with timed:
+            loss = F.cross_entropy(model(x[mine]), y[mine], reduction="sum")
+            # averaging this over ranks gives the global batch's mean loss even when the
+            # slices differ in size
+            (loss * C.size() / len(batch)).backward()
         opt.step()
         opt.zero_grad()
+        if balancer is not None:
+            balancer.step()
         loss_sum += torch.tensor([loss.item(), len(mine)], dtype=torch.float64)
         bar.set_postfix(loss=f"{loss.item() / max(len(mine), 1):.3f}")
     total, count = C.allreduce(loss_sum, op=C.Sum).tolist()
@@ -280,10 +299,11 @@ def main() -> None:
               f"{f', ZeRO stage {args.zero}' if args.zero else ''}; "
               f"{len(x_train)} train / {len(x_test)} test digits; from epoch {first + 1}",
               flush=True)
+    balancer = Balancer(args.batch_size) if args.balance else None
     trained, seconds, accuracy = 0, 0.0, evaluate(model, x_test, y_test)
     for epoch in range(first, args.epochs):
         t0 = time.perf_counter()
-        loss = train_epoch(model, opt, x_train, y_train, args, epoch)
+        loss = train_epoch(model, opt, x_train, y_train, args, epoch, balancer)
         elapsed = time.perf_counter() - t0
         trained, seconds = trained + len(x_train), seconds + elapsed
         accuracy = evaluate(model, x_test, y_test)
@@ -295,6 +315,9 @@ def main() -> None:
     digest = replica_digest(model, opt)
     if rank == 0:
         speed = f"{trained / seconds:.0f} samples/s" if seconds else "no epochs left to train"
+        if balancer is not None:
+            print(f"balanced shares of each batch of {args.batch_size}: {balancer.shares}",
+                  flush=True)
         print(f"final test accuracy {accuracy:.2%}; {speed} on {size} rank(s); replicas "
               f"bit-identical (parameters sha256 {digest})", flush=True)
 

@@ -4,8 +4,9 @@ Owns: DistributedOptimizer (distributed.py) and ZeroOptimizer (zero.py: optimize
 gradients and, in stage 3, parameters sharded, in the buckets of zero_buckets.py; zero3.py
 gathers stage 3's units around their forward and backward; zero_shards.py is its
 checkpoint format), on the buckets reduced during backward that they share (overlap.py);
-the broadcasts of parameters and optimizer state (broadcast.py), OnebitAdam, Adasum's
-optimizer, the argument checks (wrapped.py). (The convergence tasks that the benchmarks
+the broadcasts of parameters and optimizer state (broadcast.py), OnebitAdam, the
+batch-share balancer and its sampler (balance.py), Adasum's optimizer, the argument checks
+(wrapped.py). (The convergence tasks that the benchmarks
 and tests/mpi/test_onebit_adam.py train are benchmarks/convergence.py: not installed.)
 May import: leaves, kernels, runtime, algorithms, auto, compression, api.
 
@@ -21,10 +22,11 @@ if __name__ != "collectives.optim":  # imported as top-level `optim`, from a che
 
 from collectives.api import broadcast_object
 
+from .balance import BalancedSampler, Balancer
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .distributed import DistributedOptimizer
 from .onebit_adam import OnebitAdam
 from .zero import ZeroOptimizer
 
-__all__ = ["DistributedOptimizer", "OnebitAdam", "ZeroOptimizer", "broadcast_object",
-           "broadcast_optimizer_state", "broadcast_parameters"]
+__all__ = ["BalancedSampler", "Balancer", "DistributedOptimizer", "OnebitAdam", "ZeroOptimizer",
+           "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]

@@ -12,7 +12,12 @@ import torch
 
 from collectives.elastic.buddies import Buddies, from_snapshot, regather
 from collectives.elastic.state import ObjectState
-from collectives.optim import ZeroOptimizer, broadcast_optimizer_state, broadcast_parameters
+from collectives.optim import (
+    BalancedSampler,
+    ZeroOptimizer,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 from collectives.runtime import topology
 
 
@@ -69,9 +74,10 @@ class ElasticSampler(torch.utils.data.Sampler):
 
 class TorchState(ObjectState):
     """model's state_dict, optimizer's state_dict (OnebitAdam's with its 1-bit error
-    buffers), every ElasticSampler among kwargs and the other kwargs' values, as one
-    elastic state: commit copies them in memory, restore loads the copies, sync broadcasts
-    rank 0's parameters, optimizer state, samplers' positions and values.
+    buffers), every ElasticSampler and BalancedSampler among kwargs and the other kwargs'
+    values, as one elastic state: commit copies them in memory, restore loads the copies,
+    sync broadcasts rank 0's parameters, optimizer state, samplers' positions (and a
+    BalancedSampler's shares) and values.
 
     A ZeroOptimizer (stage 1 or 2, over the whole job) is kept differently, as each rank
     holds only its shard: at a commit (collective) every rank's shard is also copied to
@@ -89,7 +95,8 @@ class TorchState(ObjectState):
                                  "rebuild from the copies yet")
             self._buddies = Buddies(optimizer)
         self.model, self.optimizer = model, optimizer
-        self._samplers = {k: v for k, v in kwargs.items() if isinstance(v, ElasticSampler)}
+        self._samplers = {k: v for k, v in kwargs.items()
+                          if isinstance(v, (ElasticSampler, BalancedSampler))}
         for k, sampler in self._samplers.items():
             setattr(self, k, sampler)
         super().__init__(**{k: v for k, v in kwargs.items() if k not in self._samplers})
