@@ -5,9 +5,10 @@ gradients and, in stage 3, parameters sharded, in the buckets of zero_buckets.py
 gathers stage 3's units around their forward and backward; zero_shards.py is its
 checkpoint format), on the buckets reduced during backward that they share (overlap.py);
 the broadcasts of parameters and optimizer state (broadcast.py), OnebitAdam, the
-batch-share balancer and its sampler (balance.py), Adasum's optimizer, the argument checks
-(wrapped.py). (The convergence tasks that the benchmarks
-and tests/mpi/test_onebit_adam.py train are benchmarks/convergence.py: not installed.)
+batch-share balancer and its sampler (balance.py), DiLoCo's outer steps (diloco.py),
+Adasum's optimizer, the argument checks (wrapped.py). (The convergence tasks that the
+benchmarks and tests/mpi/test_onebit_adam.py train are benchmarks/convergence.py: not
+installed.)
 May import: leaves, kernels, runtime, algorithms, auto, compression, api.
 
 Installed as `collectives.optim` (setup.py maps this folder there), its one name:
@@ -24,9 +25,10 @@ from collectives.api import broadcast_object
 
 from .balance import BalancedSampler, Balancer
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .diloco import DiLoCo
 from .distributed import DistributedOptimizer
 from .onebit_adam import OnebitAdam
 from .zero import ZeroOptimizer
 
-__all__ = ["BalancedSampler", "Balancer", "DistributedOptimizer", "OnebitAdam", "ZeroOptimizer",
+__all__ = ["BalancedSampler", "Balancer", "DiLoCo", "DistributedOptimizer", "OnebitAdam", "ZeroOptimizer",
            "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
