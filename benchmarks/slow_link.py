@@ -22,7 +22,9 @@ Setups at np > 1 (--setups): DistributedOptimizer (`none`, `fp16`, `int8`), `one
 (OnebitAdam, --freeze-step), DDP on this library's backend with its hooks (`ddp-fp16`,
 `ddp-int8`, `ddp-onebit`; `ddp` uncompressed), `zero2-int8` (ZeroOptimizer stage 2, int8
 gradients and parameters), and gloo DDP: `gloo`, `gloo-powersgd` (PowerSGD rank 4),
-`gloo-fp16`. At np 1 the one setup is `alone` (torch's Adam, no communication).
+`gloo-fp16`; DiLoCo over Adam, `diloco-H[-fF][-fp16|int8|int4]` (sync_every H,
+F fragments, overlapped; not in the default list). At np 1 the one setup is `alone`
+(torch's Adam, no communication).
 --compile runs each setup's model through torch.compile (torch.compile(DDP(model)) for
 the DDP setups; keep its first compiled steps inside --warmup)."""
 
@@ -89,6 +91,18 @@ def batch(data: torch.Tensor, step: int, args, rank: int, size: int):
     return rows[:, :-1], rows[:, 1:]
 
 
+def diloco_options(setup: str) -> tuple[int, int, str]:
+    """diloco-H[-fF][-none|fp16|int8|int4] -> (H, F, compression)."""
+    parts = setup.split("-")[1:]
+    h, fragments, compression = int(parts[0]), 1, "none"
+    for part in parts[1:]:
+        if part.startswith("f"):
+            fragments = int(part[1:])
+        else:
+            compression = part
+    return h, fragments, compression
+
+
 def setup_training(setup: str, net: nn.Module, args):
     """(model to call, optimizer, process group backend or None) for setup."""
     from collectives.optim import DistributedOptimizer, OnebitAdam, ZeroOptimizer
@@ -96,6 +110,13 @@ def setup_training(setup: str, net: nn.Module, args):
     import collectives as C
 
     adam = torch.optim.Adam
+    if setup.startswith("diloco-"):
+        from collectives.optim import DiLoCo
+
+        h, fragments, compression = diloco_options(setup)
+        return net, DiLoCo(net, adam(net.parameters(), lr=args.lr), sync_every=h,
+                           fragments=fragments,
+                           compression=getattr(C.Compression, compression)), None
     if setup == "alone":
         return net, adam(net.parameters(), lr=args.lr), None
     if setup in ("none", "fp16", "int8"):
@@ -261,7 +282,7 @@ def main() -> None:
     C.init()
     setups = ["alone"] if C.size() == 1 else (args.setups or list(SETUPS))
     for s in setups:
-        if s not in SETUPS and s != "alone":
+        if s not in SETUPS and s != "alone" and not s.startswith("diloco-"):
             p.error(f"--setups: {s!r} is not one of {SETUPS}")
     data = corpus(args.data_mb)
     rows = []

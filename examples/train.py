@@ -8,13 +8,16 @@
                                                                  # resumes, resharded to 3
     mpirun -np 4 --oversubscribe python examples/train.py --zero 3  # parameters sharded too
     mpirun -np 2 python examples/train.py --balance             # shares follow each rank's speed
+    mpirun -np 2 python examples/train.py --diloco 20 --compression int8  # sync every 20 steps
 
 Every rank holds the same model. Each global batch is cut into one slice per rank (all ranks
 shuffle identically from --seed), of equal sizes or, with --balance, in proportion to each
 rank's measured speed (collectives.optim.Balancer); DistributedOptimizer averages the
 gradients while backward runs, or, with --zero 1|2|3, ZeroOptimizer shards the optimizer
 state (and the gradients, and the parameters, each layer gathered around its forward and
-backward) over the ranks.
+backward) over the ranks; with --diloco H each rank steps alone and every H steps the
+ranks average their change (DiLoCo; the epochs' accuracies are then of each rank's own
+model, the final one of the shared copy).
 Rank 0 shows progress on stderr and prints loss, test accuracy and samples/s per epoch.
 """
 
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from collectives.optim import (
     Balancer,
+    DiLoCo,
     DistributedOptimizer,
     OnebitAdam,
     ZeroOptimizer,
@@ -59,8 +63,12 @@ def compression(args: argparse.Namespace):
 
 
 def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:
-    """A builder wrapping a torch optimizer in DistributedOptimizer, or ZeroOptimizer."""
+    """A builder wrapping a torch optimizer in DistributedOptimizer, ZeroOptimizer or
+    DiLoCo (as the inner optimizer)."""
     def build(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+        if args.diloco:
+            return DiLoCo(model, make(list(model.parameters()), args.lr),
+                          sync_every=args.diloco, compression=compression(args))
         if args.zero:
             return ZeroOptimizer(make(list(model.parameters()), args.lr), stage=args.zero,
                                  compression=compression(args),
@@ -103,6 +111,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage: 1 shards the optimizer state over the ranks, 2 the "
                         "gradients too, 3 the parameters too (0: DistributedOptimizer)")
+    p.add_argument("--diloco", type=int, default=0, metavar="H",
+                   help="DiLoCo: each rank steps alone, the ranks average their change every "
+                   "H steps (outer Nesterov SGD); 0: off")
     p.add_argument("--balance", action="store_true", help="each rank's share of a batch "
                    "follows its measured speed (for ranks of uneven speed)")
     p.add_argument("--checkpoint", metavar="PATH", help="save every epoch; resume if it exists "
@@ -118,6 +129,12 @@ def parse_args() -> argparse.Namespace:
     if args.compression == "topk" and args.zero:
         p.error("--compression topk: without --zero (DistributedOptimizer's buckets carry the "
                 "residuals)")
+    if args.diloco < 0:
+        p.error("--diloco: expected H >= 1 steps (0: off)")
+    if args.diloco and (args.zero or args.optimizer == "onebit-adam" or args.checkpoint
+                        or args.compression in ("onebit", "topk")):
+        p.error("--diloco: with --optimizer sgd|adam, --compression none|fp16|int8|int4, "
+                "without --zero and --checkpoint")
     if not 0 < args.topk_ratio <= 1:
         p.error(f"--topk-ratio: expected a number in (0, 1], got {args.topk_ratio}")
     if args.lr is None:
@@ -296,7 +313,8 @@ def main() -> None:
     if rank == 0:
         print(f"{size} rank(s), {args.optimizer} lr={args.lr}, global batch {args.batch_size}, "
               f"compression {args.compression}, algorithm {args.algorithm}"
-              f"{f', ZeRO stage {args.zero}' if args.zero else ''}; "
+              f"{f', ZeRO stage {args.zero}' if args.zero else ''}"
+              f"{f', DiLoCo every {args.diloco} steps' if args.diloco else ''}; "
               f"{len(x_train)} train / {len(x_test)} test digits; from epoch {first + 1}",
               flush=True)
     balancer = Balancer(args.batch_size) if args.balance else None
@@ -312,6 +330,9 @@ def main() -> None:
                   f"{accuracy:.2%}  {len(x_train) / elapsed:.0f} samples/s", flush=True)
         if args.checkpoint:
             save_checkpoint(args.checkpoint, model, opt, epoch + 1)
+    if isinstance(opt, DiLoCo):  # the shared copy: the ranks' own models differ
+        opt.use_anchor()
+        accuracy = evaluate(model, x_test, y_test)
     digest = replica_digest(model, opt)
     if rank == 0:
         speed = f"{trained / seconds:.0f} samples/s" if seconds else "no epochs left to train"

@@ -189,6 +189,15 @@ class DiLoCo(WrappedOptimizer):
             self._apply(self.pending)
             self.pending = None
 
+    @torch.no_grad()
+    def use_anchor(self) -> None:
+        """Set the model's parameters to the shared copy, the fragment in flight applied
+        first: the same model on every rank, to evaluate or save as the job's (this rank's
+        steps since each fragment's last synchronization are dropped)."""
+        self.synchronize()
+        for p, a in zip(self.params, self.anchor, strict=True):
+            p.copy_(a)
+
     def state_dict(self) -> dict[str, Any]:
         """The inner and outer optimizers' states, the anchor, the error buffers, the step
         count and a fragment in flight (waited for, not yet applied: saving does not move

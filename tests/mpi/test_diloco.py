@@ -116,6 +116,16 @@ def test_matches_the_float64_replay(comm, sync_every, fragments, overlap):
         assert_same_on_all_ranks(comm, mine, "parameters just after a synchronization")
 
 
+def test_use_anchor_gives_every_rank_the_shared_model(comm):
+    model = _model()
+    opt = DiLoCo(model, _inner(model.parameters()), sync_every=4, fragments=2)
+    _train(model, opt, range(7))  # fragment 1 in flight, local steps since the last points
+    opt.use_anchor()
+    assert opt.pending is None
+    assert np.array_equal(_flat(model.parameters()), _flat(opt.anchor))
+    assert_same_on_all_ranks(comm, _flat(model.parameters()), "the shared model")
+
+
 def test_int8_with_error_feedback_keeps_the_anchor_identical(comm):
     model, plain = _model(), _model()
     opt = DiLoCo(model, _inner(model.parameters()), sync_every=3,
