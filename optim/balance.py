@@ -71,6 +71,16 @@ def _rank(process_set: Any) -> int:
     return C.rank() if process_set is None else process_set.rank()
 
 
+def epoch_order(length: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
+    """An epoch's order of range(length): a permutation drawn from (seed, epoch) when
+    shuffled, the same on every rank (ElasticSampler's and BalancedSampler's)."""
+    if not shuffle:
+        return list(range(length))
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(length, generator=g).tolist()
+
+
 def equal_shares(total: int, ranks: int) -> list[int]:
     """total split over ranks, the first (total % ranks) one more (Horovod's rule)."""
     return [total // ranks + (r < total % ranks) for r in range(ranks)]
@@ -239,11 +249,7 @@ class BalancedSampler(torch.utils.data.Sampler):
         self.balancer.load_state_dict(state["balancer"])
 
     def _order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.dataset)))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.dataset), generator=g).tolist()
+        return epoch_order(len(self.dataset), self.shuffle, self.seed, self.epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         order, batch = self._order(), self.balancer.global_batch

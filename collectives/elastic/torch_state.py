@@ -18,6 +18,7 @@ from collectives.optim import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from collectives.optim.balance import epoch_order
 from collectives.runtime import topology
 
 
@@ -56,11 +57,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.reset()
 
     def _order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.dataset)))
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.dataset), generator=g).tolist()
+        return epoch_order(len(self.dataset), self.shuffle, self.seed, self.epoch)
 
     def __iter__(self) -> Iterator[int]:
         left = self._order()[self.start:]
