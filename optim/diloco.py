@@ -183,6 +183,7 @@ class DiLoCo(WrappedOptimizer):
         for i, p in enumerate(self.params):
             p.grad = kept[i]
 
+    @torch.no_grad()
     def synchronize(self) -> None:
         """Apply the fragment in flight now (before evaluating the shared copy, say)."""
         if self.pending is not None:

@@ -108,13 +108,19 @@ class TorchState(ObjectState):
         if self._buddies is not None:
             # first: every rank commits, or none does
             self._buddies.commit(snapshots=self._writer is not None)
+        # Every part first: an optimizer's state_dict may wait for reductions in flight
+        # (DiLoCo's outer average) and raise when a rank died; the last commit's tensors,
+        # which the copies below overwrite in place, must then still be that commit's.
+        parts: dict[str, Any] = {}
+        if self.model is not None:
+            parts["model"] = self.model.state_dict()
+        if self.optimizer is not None and self._buddies is None:
+            parts["optimizer"] = self.optimizer.state_dict()
         saved: dict[str, Any] = {"samplers": {k: s.state_dict()
                                               for k, s in self._samplers.items()}}
         last = self._saved_torch
-        if self.model is not None:
-            saved["model"] = _copy(self.model.state_dict(), last.get("model"))
-        if self.optimizer is not None and self._buddies is None:
-            saved["optimizer"] = _copy(self.optimizer.state_dict(), last.get("optimizer"))
+        for name, part in parts.items():
+            saved[name] = _copy(part, last.get(name))
         self._saved_torch = saved
         super().save()
 

@@ -126,6 +126,16 @@ def test_use_anchor_gives_every_rank_the_shared_model(comm):
     assert_same_on_all_ranks(comm, _flat(model.parameters()), "the shared model")
 
 
+def test_synchronize_applies_the_fragment_in_flight(comm):
+    model = _model()
+    opt = DiLoCo(model, _inner(model.parameters()), sync_every=4, fragments=2)
+    _train(model, opt, range(6))  # fragment 0 sent at step 6, in flight
+    before = _flat(opt.anchor)
+    opt.synchronize()  # outside no_grad, as a training loop calls it
+    assert opt.pending is None and not np.array_equal(_flat(opt.anchor), before)
+    assert_same_on_all_ranks(comm, _flat(opt.anchor), "anchor")
+
+
 def test_int8_with_error_feedback_keeps_the_anchor_identical(comm):
     model, plain = _model(), _model()
     opt = DiLoCo(model, _inner(model.parameters()), sync_every=3,

@@ -5,6 +5,7 @@ depend on it)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -87,3 +88,68 @@ def adam_replays(counts: set[int], batch: int, dim: int,
     keep(0)
     _full_batch(model, [1] * max(counts), batch, dim, opt, lambda n: lr, keep)
     return found
+
+
+def diloco_replay(sizes: list[int], batch: int, dim: int, lr: float, sync_every: int,
+                  fragments: list[list[int]]) -> tuple[list[list[torch.Tensor]],
+                                                        list[torch.Tensor]]:
+    """DiLoCo over mlp(dim), simulated in float64 with one model and one Adam (lr) per rank,
+    rank r of n training on its r-th n-th of each global batch: every sync_every /
+    len(fragments) steps the next fragment's average change (anchor - params) is sent and
+    the one sent before is applied (overlapped, one fragment late) by Nesterov SGD (lr 0.7,
+    momentum 0.9) to the anchor, each rank's fragment becoming the new anchor plus its
+    change since it sent. Where sizes changes, every rank starts again as a copy of rank 0
+    (an elastic job's restore and sync). Returns each rank's parameters and the anchor."""
+    base = mlp(dim)
+    anchor = [p.detach().clone() for p in base.parameters()]
+    outer_momentum: list[torch.Tensor | None] = [None] * len(anchor)
+    models: list[torch.nn.Module] = []
+    adams: list[torch.optim.Optimizer] = []
+    pending = None  # (fragment, average, what each rank had when it sent)
+    interval = sync_every // len(fragments)
+
+    def flat(params: list[torch.Tensor], fragment: list[int]) -> torch.Tensor:
+        return torch.cat([params[i].detach().reshape(-1) for i in fragment])
+
+    def apply(fragment: int, average: torch.Tensor, sent: list[torch.Tensor]) -> None:
+        offset = 0
+        for i in fragments[fragment]:
+            n = anchor[i].numel()
+            g = average[offset:offset + n].view_as(anchor[i])
+            buf = g.clone() if outer_momentum[i] is None else outer_momentum[i] * 0.9 + g
+            outer_momentum[i] = buf
+            anchor[i] = anchor[i] - 0.7 * (g + 0.9 * buf)
+            for model, had in zip(models, sent, strict=True):
+                p = list(model.parameters())[i]
+                with torch.no_grad():
+                    p.copy_(anchor[i] + p - had[offset:offset + n].view_as(p))
+            offset += n
+
+    for step, n in enumerate(sizes):
+        if step == 0 or n != sizes[step - 1]:  # every rank a copy of rank 0
+            first = models[0] if models else base
+            first_adam = adams[0].state_dict() if adams else None
+            models = [mlp(dim) for _ in range(n)]
+            adams = [torch.optim.Adam(m.parameters(), lr=lr) for m in models]
+            for m, a in zip(models, adams, strict=True):
+                m.load_state_dict(first.state_dict())
+                if first_adam is not None:  # a copy: load_state_dict keeps its tensors
+                    a.load_state_dict(copy.deepcopy(first_adam))
+            if pending is not None:
+                pending = (pending[0], pending[1], [pending[2][0]] * n)
+        x, y = data(step, batch, dim)
+        for r, (model, adam) in enumerate(zip(models, adams, strict=True)):
+            lo, hi = r * batch // n, (r + 1) * batch // n
+            adam.zero_grad()
+            ((model(x[lo:hi]).squeeze(1) - y[lo:hi]) ** 2).sum().mul(n / batch).backward()
+            adam.step()
+        if (step + 1) % interval == 0:
+            if pending is not None:
+                apply(*pending)
+            fragment = ((step + 1) // interval - 1) % len(fragments)
+            now = [flat(list(m.parameters()), fragments[fragment]) for m in models]
+            average = sum(flat(anchor, fragments[fragment]) - had for had in now) / n
+            pending = (fragment, average, now)
+    if pending is not None:
+        apply(*pending)
+    return [[p.detach() for p in m.parameters()] for m in models], anchor

@@ -10,6 +10,7 @@
     survive.py zero KILLFILE          the same with ZeroOptimizer stage 2 (zero1: stage 1;
                                       zero-onebit: 1-bit gradients), whose dead ranks' shards
                                       come back from their buddies
+    survive.py diloco KILLFILE        DiLoCo, a rank dying with an outer average in flight
 
 The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
 rank; "none": no rank dies) die at step DIE_AT (with IN_COMMIT=1, at the next commit, step
@@ -220,10 +221,60 @@ def train_scenario(killfile: str, api: str) -> None:
           f"kill, max error {err:.2e}, digest {digest!r}; sizes in order {runs}", flush=True)
 
 
+def diloco_scenario(killfile: str) -> None:
+    """DiLoCo over Adam on mlp(8), a fragment of two synchronized every 2 steps, overlapped:
+    the victims die at step DIE_AT, just after sending a fragment, so the survivors learn
+    of it while that average is in flight (at the commit that waits for it, or at the next
+    synchronization point), go back to their last commit and go on at the smaller size.
+    The local parameters and the shared copy must be the float64 replay's of the (step,
+    size) sequence the job kept."""
+    import torch
+    from collectives.optim import DiLoCo
+    from replay import data, diloco_replay, mlp
+
+    steps, dim, batch, lr, sync_every = 2 * DIE_AT, 8, 24, 1e-2, 4
+    model = mlp(dim)
+    opt = DiLoCo(model, torch.optim.Adam(model.parameters(), lr=lr), sync_every=sync_every,
+                 fragments=2)
+    state = elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
+    dying = victims(C.size())
+
+    @elastic.run()
+    def train(state: elastic.TorchState) -> None:
+        while state.step < steps:
+            if state.step == DIE_AT and state.sizes[0] == C.size() and C.rank() in dying:
+                die(killfile)
+            x, y = data(state.step, batch, dim)
+            n, r = C.size(), C.rank()
+            lo, hi = r * batch // n, (r + 1) * batch // n
+            opt.zero_grad()
+            ((model(x[lo:hi]).squeeze(1) - y[lo:hi]) ** 2).sum().mul(n / batch).backward()
+            opt.step()
+            state.sizes = state.sizes + [n]
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    opt.synchronize()
+    params, anchor = diloco_replay(state.sizes, batch, dim, lr, sync_every, [[0, 1], [2, 3, 4, 5]])
+    err = max((p - q).abs().max().item()
+              for p, q in zip(model.parameters(), params[C.rank()], strict=True))
+    opt.use_anchor()
+    err = max(err, *((p - a).abs().max().item()
+                     for p, a in zip(model.parameters(), anchor, strict=True)))
+    digest = float(sum(p.detach().sum() for p in model.parameters()))
+    at = {n: state.sizes.count(n) for n in sorted(set(state.sizes), reverse=True)}
+    print(f"rank {C.rank()}: trained {state.step} steps with DiLoCo, steps at each size {at}, "
+          f"max error {err:.2e}, digest {digest!r}", flush=True)
+
+
 def main() -> None:
     C.init()
     if sys.argv[1] == "raise":
         raise_scenario(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "diloco":
+        diloco_scenario(sys.argv[2])
     else:
         train_scenario(sys.argv[2], sys.argv[1])
 

@@ -139,6 +139,21 @@ def test_elastic_training_goes_on_from_the_last_commit(tmp_path, layout, api, dy
     assert not_timed_out(out), out
 
 
+def test_diloco_survives_a_rank_dying_with_an_outer_average_in_flight(tmp_path):
+    """The victim dies just after sending a fragment's average: the survivors' commit
+    that waits for it fails (or their next wait does) and they go back to the last whole
+    commit. A failed commit once left the model's copy half overwritten (errors of 0.3)."""
+    out = survive("1node", tmp_path, "diloco", str(tmp_path / "killed"))
+    found = re.findall(r"rank (\d+): trained 40 steps with DiLoCo, steps at each size "
+                       r"(\{.*?\}), max error (\S+), digest (\S+)", out)
+    assert sorted(int(f[0]) for f in found) == [0, 1], out
+    for _, at, err, _ in found:
+        assert ast.literal_eval(at) in ({3: 18, 2: 22}, {3: 21, 2: 19}), out
+        assert float(err) < 1e-12, out
+    assert len({f[-1] for f in found}) == 1, out
+    assert not_timed_out(out), out
+
+
 def test_a_shard_dead_with_its_copy_ends_the_job_saying_why(tmp_path):
     """Ranks 0 and 2 of 2 nodes x 2: rank 2 keeps rank 0's copy (buddies alternate nodes)."""
     out = survive("2nodes", tmp_path, "zero", str(tmp_path / "killed"), VICTIMS="0,2")
