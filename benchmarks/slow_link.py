@@ -18,6 +18,9 @@ weights (Adam, --lr). Per setup:
   to target     seconds from the first step until that windowed loss first falls under
                 --target (empty if it does not within --steps)
   scaling       samples/s / (np x the one-rank base's samples/s), given --baseline
+  held out      the final model's loss on 64 windows of the corpus's last tenth (training
+                draws from the first nine tenths); DiLoCo's: the ranks' shared model
+  MB/step       bytes this rank sent per step (this library's setups; not gloo's)
 Setups at np > 1 (--setups): DistributedOptimizer (`none`, `fp16`, `int8`), `onebit-adam`
 (OnebitAdam, --freeze-step), DDP on this library's backend with its hooks (`ddp-fp16`,
 `ddp-int8`, `ddp-onebit`; `ddp` uncompressed), `zero2-int8` (ZeroOptimizer stage 2, int8
@@ -86,7 +89,8 @@ def corpus(megabytes: float) -> torch.Tensor:
 def batch(data: torch.Tensor, step: int, args, rank: int, size: int):
     """This rank's windows of step's global batch: inputs and next-byte targets."""
     rng = np.random.default_rng([args.seed, step])
-    starts = rng.integers(0, data.numel() - args.seq - 1, args.batch * size)[rank::size]
+    starts = rng.integers(0, int(data.numel() * 0.9) - args.seq - 1,
+                          args.batch * size)[rank::size]
     rows = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()]).long()
     return rows[:, :-1], rows[:, 1:]
 
@@ -166,6 +170,7 @@ def measure(setup: str, data: torch.Tensor, args) -> dict:
         model = torch.compile(model)
     rank, size = C.rank(), C.size()
     losses, times = [], []
+    sent = C.stats()["bytes_sent"]
     try:
         for step in range(args.steps):
             x, y = batch(data, step, args, rank, size)
@@ -176,6 +181,10 @@ def measure(setup: str, data: torch.Tensor, args) -> dict:
             opt.step()
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
+        if hasattr(opt, "use_anchor"):  # DiLoCo: the ranks' shared model
+            opt.use_anchor()
+        sent = (C.stats()["bytes_sent"] - sent) / args.steps
+        held_out = evaluate(model, data, args)
     finally:
         if backend is not None:
             dist.destroy_process_group()
@@ -189,18 +198,34 @@ def measure(setup: str, data: torch.Tensor, args) -> dict:
             "samples_per_s": args.batch * size * len(timed) / timed.sum(),
             "loss": float(window[-1]), "samples": args.batch * size * args.steps,
             "to_target_s": float(np.cumsum(times)[below[0] + args.window - 1])
-            if below.size else None, "losses": losses.tolist(),
+            if below.size else None, "held_out_loss": held_out,
+            "sent_per_step": None if backend == "gloo" else float(sent),
+            "losses": losses.tolist(),
             "step_s": times.tolist()}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: torch.Tensor, args) -> float:
+    """The model's loss on 64 windows from the corpus's last tenth, which the training
+    batches (drawn from the first nine tenths) never hold."""
+    g = torch.Generator().manual_seed(12345)
+    lo = int(len(data) * 0.9)
+    starts = lo + torch.randint(0, len(data) - lo - args.seq - 1, (64,), generator=g)
+    rows = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()]).long()
+    logits = model(rows[:, :-1])
+    return float(nn.functional.cross_entropy(logits.reshape(-1, 256), rows[:, 1:].reshape(-1)))
 
 
 def table(rows: list[dict], base: float | None) -> None:
     print(f"# ~{rows[0]['params'] / 1e6:.1f}M parameters, np={rows[0]['np']}")
-    print(f"{'setup':>14} {'samples/s':>10} {'loss':>7} {'to target s':>12} {'scaling':>8}")
+    print(f"{'setup':>18} {'samples/s':>10} {'loss':>7} {'held out':>9} {'to target s':>12} "
+          f"{'scaling':>8} {'MB/step':>8}")
     for r in rows:
         eff = "" if base is None else f"{r['samples_per_s'] / (r['np'] * base):.2f}"
         to = "" if r["to_target_s"] is None else f"{r['to_target_s']:.0f}"
-        print(f"{r['setup']:>14} {r['samples_per_s']:>10.1f} {r['loss']:>7.3f} {to:>12} "
-              f"{eff:>8}")
+        sent = "" if r.get("sent_per_step") is None else f"{r['sent_per_step'] / 1e6:.2f}"
+        print(f"{r['setup']:>18} {r['samples_per_s']:>10.1f} {r['loss']:>7.3f} "
+              f"{r.get('held_out_loss', float('nan')):>9.3f} {to:>12} {eff:>8} {sent:>8}")
 
 
 def plot(path: str, runs: list[str], base: float | None) -> None:
