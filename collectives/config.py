@@ -26,7 +26,8 @@ class Config:
     #: JSON written by `python -m collectives calibrate`, read by `auto` at init (instead of
     #: the job's own measurement, collectives/auto/autotune.py); None = no file.
     tuning_file: str | None = None
-    #: Whether the first job on a setup times the algorithms for `auto` (a few seconds)
+    #: Whether the first job on a setup times the algorithms for `auto` (a few seconds,
+    #: at most 5 per collective on a slow link: autotune.BUDGET_S)
     #: and caches the times under XDG_CACHE_HOME for later jobs (collectives/auto/autotune.py).
     autotune: bool = True
     #: Whether the choices the library makes by itself at run time are held still, for a

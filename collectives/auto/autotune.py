@@ -50,6 +50,14 @@ COLLECTIVES = ("allreduce", "allgather", "reducescatter", "broadcast")
 #: allreduce of 16 MiB between hosts can take seconds and will not win).
 PRUNE = 8.0
 
+#: Seconds the measurement of one collective may take, as its own agreed times count them:
+#: a size is timed only if its calls, predicted from the size before it (each candidate's
+#: time scaled by the bytes), fit in what is left, and no larger size after one that does
+#: not. `auto` extends the last measured segment's bandwidth past it. Without it, the first
+#: job over a 10 Mbit/s link would spend over an hour timing 64 MiB calls at init; on one
+#: node or a fast link every size fits.
+BUDGET_S = 5.0
+
 #: Seconds of one timed call sequence; replaced by tests to inject per-rank noise.
 clock: Callable[[], float] = time.perf_counter
 
@@ -129,7 +137,7 @@ def _time(calls: dict[str, Callable[[], Any]], nbytes: int, comm: MPI.Comm) -> d
     round, so that a slow spell of a shared machine hits every candidate alike instead
     of the one measured during it; and interference only adds time, so the minimum over
     the rounds is the steadiest estimate of what a call costs."""
-    reps = 5 if nbytes < 16 << 20 else 3
+    reps = _reps(nbytes)
     for call in calls.values():
         call()  # first-use costs (windows, page faults) are not the steady state
     times: dict[str, list[float]] = {algo: [] for algo in calls}
@@ -141,6 +149,11 @@ def _time(calls: dict[str, Callable[[], Any]], nbytes: int, comm: MPI.Comm) -> d
             times[algo].append(clock() - t0)
     everyone = comm.allgather([min(t) for t in times.values()])
     return dict(zip(calls, np.max(everyone, axis=0).tolist()))
+
+
+def _reps(nbytes: int) -> int:
+    """Timed rounds at nbytes (besides the first, untimed call)."""
+    return 5 if nbytes < 16 << 20 else 3
 
 
 #: timed(collective, x, algorithm[, name]) -> a function making that public call on x (Sum
@@ -156,23 +169,34 @@ PATH_BYTES = 256 << 10
 
 def measure(topo: Any, timed: Timed) -> dict:
     """{collective: {algorithm: [[bytes, seconds], ...]}} on the job's communicator at
-    SIZES, for the candidates the model does not rule out at each size."""
+    SIZES, for the candidates the model does not rule out at each size, up to the largest
+    size that fits in BUDGET_S (the first two always: they cost microseconds). The choice to
+    stop rests on the agreed (slowest rank's) times only, so every rank stops alike."""
     p, layout = costmodel.params(), costmodel.Layout.of(topo)
     out: dict = {}
     for collective in COLLECTIVES:
         table: dict = {}
+        spent, last, timed_sizes = 0.0, None, 0
         for nbytes in SIZES:
             modelled = algorithms.costs(collective, nbytes, layout, p)
             best = min(modelled.values())
+            names = [a for a in sorted(modelled) if modelled[a] <= PRUNE * best or a == "mpi"]
+            if last is not None and timed_sizes >= 2:
+                size, times = last
+                predicted = sum(times.get(a, max(times.values())) for a in names) * (
+                    nbytes / size) * (1 + _reps(nbytes))
+                if spent + predicted > BUDGET_S:
+                    break
             count = max(nbytes // 4, 1)
             x = np.ones(max(count // topo.size, 1) if collective == "allgather" else count,
                         np.float32)
-            calls = {algo: timed(collective, x, algo) for algo in sorted(modelled)
-                     if modelled[algo] <= PRUNE * best or algo == "mpi"}
-            for algo, seconds in _time(calls, nbytes, topo.comm).items():
+            times = _time({a: timed(collective, x, a) for a in names}, nbytes, topo.comm)
+            for algo, seconds in times.items():
                 table.setdefault(algo, []).append([nbytes, seconds])
+            spent += sum(times.values()) * (1 + _reps(nbytes))
+            last, timed_sizes = (nbytes, times), timed_sizes + 1
         # an algorithm pruned at some sizes is only interpolated over the sizes it was timed at
-        out[collective] = {a: points for a, points in table.items() if len(points) == len(SIZES)}
+        out[collective] = {a: points for a, points in table.items() if len(points) == timed_sizes}
     return out
 
 

@@ -76,6 +76,40 @@ def test_a_shrunk_job_reads_the_cache_but_does_not_measure(comm, cache):
     assert autotune.setup(_job(generation=1), _unmeasured) == json.loads(json.dumps(measured))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_slow_link_stops_the_sweep_within_its_budget(comm, cache, monkeypatch):
+    """Over a 10 Mbit/s link (every call takes its bytes at 1.25 MB/s, the slower the
+    further rank 1 is from rank 0's clock) the sweep times the sizes whose calls fit in
+    BUDGET_S and leaves the rest to the last bandwidth: the same sizes on every rank,
+    within the budget, and `auto` still chooses at 64 MiB, alike on every rank."""
+    now = [0.0]
+
+    def slow(collective, x, algorithm, *name):
+        def call() -> None:
+            now[0] += (20e-6 + x.nbytes / 1.25e6) * (1 + 0.1 * comm.rank)
+        return call
+
+    monkeypatch.setattr(autotune, "clock", lambda: now[0])
+    monkeypatch.setattr(autotune, "SIZES", (8, 4 << 10, 64 << 10, 256 << 10, 1 << 20,
+                                            16 << 20, 64 << 20))
+    tuning = autotune.setup(_job(), slow)
+    for collective, table in tuning["measured"].items():
+        sizes = {tuple(b for b, _ in points) for points in table.values()}
+        assert len(sizes) == 1, (collective, sizes)
+        (sizes,) = sizes
+        assert sizes == autotune.SIZES[:len(sizes)] and 2 <= len(sizes) < 6, (collective, sizes)
+        spent = sum(s * (1 + autotune._reps(b)) for points in table.values() for b, s in points)
+        assert spent <= autotune.BUDGET_S, (collective, spent)
+    assert len(set(comm.allgather(json.dumps(tuning["measured"], sort_keys=True)))) == 1
+    monkeypatch.setattr(costmodel, "_installed", tuning)
+    select.estimates_changed()
+    try:
+        choices = [select.choose(c, 64 << 20, topology.get()) for c in autotune.COLLECTIVES]
+        assert len({tuple(x) for x in comm.allgather(choices)}) == 1
+    finally:
+        select.estimates_changed()
+
+
 def test_the_key_names_what_the_times_depend_on(comm):
     k = autotune.key(topology.get())
     assert k["world_size"] == comm.Get_size() and k["version"] == autotune.version()
