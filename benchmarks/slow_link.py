@@ -25,8 +25,9 @@ Setups at np > 1 (--setups): DistributedOptimizer (`none`, `fp16`, `int8`), `one
 (OnebitAdam, --freeze-step), DDP on this library's backend with its hooks (`ddp-fp16`,
 `ddp-int8`, `ddp-onebit`; `ddp` uncompressed), `zero2-int8` (ZeroOptimizer stage 2, int8
 gradients and parameters), and gloo DDP: `gloo`, `gloo-powersgd` (PowerSGD rank 4),
-`gloo-fp16`; DiLoCo over Adam, `diloco-H[-fF][-fp16|int8|int4]` (sync_every H,
-F fragments, overlapped; not in the default list). At np 1 the one setup is `alone`
+`gloo-fp16`; DiLoCo over Adam, `diloco-H[-fF][-fp16|int8|int4][-avg]` (sync_every H,
+F fragments, overlapped; `-avg`: the outer optimizer plain SGD at lr 1, which averages the
+ranks' models, instead of Nesterov 0.7/0.9; not in the default list). At np 1 the one setup is `alone`
 (torch's Adam, no communication).
 --compile runs each setup's model through torch.compile (torch.compile(DDP(model)) for
 the DDP setups; keep its first compiled steps inside --warmup)."""
@@ -95,16 +96,20 @@ def batch(data: torch.Tensor, step: int, args, rank: int, size: int):
     return rows[:, :-1], rows[:, 1:]
 
 
-def diloco_options(setup: str) -> tuple[int, int, str]:
-    """diloco-H[-fF][-none|fp16|int8|int4] -> (H, F, compression)."""
+def diloco_options(setup: str) -> tuple[int, int, str, bool]:
+    """diloco-H[-fF][-none|fp16|int8|int4][-avg] -> (H, F, compression, averaging: the outer
+    optimizer plain SGD at lr 1, i.e. the ranks' models averaged, instead of the default
+    Nesterov SGD 0.7/0.9)."""
     parts = setup.split("-")[1:]
-    h, fragments, compression = int(parts[0]), 1, "none"
+    h, fragments, compression, averaging = int(parts[0]), 1, "none", False
     for part in parts[1:]:
         if part.startswith("f"):
             fragments = int(part[1:])
+        elif part == "avg":
+            averaging = True
         else:
             compression = part
-    return h, fragments, compression
+    return h, fragments, compression, averaging
 
 
 def setup_training(setup: str, net: nn.Module, args):
@@ -117,8 +122,9 @@ def setup_training(setup: str, net: nn.Module, args):
     if setup.startswith("diloco-"):
         from collectives.optim import DiLoCo
 
-        h, fragments, compression = diloco_options(setup)
-        return net, DiLoCo(net, adam(net.parameters(), lr=args.lr), sync_every=h,
+        h, fragments, compression, averaging = diloco_options(setup)
+        outer = torch.optim.SGD(net.parameters(), lr=1.0) if averaging else None
+        return net, DiLoCo(net, adam(net.parameters(), lr=args.lr), outer, sync_every=h,
                            fragments=fragments,
                            compression=getattr(C.Compression, compression)), None
     if setup == "alone":
