@@ -1,7 +1,8 @@
 """torch.compile on the "collectives" backend, in the forms users meet: `torch.compile(DDP(m))`
 (DDPOptimizer, and the python reducer with compiled autograd), with our DDP communication
 hooks, `DDP(torch.compile(m))`, `no_sync()` accumulation, FSDP2 per layer (eager and
-compiled, AVG, bf16 mixed precision), a compiled model under `DistributedOptimizer`,
+compiled, AVG, bf16 mixed precision; the CPU cases of PyTorch's own FSDP2 training
+tests), a compiled model under `DistributedOptimizer`,
 `ZeroOptimizer` (stages 1-3) and `OnebitAdam`, and a compiled DDP step after an elastic
 shrink. Each trains a model with buffers (BatchNorm) and a transformer block a few steps
 and is checked against a float64 one-process replay of the same global batches
@@ -289,6 +290,82 @@ def test_fsdp2_per_layer_averages(comm, model_name, compiled):
         # bf16: a few roundings (u = 2**-8) of every gradient, carried by 9.05 * LR
         tolerance = FLOAT32_TRAINING if policy is None else {"rtol": 0, "atol": 0.05}
         replay.check(comm, model, tolerance, f"FSDP2 {model_name} {policy}")
+
+
+class _Mlp(torch.nn.Sequential):
+    """Two layers whose hidden width decides how their dim-0 shards split across ranks."""
+
+    def __init__(self, hidden: int):
+        super().__init__(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))
+
+    def units(self) -> list[torch.nn.Module]:
+        return [self[0], self[2]]
+
+
+class _TwiceInner(torch.nn.Module):
+    """A unit that runs twice in one forward (its gradient reduced once, both uses summed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.outer(self.inner(x) + self.inner(x))
+
+    def units(self) -> list[torch.nn.Module]:
+        return [self.inner]
+
+
+#: The CPU cases of PyTorch's own FSDP2 training tests that exercise the group (uneven
+#: shards and their padding in all-gather and reduce-scatter, sharding on another dim,
+#: resharding after forward or not, CPU offload, the async unshard, a unit run twice,
+#: explicit prefetching): case -> (model, whether each unit is sharded too, fully_shard's
+#: options, whether to prefetch explicitly). Resharding to a smaller group (an int) needs
+#: a world size with a divisor, which np 2 and 3 lack.
+FSDP2_CASES = {
+    "uneven-dim0-15": (lambda: _Mlp(15), False, {}, False),
+    "uneven-dim0-7": (lambda: _Mlp(7), False, {}, False),
+    "uneven-dim0-17": (lambda: _Mlp(17), False, {}, False),
+    "largest-dim": (lambda: _Mlp(24), False, {"shard_placement_fn": "largest"}, False),
+    "reshard-True": (_Block, True, {"reshard_after_forward": True}, False),
+    "reshard-False": (_Block, True, {"reshard_after_forward": False}, False),
+    "cpu-offload": (_Block, True, {"offload_policy": "cpu"}, False),
+    "unshard-async": (_Block, True, {"unshard_async": True}, False),
+    "unit-twice-True": (_TwiceInner, True, {"reshard_after_forward": True}, False),
+    "unit-twice-False": (_TwiceInner, True, {"reshard_after_forward": False}, False),
+    "prefetch": (_Block, True, {}, True),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP2_CASES))
+def test_fsdp2_cases_of_pytorchs_cpu_suite(comm, case):
+    """Each case trains against the float64 replay, replicas bit-identical: what PyTorch's
+    TestFullyShard1DTrainingCore runs on the CPU (against DDP there) on our group."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    make, per_unit, options, prefetch = FSDP2_CASES[case]
+    torch.manual_seed(0)
+    model = make()
+    replay = _Replay(model, _sgd, comm.Get_size(), broadcast=False)
+    options = dict(options)
+    unshard_async = options.pop("unshard_async", False)
+    if options.get("shard_placement_fn") == "largest":
+        options["shard_placement_fn"] = lambda p: Shard(p.shape.index(max(p.shape)))
+    if options.get("offload_policy") == "cpu":
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    units = model.units() if per_unit else []
+    for unit in units:
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+    if unshard_async:
+        model._set_unshard_async_op(True)
+    if prefetch:
+        for i, unit in enumerate(units[:-1]):
+            unit.set_modules_to_forward_prefetch([units[i + 1]])
+            units[i + 1].set_modules_to_backward_prefetch([unit])
+    _train(comm, model, _sgd(model.parameters()), replay)
+    replay.check(comm, model, FLOAT32_TRAINING, f"FSDP2 {case}")
 
 
 # ------------------------------------------------------------------- our optimizers
