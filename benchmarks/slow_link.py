@@ -27,8 +27,8 @@ Setups at np > 1 (--setups): DistributedOptimizer (`none`, `fp16`, `int8`), `one
 gradients and parameters), and gloo DDP: `gloo`, `gloo-powersgd` (PowerSGD rank 4),
 `gloo-fp16`; DiLoCo over Adam, `diloco-H[-fF][-fp16|int8|int4][-avg]` (sync_every H,
 F fragments, overlapped; `-avg`: the outer optimizer plain SGD at lr 1, which averages the
-ranks' models, instead of Nesterov 0.7/0.9; not in the default list). At np 1 the one setup is `alone`
-(torch's Adam, no communication).
+ranks' models, instead of Nesterov 0.7/0.9; not in the default list). At np 1 the one
+setup is `alone` (torch's Adam, no communication).
 --compile runs each setup's model through torch.compile (torch.compile(DDP(model)) for
 the DDP setups; keep its first compiled steps inside --warmup)."""
 
@@ -87,10 +87,14 @@ def corpus(megabytes: float) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(parts)[:limit]), dtype=torch.uint8)
 
 
+#: The share of the corpus training draws from; evaluate() reads the rest.
+TRAIN_SHARE = 0.9
+
+
 def batch(data: torch.Tensor, step: int, args, rank: int, size: int):
     """This rank's windows of step's global batch: inputs and next-byte targets."""
     rng = np.random.default_rng([args.seed, step])
-    starts = rng.integers(0, int(data.numel() * 0.9) - args.seq - 1,
+    starts = rng.integers(0, int(data.numel() * TRAIN_SHARE) - args.seq - 1,
                           args.batch * size)[rank::size]
     rows = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()]).long()
     return rows[:, :-1], rows[:, 1:]
@@ -212,10 +216,10 @@ def measure(setup: str, data: torch.Tensor, args) -> dict:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: torch.Tensor, args) -> float:
-    """The model's loss on 64 windows from the corpus's last tenth, which the training
-    batches (drawn from the first nine tenths) never hold."""
+    """The model's loss on 64 windows from the corpus past TRAIN_SHARE, which the training
+    batches never hold."""
     g = torch.Generator().manual_seed(12345)
-    lo = int(len(data) * 0.9)
+    lo = int(len(data) * TRAIN_SHARE)
     starts = lo + torch.randint(0, len(data) - lo - args.seq - 1, (64,), generator=g)
     rows = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()]).long()
     logits = model(rows[:, :-1])
@@ -229,9 +233,9 @@ def table(rows: list[dict], base: float | None) -> None:
     for r in rows:
         eff = "" if base is None else f"{r['samples_per_s'] / (r['np'] * base):.2f}"
         to = "" if r["to_target_s"] is None else f"{r['to_target_s']:.0f}"
-        sent = "" if r.get("sent_per_step") is None else f"{r['sent_per_step'] / 1e6:.2f}"
+        sent = "" if r["sent_per_step"] is None else f"{r['sent_per_step'] / 1e6:.2f}"
         print(f"{r['setup']:>18} {r['samples_per_s']:>10.1f} {r['loss']:>7.3f} "
-              f"{r.get('held_out_loss', float('nan')):>9.3f} {to:>12} {eff:>8} {sent:>8}")
+              f"{r['held_out_loss']:>9.3f} {to:>12} {eff:>8} {sent:>8}")
 
 
 def plot(path: str, runs: list[str], base: float | None) -> None:

@@ -156,6 +156,12 @@ def _reps(nbytes: int) -> int:
     return 5 if nbytes < 16 << 20 else 3
 
 
+def sweep_seconds(times: dict[str, float], nbytes: int) -> float:
+    """What timing the candidates at nbytes takes, from their call times: each candidate's
+    first call and its rounds (_time)."""
+    return sum(times.values()) * (1 + _reps(nbytes))
+
+
 #: timed(collective, x, algorithm[, name]) -> a function making that public call on x (Sum
 #: for the reductions; a name makes an allreduce take the general path): what a measurement
 #: times, since it is what `auto` will run. The public API supplies it
@@ -181,11 +187,10 @@ def measure(topo: Any, timed: Timed) -> dict:
             modelled = algorithms.costs(collective, nbytes, layout, p)
             best = min(modelled.values())
             names = [a for a in sorted(modelled) if modelled[a] <= PRUNE * best or a == "mpi"]
-            if last is not None and timed_sizes >= 2:
+            if timed_sizes >= 2:
                 size, times = last
-                predicted = sum(times.get(a, max(times.values())) for a in names) * (
-                    nbytes / size) * (1 + _reps(nbytes))
-                if spent + predicted > BUDGET_S:
+                scaled = {a: times.get(a, max(times.values())) * nbytes / size for a in names}
+                if spent + sweep_seconds(scaled, nbytes) > BUDGET_S:
                     break
             count = max(nbytes // 4, 1)
             x = np.ones(max(count // topo.size, 1) if collective == "allgather" else count,
@@ -193,7 +198,7 @@ def measure(topo: Any, timed: Timed) -> dict:
             times = _time({a: timed(collective, x, a) for a in names}, nbytes, topo.comm)
             for algo, seconds in times.items():
                 table.setdefault(algo, []).append([nbytes, seconds])
-            spent += sum(times.values()) * (1 + _reps(nbytes))
+            spent += sweep_seconds(times, nbytes)
             last, timed_sizes = (nbytes, times), timed_sizes + 1
         # an algorithm pruned at some sizes is only interpolated over the sizes it was timed at
         out[collective] = {a: points for a, points in table.items() if len(points) == timed_sizes}

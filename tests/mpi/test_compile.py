@@ -316,24 +316,31 @@ class _TwiceInner(torch.nn.Module):
         return [self.inner]
 
 
+def _largest_dim(param: torch.nn.Parameter) -> Any:
+    """FSDP2's shard placement on a parameter's largest dim."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(param.shape.index(max(param.shape)))
+
+
 #: The CPU cases of PyTorch's own FSDP2 training tests that exercise the group (uneven
 #: shards and their padding in all-gather and reduce-scatter, sharding on another dim,
 #: resharding after forward or not, CPU offload, the async unshard, a unit run twice,
 #: explicit prefetching): case -> (model, whether each unit is sharded too, fully_shard's
-#: options, whether to prefetch explicitly). Resharding to a smaller group (an int) needs
-#: a world size with a divisor, which np 2 and 3 lack.
+#: options, what is set after sharding: "unshard-async", "prefetch" or None). Resharding
+#: to a smaller group (an int) needs a world size with a divisor, which np 2 and 3 lack.
 FSDP2_CASES = {
-    "uneven-dim0-15": (lambda: _Mlp(15), False, {}, False),
-    "uneven-dim0-7": (lambda: _Mlp(7), False, {}, False),
-    "uneven-dim0-17": (lambda: _Mlp(17), False, {}, False),
-    "largest-dim": (lambda: _Mlp(24), False, {"shard_placement_fn": "largest"}, False),
-    "reshard-True": (_Block, True, {"reshard_after_forward": True}, False),
-    "reshard-False": (_Block, True, {"reshard_after_forward": False}, False),
-    "cpu-offload": (_Block, True, {"offload_policy": "cpu"}, False),
-    "unshard-async": (_Block, True, {"unshard_async": True}, False),
-    "unit-twice-True": (_TwiceInner, True, {"reshard_after_forward": True}, False),
-    "unit-twice-False": (_TwiceInner, True, {"reshard_after_forward": False}, False),
-    "prefetch": (_Block, True, {}, True),
+    "uneven-dim0-15": (lambda: _Mlp(15), False, {}, None),
+    "uneven-dim0-7": (lambda: _Mlp(7), False, {}, None),
+    "uneven-dim0-17": (lambda: _Mlp(17), False, {}, None),
+    "largest-dim": (lambda: _Mlp(24), False, {"shard_placement_fn": _largest_dim}, None),
+    "reshard-True": (_Block, True, {"reshard_after_forward": True}, None),
+    "reshard-False": (_Block, True, {"reshard_after_forward": False}, None),
+    "cpu-offload": (_Block, True, {"offload_policy": "cpu"}, None),
+    "unshard-async": (_Block, True, {}, "unshard-async"),
+    "unit-twice-True": (_TwiceInner, True, {"reshard_after_forward": True}, None),
+    "unit-twice-False": (_TwiceInner, True, {"reshard_after_forward": False}, None),
+    "prefetch": (_Block, True, {}, "prefetch"),
 }
 
 
@@ -342,25 +349,20 @@ def test_fsdp2_cases_of_pytorchs_cpu_suite(comm, case):
     """Each case trains against the float64 replay, replicas bit-identical: what PyTorch's
     TestFullyShard1DTrainingCore runs on the CPU (against DDP there) on our group."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-    from torch.distributed.tensor import Shard
 
-    make, per_unit, options, prefetch = FSDP2_CASES[case]
+    make, per_unit, options, after = FSDP2_CASES[case]
     torch.manual_seed(0)
     model = make()
     replay = _Replay(model, _sgd, comm.Get_size(), broadcast=False)
-    options = dict(options)
-    unshard_async = options.pop("unshard_async", False)
-    if options.get("shard_placement_fn") == "largest":
-        options["shard_placement_fn"] = lambda p: Shard(p.shape.index(max(p.shape)))
-    if options.get("offload_policy") == "cpu":
-        options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if options.get("offload_policy") == "cpu":  # (made here: fsdp is imported lazily)
+        options = dict(options, offload_policy=CPUOffloadPolicy(pin_memory=False))
     units = model.units() if per_unit else []
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(model, **options)
-    if unshard_async:
+    if after == "unshard-async":
         model._set_unshard_async_op(True)
-    if prefetch:
+    if after == "prefetch":
         for i, unit in enumerate(units[:-1]):
             unit.set_modules_to_forward_prefetch([units[i + 1]])
             units[i + 1].set_modules_to_backward_prefetch([unit])
