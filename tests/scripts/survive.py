@@ -11,6 +11,8 @@
                                       zero-onebit: 1-bit gradients), whose dead ranks' shards
                                       come back from their buddies
     survive.py diloco KILLFILE        DiLoCo, a rank dying with an outer average in flight
+    survive.py balance KILLFILE       a Balancer's shares over a BalancedSampler, rank 0
+                                      slowed: the survivors deal the rest of the epoch
 
 The victims (ranks of the starting job, env VICTIMS, e.g. "0" or "0,2"; default the last
 rank; "none": no rank dies) die at step DIE_AT (with IN_COMMIT=1, at the next commit, step
@@ -269,12 +271,71 @@ def diloco_scenario(killfile: str) -> None:
           f"max error {err:.2e}, digest {digest!r}", flush=True)
 
 
+def balance_scenario(killfile: str) -> None:
+    """SGD with momentum on a linear model, each global batch of a BalancedSampler's epoch
+    dealt by a Balancer's shares, rank 0 slowed by 1 ms a sample inside its measured
+    block so that it gets a smaller share; the sampler is in the TorchState, committed
+    every COMMIT_EVERY steps. The victims die at step DIE_AT; after the shrink the sampler
+    deals the rest of the epoch over the survivors (equal shares, then measured again).
+    Each loss is weighted by its share, so whatever the shares and sizes the survivors must
+    end with the replay of SGD on the epoch's global batches in order."""
+    import torch
+    from collectives.optim import BalancedSampler, Balancer, DistributedOptimizer
+    from collectives.optim.balance import epoch_order
+    from replay import batches_replay, data
+
+    steps, dim, batch, lr = 2 * DIE_AT, 8, 24, 0.02
+    x, y = data(12345, steps * batch, dim)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    model = torch.nn.Linear(dim, 1, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    balancer = Balancer(batch, every=3, threshold=0.05)
+    sampler = BalancedSampler(dataset, balancer, seed=7)
+    state = elastic.TorchState(model=model, optimizer=opt, sampler=sampler, step=0, sizes=[])
+    resets: list[int] = []
+    state.register_reset_callbacks([lambda: resets.append(C.size())])
+    shares: dict[int, list[int]] = {}  # the last shares taken at each size
+    dying = victims(C.size())
+
+    @elastic.run()
+    def train(state: elastic.TorchState) -> None:
+        for i, rows in enumerate(sampler):
+            if state.step == DIE_AT and not resets and C.rank() in dying:
+                die(killfile)
+            with balancer.measure(len(rows)):
+                if C.rank() == 0:
+                    time.sleep(1e-3 * len(rows))
+                opt.zero_grad()
+                loss = ((model(x[rows]).squeeze(1) - y[rows]) ** 2).mean()
+                (loss * balancer.weight(len(rows))).backward()
+            opt.step()
+            sampler.record_batch(i)
+            shares[C.size()] = list(balancer.shares)
+            balancer.step()
+            state.sizes = state.sizes + [C.size()]
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    order = epoch_order(len(dataset), True, 7, 0)
+    weight = batches_replay(x, y, [order[b * batch:(b + 1) * batch] for b in range(steps)], lr)
+    err = (model.weight - weight).abs().max().item()
+    at = {n: state.sizes.count(n) for n in sorted(set(state.sizes), reverse=True)}
+    print(f"rank {C.rank()}: trained {state.step} steps balanced, steps at each size {at}, "
+          f"resets {resets}, shares {shares}, max error {err:.2e}, "
+          f"digest {float(model.weight.detach().sum())!r}", flush=True)
+
+
 def main() -> None:
     C.init()
     if sys.argv[1] == "raise":
         raise_scenario(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "diloco":
         diloco_scenario(sys.argv[2])
+    elif sys.argv[1] == "balance":
+        balance_scenario(sys.argv[2])
     else:
         train_scenario(sys.argv[2], sys.argv[1])
 

@@ -36,8 +36,22 @@ def survive(layout: str, tmp: Path, *args: str, **env_vars: str) -> str:
         env["COLLECTIVES_RANKS_PER_NODE"] = str(per_node)
     cmd = [str(MPIRUN), "--with-ft", "ulfm", "-np", str(np_), "--oversubscribe", sys.executable,
            str(ROOT / "tests" / "scripts" / "survive.py"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=90, cwd=ROOT)
-    return done.stdout + done.stderr
+    for _ in range(2):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=90, cwd=ROOT)
+        out = done.stdout + done.stderr
+        if not crashed_in_shrink(out):
+            break
+        print(f"Open MPI crashed in its shrink; the job runs once more:\n{out}")
+    return out
+
+
+def crashed_in_shrink(out: str) -> bool:
+    """Whether a survivor died of a segmentation fault inside Open MPI's own shrink (its
+    failure agreement handling a failure notice: about 1 job in 50 here, an upstream
+    defect of ULFM, not of the library's recovery): such a job runs once more, and the
+    second run must pass."""
+    return "Segmentation fault" in out and "MPIX_Comm_shrink" in out \
+        and "ompi_errhandler_proc_failed_internal" in out
 
 
 def not_timed_out(out: str) -> bool:
@@ -149,6 +163,26 @@ def test_diloco_survives_a_rank_dying_with_an_outer_average_in_flight(tmp_path):
     assert sorted(int(f[0]) for f in found) == [0, 1], out
     for _, at, err, _ in found:
         assert ast.literal_eval(at) in ({3: 18, 2: 22}, {3: 21, 2: 19}), out
+        assert float(err) < 1e-12, out
+    assert len({f[-1] for f in found}) == 1, out
+    assert not_timed_out(out), out
+
+
+def test_balanced_shares_survive_a_shrink_and_the_update_stays_the_global_batchs(tmp_path):
+    """Rank 0 is slowed, so the balancer gives it fewer samples; the last rank dies at step
+    20 and the survivors go back to the commit of step 18, deal the rest of the epoch
+    between them (equal, then measured again: rank 0's share smaller once more) and end
+    with the replay of SGD on the epoch's global batches: no sample lost or dealt twice."""
+    out = survive("1node", tmp_path, "balance", str(tmp_path / "killed"))
+    found = re.findall(r"rank (\d+): trained 40 steps balanced, steps at each size (\{.*?\}), "
+                       r"resets (\[.*?\]), shares (\{.*?\}), max error (\S+), digest (\S+)",
+                       out)
+    assert sorted(int(f[0]) for f in found) == [0, 1], out
+    for _, at, reset, shares, err, _ in found:
+        assert ast.literal_eval(at) == {3: 18, 2: 22} and ast.literal_eval(reset) == [2], out
+        shares = ast.literal_eval(shares)
+        assert sum(shares[3]) == sum(shares[2]) == 24, out
+        assert shares[3][0] < min(shares[3][1:]) and shares[2][0] < shares[2][1], out
         assert float(err) < 1e-12, out
     assert len({f[-1] for f in found}) == 1, out
     assert not_timed_out(out), out
