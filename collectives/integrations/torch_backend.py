@@ -65,6 +65,8 @@ from collectives.runtime import p2p, topology
 
 #: MPI_Comm_create_group's messages on the job's communicator (no other tag of ours)
 _CREATE_TAG = 7001
+#: the devices whose tensors the backend takes (CUDA ones staged or on the device's path)
+DEVICES = ("cpu", "cuda")
 
 
 @eager_methods
@@ -95,6 +97,25 @@ class ProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's names, these four)
         return NAME
+
+    # torch reads a group's devices off its backend objects (`_device_types`) and picks
+    # one of them (`_get_backend`) where it must choose a device for a call: the full
+    # state dict's broadcast from rank 0 indexed the list, empty for a group without
+    # them. This group is the backend of the devices it is registered for, and has none
+    # of the optional capabilities torch asks a backend about.
+    supports_splitting = supports_coalescing = supports_time_estimate = False
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(d) for d in DEVICES]
+
+    def _get_backend(self, device: Any) -> ProcessGroup:
+        if torch.device(device).type not in DEVICES:
+            raise RuntimeError(f"No backend type associated with device type {device}")
+        return self
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
 
     def setGroupName(self, name: str) -> None:  # noqa: N802
         self._name = name
@@ -491,6 +512,6 @@ def _remake_after_shrink(topo: Any) -> None:
 def register() -> None:
     """Register the backend with torch.distributed and serve env:// from MPI (idempotent)."""
     if NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=list(DEVICES))
         topology.on_init(_remake_after_shrink)
     torch_rendezvous.install()

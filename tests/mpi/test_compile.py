@@ -2,7 +2,8 @@
 (DDPOptimizer, and the python reducer with compiled autograd), with our DDP communication
 hooks, `DDP(torch.compile(m))`, `no_sync()` accumulation, FSDP2 per layer (eager and
 compiled, AVG, bf16 mixed precision; the CPU cases of PyTorch's own FSDP2 training
-tests), a compiled model under `DistributedOptimizer`,
+tests; gradient clipping, frozen weights, accumulation without sync, the full state dict
+gathered and loaded from rank 0), a compiled model under `DistributedOptimizer`,
 `ZeroOptimizer` (stages 1-3) and `OnebitAdam`, and a compiled DDP step after an elastic
 shrink. Each trains a model with buffers (BatchNorm) and a transformer block a few steps
 and is checked against a float64 one-process replay of the same global batches
@@ -368,6 +369,126 @@ def test_fsdp2_cases_of_pytorchs_cpu_suite(comm, case):
             units[i + 1].set_modules_to_backward_prefetch([unit])
     _train(comm, model, _sgd(model.parameters()), replay)
     replay.check(comm, model, FLOAT32_TRAINING, f"FSDP2 {case}")
+
+
+class _ClippedSGD(torch.optim.SGD):
+    """SGD whose step first clips the gradients' total norm (torch.nn.utils.clip_grad_norm_,
+    foreach) and keeps each step's norm: on FSDP2's sharded gradients the total norm is an
+    all_reduce of the shards' norms over the group."""
+
+    def __init__(self, params, norm_type: float):
+        super().__init__(params, lr=LR, momentum=0.9)
+        self.norm_type, self.norms = norm_type, []
+
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, self.norm_type, foreach=True)
+        self.norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return super().step(closure)
+
+
+MAX_NORM = 0.05  # below every step's gradient norm here: each step clips
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_fsdp2_clips_the_total_gradient_norm(comm, norm_type):
+    """clip_grad_norm_ over an FSDP2 model's sharded gradients: the total norm of every
+    step is the replay's (a sum or a max of the shards' norms, reduced over our group)
+    and the clipped training follows the replay. As PyTorch's FSDP2 clip_grad_norm_ tests
+    check against DDP."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model("transformer")
+    replay = _Replay(model, lambda ps: _ClippedSGD(ps, norm_type), comm.Get_size(),
+                     broadcast=False)
+    for unit in model.units():
+        fully_shard(unit)
+    fully_shard(model)
+    opt = _ClippedSGD(model.parameters(), norm_type)
+    _train(comm, model, opt, replay)
+    norms = torch.stack(opt.norms).double()
+    expected = torch.stack(replay.opt.norms)
+    assert (expected > MAX_NORM).all(), expected  # clipping is not vacuous
+    torch.testing.assert_close(norms, expected, **FLOAT32_TRAINING)
+    replay.check(comm, model, FLOAT32_TRAINING, f"FSDP2 clipped, norm {norm_type}")
+
+
+def _frozen_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """model with its Linear layers' weights frozen (biases train: mixed requires_grad
+    in one FSDP2 group, whose reduce-scatter then carries the biases' gradients only)."""
+    for name, p in model.named_parameters():
+        if name.endswith("weight") and p.dim() == 2:
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("case", ["frozen-weights", "accumulate-without-sync"])
+def test_fsdp2_frozen_parameters_and_accumulation_without_sync(comm, case):
+    """FSDP2 with frozen weights beside trainable biases in one group (PyTorch's
+    test_fully_shard_frozen), and two micro-batches a step, the first with
+    set_requires_gradient_sync(False) (the gradients reduce-scattered once, at the last:
+    its gradient-accumulation tests), against the float64 replay."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _Mlp(16)
+    if case == "frozen-weights":
+        _frozen_weights(model)
+    replay = _Replay(model, _sgd, comm.Get_size(), broadcast=False)
+    for unit in model.units():
+        fully_shard(unit)
+    fully_shard(model)
+
+    class _NoSync:
+        def __enter__(self):
+            model.set_requires_gradient_sync(False)
+
+        def __exit__(self, *exc):
+            model.set_requires_gradient_sync(True)
+
+    micro = 2 if case == "accumulate-without-sync" else 1
+    _train(comm, model, _sgd([p for p in model.parameters() if p.requires_grad]), replay,
+           micro_batches=micro, no_sync=_NoSync if micro > 1 else None)
+    replay.check(comm, model, FLOAT32_TRAINING, f"FSDP2 {case}")
+
+
+def test_fsdp2_full_state_dict_gathers_and_loads_from_rank_0(comm):
+    """torch.distributed.checkpoint's full state dict of an FSDP2 model (every shard
+    all-gathered over our group) is the replay's model on every rank; loaded back into a
+    model sharded afresh with broadcast_from_rank0 (rank 0's full tensors broadcast, the
+    other ranks passing nothing) it gives every rank its shards of those tensors."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model("transformer")
+    replay = _Replay(model, _sgd, comm.Get_size(), broadcast=False)
+    for unit in model.units():
+        fully_shard(unit)
+    fully_shard(model)
+    _train(comm, model, _sgd(model.parameters()), replay)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    expected = replay.model.state_dict()
+    assert set(full) == set(expected)
+    for name, value in full.items():
+        assert not hasattr(value, "full_tensor"), name  # a plain tensor, gathered
+        torch.testing.assert_close(value.double(), expected[name], **FLOAT32_TRAINING)
+        assert_same_on_all_ranks(comm, value.detach().float().clone().numpy(), name)
+
+    torch.manual_seed(1)  # other values than the trained ones
+    fresh = MODELS["transformer"]()
+    for unit in fresh.units():
+        fully_shard(unit)
+    fully_shard(fresh)
+    given = {k: v.clone() for k, v in full.items()} if comm.Get_rank() == 0 else {}
+    set_model_state_dict(fresh, given, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=True))
+    for name, value in fresh.state_dict().items():
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        assert torch.equal(value, full[name]), name
 
 
 # ------------------------------------------------------------------- our optimizers
