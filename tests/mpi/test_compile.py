@@ -277,13 +277,15 @@ def test_compile_of_ddp_with_our_hooks(comm, hook):
 def test_fsdp2_per_layer_averages(comm, model_name, compiled):
     """fully_shard on each unit and on the model, eager and compiled: its gradient
     reduce-scatters on our group average (ReduceOp.AVG: one job once summed silently
-    there), then with a bf16 MixedPrecisionPolicy (parameters gathered and gradients
-    reduced in bf16, within bf16's rounding of the replay). Not on BatchNorm: torch's CPU
+    there), then with bf16 MixedPrecisionPolicies (parameters gathered in bf16, gradients
+    reduced in bf16 or in float32, within bf16's rounding of the replay). Not on BatchNorm: torch's CPU
     batch_norm refuses bf16 weights beside float32 running statistics (on gloo too)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    for policy in (None, bf16) if model_name != "batchnorm" else (None,):
+    # (bf16 compute, the gradients cast up and reduce-scattered in float32)
+    bf16_fp32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for policy in (None, bf16, bf16_fp32) if model_name != "batchnorm" else (None,):
         model = _model(model_name)
         replay = _Replay(model, _sgd, comm.Get_size(), broadcast=False)
         options = {} if policy is None else {"mp_policy": policy}
@@ -322,6 +324,22 @@ class _TwiceInner(torch.nn.Module):
         return [self.inner]
 
 
+class _Unused(torch.nn.Module):
+    """Two layers and one the forward never calls: a unit whose gradients stay None
+    (PyTorch's autograd tests of FSDP2 with unused parameters), sharded with the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.spare, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(8, 8), \
+            torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+    def units(self) -> list[torch.nn.Module]:
+        return [self.a, self.spare, self.b]
+
+
 def _largest_dim(param: torch.nn.Parameter) -> Any:
     """FSDP2's shard placement on a parameter's largest dim."""
     from torch.distributed.tensor import Shard
@@ -347,6 +365,7 @@ FSDP2_CASES = {
     "unit-twice-True": (_TwiceInner, True, {"reshard_after_forward": True}, None),
     "unit-twice-False": (_TwiceInner, True, {"reshard_after_forward": False}, None),
     "prefetch": (_Block, True, {}, "prefetch"),
+    "unused-parameter": (_Unused, True, {}, None),
 }
 
 
