@@ -4,8 +4,10 @@ the "collectives" backend.
 
 The model is two layers in two buckets, with a pause in backward between them (the layer
 nearer the input gets its gradients after it). The bucket of the layer nearer the output
-is complete before the pause: its reduction must have finished by the pause's end, on
-every rank. A reduction started only at the end of backward (or in step()) has not."""
+is complete before the pause, and the pause lasts until this rank has finished a call
+since backward began (at most PAUSE_BOUND_S): a reduction launched during backward ends
+it in milliseconds, one started only at the end of backward (or in step()) cannot, and
+the pause ends at its bound with no call finished."""
 
 from __future__ import annotations
 
@@ -25,14 +27,16 @@ pytestmark = pytest.mark.mpi(min_size=2)
 
 WIDTH = 1024  # a layer's weight: 4 MiB, over DDP's first bucket (1 MiB)
 BUCKET_BYTES = 4 * (WIDTH * WIDTH + WIDTH)  # one layer's weight and bias: a bucket each
-PAUSE_S = 0.5
+PAUSE_BOUND_S = 30.0  # a hang's bound: the pause ends at the first finished call
 
 
 class _Pause(torch.autograd.Function):
-    """The identity; its backward sleeps PAUSE_S, then notes the collective calls this
-    rank has finished (C.stats()["calls"]) in `seen`."""
+    """The identity; when `after` is set (the calls finished before backward), its
+    backward waits until this rank has finished more collective calls than that
+    (C.stats()["calls"], at most PAUSE_BOUND_S), then notes the count in `seen`."""
 
     seen: list[int] = []
+    after: int | None = None
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +44,10 @@ class _Pause(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        time.sleep(PAUSE_S)
+        if _Pause.after is not None:
+            deadline = time.monotonic() + PAUSE_BOUND_S
+            while C.stats()["calls"] <= _Pause.after and time.monotonic() < deadline:
+                time.sleep(1e-3)
         _Pause.seen.append(C.stats()["calls"])
         return grad
 
@@ -55,15 +62,22 @@ class _Model(nn.Module):
         return self.last(_Pause.apply(self.first(x)))
 
 
-def _reduced_during_backward(model: nn.Module, opt, steps: int = 3) -> list[int]:
-    """Per step, the calls finished between backward's start and the pause's end."""
+def _reduced_during_backward(model: nn.Module, opt, steps: int = 3,
+                             unchecked: int = 0) -> list[int]:
+    """Per step after the first `unchecked` (which do not pause), the calls finished
+    between backward's start and the pause's end."""
     out = []
     for step in range(steps):
         x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step + C.rank()))
         _Pause.seen.clear()
         before = C.stats()["calls"]
-        model(x).square().mean().backward()
-        out.append(_Pause.seen[0] - before)
+        _Pause.after = before if step >= unchecked else None
+        try:
+            model(x).square().mean().backward()
+        finally:
+            _Pause.after = None
+        if step >= unchecked:
+            out.append(_Pause.seen[0] - before)
         opt.step()
         opt.zero_grad()
     return out
@@ -129,6 +143,7 @@ def test_ddp_hooks_reduce_during_backward(comm, hook):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         # DDP's first step fills its buckets in the order gradients arrive; later ones
         # follow it
-        assert all(n >= 1 for n in _reduced_during_backward(model, opt, steps=4)[1:]), hook
+        assert all(n >= 1 for n in _reduced_during_backward(model, opt, steps=4,
+                                                            unchecked=1)), hook
     finally:
         dist.destroy_process_group()
