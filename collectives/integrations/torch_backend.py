@@ -35,6 +35,7 @@ on the others, in the same call: no rank is left waiting."""
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -467,6 +468,12 @@ class ProcessGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
+    def shutdown(self) -> None:
+        """torch's destroy_process_group (collective over the group's ranks, every group in
+        one order on every rank): the communicator made for the group is freed with what
+        the library keeps for it (its shared window). The default group's is the job's."""
+        _free(self._comm)
+
     def _run(self, opts: Any, sync: Any, submit: Any, finish: Any, *args: Any) -> dist.Work:
         """sync(*args) inline and finish(result), or submit(*args) with finish on its
         future, as opts.asyncOp says."""
@@ -474,6 +481,29 @@ class ProcessGroup(dist.ProcessGroup):
             return pending(submit(*args, comm=self._comm), finish)
         finish(sync(*args, comm=self._comm))
         return DONE
+
+
+#: The communicators made for groups (new_group) and not freed yet, in the order they were
+#: made: torch makes groups in one order on every rank, so each rank's list is that order
+#: over its groups. What is left at exit is freed in reverse, before MPI is finalized:
+#: MPI_Finalize frees it in an order of its own, and a shared window's free is a barrier
+#: over its group, so ranks could each wait in another group's free (two groups a rank,
+#: as FSDP2's reshard_after_forward=2 makes).
+_made: list[MPI.Comm] = []
+
+
+def _free(comm: MPI.Comm | None) -> None:
+    if comm is not None and any(c is comm for c in _made):
+        _made[:] = [c for c in _made if c is not comm]
+        comm.Free()
+
+
+def _free_made() -> None:
+    while _made:
+        _made.pop().Free()
+
+
+atexit.register(_free_made)  # after mpi4py's import: runs before it finalizes MPI (LIFO)
 
 
 def _create(group_options: Any, backend_options: Any) -> ProcessGroup:
@@ -493,6 +523,7 @@ def _create(group_options: Any, backend_options: Any) -> ProcessGroup:
         job = topology.get().comm
         comm = job.Create_group(job.Get_group().Incl(list(o.global_ranks_in_group)),
                                 _CREATE_TAG)
+        _made.append(comm)
         group = ProcessGroup(o.store, comm, o.timeout)
     group._set_group_name(o.group_id)
     return group
