@@ -69,6 +69,15 @@ def cost(nbytes: int, layout: Layout, p: Params,
     return link + kernels if pieces == 1 else max(link, kernels) + kernels / pieces
 
 
+def received_bytes(count: int, n: int, block_size: int | None = 32) -> int:
+    """Bytes each rank receives in compressed_allreduce of count float32 elements on n
+    ranks: the two exchanges of the docstring, n - 1 chunks of signs and scales each."""
+    if n <= 1:
+        return 0
+    _, chunk = error_sizes(count, n)
+    return 2 * (n - 1) * (chunk // 8 + 4 * nscales(chunk, block_size))
+
+
 def nscales(chunk: int, block: int | None) -> int:
     return 1 if block is None else -(-chunk // block)
 

@@ -22,8 +22,9 @@ Non-floating arrays are never compressed (as in Horovod).
 
 The compression layer: base.py (the interface), this module (none, fp16, int8, int4),
 twophase.py (the two-phase quantized allreduce), onebit.py (1-bit with error feedback; its
-state is the caller's) and topk.py (Top-K with error feedback; its residual is the
-compressor's).
+state is the caller's), topk.py (Top-K with error feedback; its residual is the
+compressor's) and wire.py (the bytes a rank receives per form: `python -m collectives
+bytes`).
 May import: the leaves, kernels, runtime, algorithms, auto."""
 
 from __future__ import annotations

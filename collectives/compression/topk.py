@@ -52,6 +52,12 @@ def k_of(count: int, ratio: float) -> int:
     return min(count, max(1, math.ceil(ratio * count))) if count else 0
 
 
+def received_bytes(count: int, n: int, ratio: float) -> int:
+    """Bytes each rank receives in one Top-K allreduce of count elements on n ranks: the
+    other ranks' k (index, value) pairs of 8 bytes."""
+    return (n - 1) * 8 * k_of(count, ratio)
+
+
 class TopKCompressor(Compressor):
     """Top-K with error feedback over one vector (the module docstring). Sum and Average.
     Its name in a call's agreement carries the ratio, so ranks with different ratios get a

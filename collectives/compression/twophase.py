@@ -267,6 +267,19 @@ def cost(form: str, topo: Topology, codec: Any, count: int) -> float:
             + decoding / local)
 
 
+def received_bytes(form: str, codec: Any, n: int, count: int, rank: int = 0) -> int:
+    """Bytes rank receives in one allreduce of count elements on one level of n ranks: in
+    the allgather form n - 1 packets of the whole vector; in two phases n - 1 packets of
+    its chunk (the alltoall) and every other rank's reduced chunk (the allgather)."""
+    if n == 1:
+        return 0
+    if form == "allgather":
+        return (n - 1) * packet_bytes(codec, count)
+    bounds = chunk_bounds(count, n, codec.block)
+    chunks = [packet_bytes(codec, b - a) for a, b in zip(bounds, bounds[1:])]
+    return (n - 1) * chunks[rank] + sum(chunks) - chunks[rank]
+
+
 def choose(topo: Topology, codec: Any, count: int) -> str:
     """The form `auto` runs: the cheaper by cost(), the same on every rank (it depends on
     the layout, the count and the tuning in force); on one rank the allgather form."""

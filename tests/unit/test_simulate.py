@@ -100,4 +100,15 @@ def test_the_command_line_runs_a_tool_and_names_the_tools_otherwise():
     assert "# allreduce, 2 nodes x 1 ranks, 1 Gbit/s" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "collectives", "simulat"], capture_output=True,
                          text=True, timeout=120)
-    assert bad.returncode != 0 and "{calibrate,simulate}" in bad.stderr
+    assert bad.returncode != 0 and "{calibrate,simulate,bytes}" in bad.stderr
+
+
+def test_the_bytes_tool_prints_each_form(capsys):
+    """python -m collectives bytes: a row per form, its MiB at each rank count."""
+    from collectives.compression import wire
+
+    wire.main(["--count", str(1 << 20), "--ranks", "2,64"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(wire.FORMS)
+    ring = next(line for line in lines if line.startswith("| float32 ring"))
+    assert ring.split("|")[2:4] == [" 4.00 ", " 7.88 "]  # 2 (n-1)/n of 4 MiB
