@@ -20,9 +20,9 @@ from typing import Any
 
 def register() -> None:
     """Register the backend with torch.distributed (idempotent). Needs torch."""
-    from collectives.integrations import torch_backend
+    from collectives.integrations import torch_groups
 
-    torch_backend.register()
+    torch_groups.register()
 
 
 class _Watch(importlib.abc.MetaPathFinder):

@@ -35,7 +35,6 @@ on the others, in the same call: no rank is left waiting."""
 
 from __future__ import annotations
 
-import atexit
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -46,7 +45,7 @@ from torch._C import _distributed_c10d as c10d
 
 from collectives import api, config
 from collectives.algorithms import ALGORITHMS
-from collectives.integrations import torch_rendezvous
+from collectives.integrations import torch_comms
 from collectives.integrations.monitored_barrier import MonitoredBarrier
 from collectives.integrations.torch_args import (
     NAME,
@@ -64,8 +63,6 @@ from collectives.integrations.torch_work import DONE, Request, eager_methods, pe
 from collectives.ops import ReduceOp
 from collectives.runtime import p2p, topology
 
-#: MPI_Comm_create_group's messages on the job's communicator (no other tag of ours)
-_CREATE_TAG = 7001
 #: the devices whose tensors the backend takes (CUDA ones staged or on the device's path)
 DEVICES = ("cpu", "cuda")
 
@@ -472,7 +469,7 @@ class ProcessGroup(dist.ProcessGroup):
         """torch's destroy_process_group (collective over the group's ranks, every group in
         one order on every rank): the communicator made for the group is freed with what
         the library keeps for it (its shared window). The default group's is the job's."""
-        _free(self._comm)
+        torch_comms.free(self._comm)
 
     def _run(self, opts: Any, sync: Any, submit: Any, finish: Any, *args: Any) -> dist.Work:
         """sync(*args) inline and finish(result), or submit(*args) with finish on its
@@ -481,68 +478,3 @@ class ProcessGroup(dist.ProcessGroup):
             return pending(submit(*args, comm=self._comm), finish)
         finish(sync(*args, comm=self._comm))
         return DONE
-
-
-#: The communicators made for groups (new_group) and not freed yet, in the order they were
-#: made: torch makes groups in one order on every rank, so each rank's list is that order
-#: over its groups. What is left at exit is freed in reverse, before MPI is finalized:
-#: MPI_Finalize frees it in an order of its own, and a shared window's free is a barrier
-#: over its group, so ranks could each wait in another group's free (two groups a rank,
-#: as FSDP2's reshard_after_forward=2 makes).
-_made: list[MPI.Comm] = []
-
-
-def _free(comm: MPI.Comm | None) -> None:
-    if comm is not None and any(c is comm for c in _made):
-        _made[:] = [c for c in _made if c is not comm]
-        comm.Free()
-
-
-def _free_made() -> None:
-    while _made:
-        _made.pop().Free()
-
-
-atexit.register(_free_made)  # after mpi4py's import: runs before it finalizes MPI (LIFO)
-
-
-def _create(group_options: Any, backend_options: Any) -> ProcessGroup:
-    """torch's creator call (extended API: it names the group, its ranks and its timeout),
-    on the group's members only: the default group runs over the job's communicator, any
-    other (new_group) over one its members make alone (MPI_Comm_create_group), so
-    use_local_synchronization works too. The group's timeout becomes its communicator's
-    stall timeout (the default group's: the job communicator's)."""
-    o = group_options
-    if not dist.is_initialized():
-        group = ProcessGroup(o.store, None, o.timeout)
-        if (group.rank(), group.size()) != (o.group_rank, o.group_size):
-            raise ValueError(f"init_process_group: rank {o.group_rank} of {o.group_size} was "
-                             f"asked for, but the MPI job runs this process as rank "
-                             f"{group.rank()} of {group.size()}")
-    else:
-        job = topology.get().comm
-        comm = job.Create_group(job.Get_group().Incl(list(o.global_ranks_in_group)),
-                                _CREATE_TAG)
-        _made.append(comm)
-        group = ProcessGroup(o.store, comm, o.timeout)
-    group._set_group_name(o.group_id)
-    return group
-
-
-def _remake_after_shrink(topo: Any) -> None:
-    """init's hook: when collectives.elastic shrank the job after a failure, a default group
-    of this backend is made again over the survivors (the old one's communicator died with
-    the old job), with torch's default timeout. What was built on the old group (DDP) must
-    be built again: in a reset callback."""
-    if topo.generation == 0 or not dist.is_initialized() or dist.get_backend() != NAME:
-        return
-    dist.destroy_process_group()
-    dist.init_process_group(NAME)
-
-
-def register() -> None:
-    """Register the backend with torch.distributed and serve env:// from MPI (idempotent)."""
-    if NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=list(DEVICES))
-        topology.on_init(_remake_after_shrink)
-    torch_rendezvous.install()

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from collectives.integrations import torch_backend
+from collectives.integrations import torch_groups
 
-torch_backend.register()
+torch_groups.register()
 dist.init_process_group("collectives")
 rank = dist.get_rank()
 torch.manual_seed(0)
