@@ -37,7 +37,9 @@ NOT_RUN = {"make test": "this test is part of it",
 
 #: Shell lines that a test of their own runs as written and checks what they print: the
 #: lines that name the key.
-RUN_BY = {"examples/lightning_train.py": "tests/unit/test_lightning.py"}
+RUN_BY = {"examples/lightning_train.py": "tests/unit/test_lightning.py",
+          "examples/accelerate_train.py": "tests/unit/test_accelerate.py",
+          "examples/ddp_train.py": "tests/unit/test_ddp_example.py"}
 
 
 def snippets(page: Path = README) -> list[tuple[str, str]]:
