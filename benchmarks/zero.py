@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--bucket-mib", type=int, default=16, help="fusion_threshold_bytes, MiB")
     p.add_argument("--mode", choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
                    default="zero2")
-    p.add_argument("--parameter-compression", choices=("none", "fp16", "int8"),
+    p.add_argument("--parameter-compression", choices=("none", "fp16", "int8", "int4"),
                    default="none", help="zero3: the parameters' allgather")
     p.add_argument("--hpz", action="store_true",
                    help="zero3: the backward gathers from node-local pieces kept by the forward")

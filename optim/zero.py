@@ -21,7 +21,8 @@ allgathers every bucket from its owners' pieces into its flat buffer, which the 
 view.
 
 Cost per step: one reducescatter and one allgather of the parameters' bytes, what one
-allreduce moves (the allgather a half or a quarter of them with parameter_compression).
+allreduce moves (the allgather a half, a quarter or an eighth of them with
+parameter_compression fp16, int8 or int4).
 Memory per rank: the parameters, 1/N of the optimizer state, and the gradients: all of
 them in stage 1; in stage 2, 1/N of them plus, during backward, the gradients of the
 bucket being filled and the IN_FLIGHT buckets' packed copies (a bucket is at most
@@ -73,13 +74,13 @@ class ZeroOptimizer(Overlapped):
     to its backward, this rank's piece of it among its node's ranks, so the backward's
     gather stays on the node, ZeRO++'s hierarchical partitioning, for 1/L of the
     parameters more memory with L ranks a node; optim/zero3.py). In stages 1 and 2 every
-    rank holds all parameters, updated every step. parameter_compression=Compression.fp16
-    or .int8 (any stage) gathers float32 parameters as float16, or int8 with a scale per
-    block, which every rank decodes alike: the model computes with the decoded values,
-    while the optimizer steps this rank's float32 pieces (the masters, 1/N of the
-    parameters more memory in stages 1 and 2), which the shards save; a reshard (elastic)
-    starts the masters again from the decoded values. Like
-    DistributedOptimizer it is a torch.optim.Optimizer whose param_groups and state are the
+    rank holds all parameters, updated every step. parameter_compression=Compression.fp16,
+    .int8 or .int4 (any stage) gathers float32 parameters as float16, or int8 or int4 (two
+    values a byte) with a scale per block, which every rank decodes alike: the model
+    computes with the decoded values, while the optimizer steps this rank's float32
+    pieces (the masters, 1/N of the parameters more memory in stages 1 and 2), which the
+    shards save; a reshard (elastic) starts the masters again from the decoded values.
+    Like DistributedOptimizer it is a torch.optim.Optimizer whose param_groups and state are the
     wrapped one's (`.optimizer`, which holds this rank's pieces), so LR schedulers and
     zero_grad(set_to_none) work on it; gradients are averaged over the ranks (of
     process_set, which every rank of the job must belong to, or be outside of and not use
@@ -117,9 +118,9 @@ class ZeroOptimizer(Overlapped):
             raise ValueError("hpz: over the whole job only (process_set=None): its secondary "
                              "pieces are gathered over each node")
         if not any(parameter_compression is c for c in (C.Compression.none, C.Compression.fp16,
-                                                          C.Compression.int8)):
-            raise ValueError(f"parameter_compression: expected Compression.none, fp16 or int8, "
-                             f"got {parameter_compression!r}")
+                                                          C.Compression.int8, C.Compression.int4)):
+            raise ValueError(f"parameter_compression: expected Compression.none, fp16, int8 or "
+                             f"int4, got {parameter_compression!r}")
         if process_set is not None and not isinstance(process_set, C.ProcessSet):
             raise TypeError(f"process_set: expected a collectives.ProcessSet, got "
                             f"{type(process_set).__name__}")

@@ -4,8 +4,8 @@ gradients into that piece; stage 1-2's variant whose parameters are gathered qua
 (QuantizedBucket), and stage 3's, whose flat buffer holds memory only while gathered
 (optim/zero3.py says when). Both keep this rank's piece in its own float32 tensor, the
 master the optimizer steps, and gather with the same helpers (gather_start/gather_decode):
-float16, or int8 with a scale per block, which every rank decodes alike, its own piece
-included, so the replicas compute with identical parameters."""
+float16, or int8 or int4 with a scale per block, which every rank decodes alike, its own
+piece included, so the replicas compute with identical parameters."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from collectives import api as C
 from collectives import kernels as _kernels
 from collectives.algorithms.onebit import scatter_error_size
-from collectives.kernels.args import INT8_BLOCK_SIZE, nblocks
+from collectives.kernels.args import INT4_BLOCK_SIZE, INT8_BLOCK_SIZE, nblocks
 from collectives.runtime.p2p import even_bounds, even_split
 
 #: compression= for 1-bit gradients with error feedback (compressed_reducescatter).
@@ -30,8 +30,8 @@ class Bucket:
 
     __slots__ = ("params", "flat", "bounds", "lo", "hi", "pieces", "ready", "grad", "handle",
                  "error")
-    #: the format the parameters are gathered in after a step (Compression.fp16 or int8:
-    #: QuantizedBucket), None: as they are
+    #: the format the parameters are gathered in after a step (Compression.fp16, int8 or
+    #: int4: QuantizedBucket), None: as they are
     quantized: Any = None
 
     def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool):
@@ -107,8 +107,8 @@ class Bucket:
 class QuantizedBucket(Bucket):
     """Stages 1 and 2 with parameter_compression (float32 buckets): this rank's piece in
     its own tensor (`shard`, the float32 master that the pieces view and the optimizer
-    steps); after a step every rank decodes the gathered float16 or int8 bytes into the
-    flat buffer, its own piece included (ZeroOptimizer._gather_whole)."""
+    steps); after a step every rank decodes the gathered float16, int8 or int4 bytes into
+    the flat buffer, its own piece included (ZeroOptimizer._gather_whole)."""
 
     __slots__ = ("shard", "quantized")
 
@@ -124,17 +124,20 @@ class QuantizedBucket(Bucket):
 
 def quantizes(dtype: torch.dtype, compression: Any) -> bool:
     """Whether parameters of dtype are gathered quantized under compression (float32 only:
-    float16 or int8 with a scale per block)."""
-    return dtype == torch.float32 and any(compression is c for c in (C.Compression.fp16,
-                                                                      C.Compression.int8))
+    float16, or int8 or int4 with a scale per block)."""
+    return dtype == torch.float32 and any(compression is c for c in (
+        C.Compression.fp16, C.Compression.int8, C.Compression.int4))
 
 
 def gather_start(shard: torch.Tensor, quantized: Any, process_set: Any,
                  out: np.ndarray | None = None) -> tuple[C.Handle, ...]:
-    """Start the allgather of every rank's shard, quantized (Compression.fp16 or int8: its
-    values and int8's scales) or not (None: into out, if given)."""
-    if quantized is C.Compression.int8:
-        q, scales = _kernels.quantize_int8(shard)
+    """Start the allgather of every rank's shard, quantized (Compression.fp16, int8 or int4:
+    its values, and the scales of int8's or int4's blocks) or not (None: into out, if
+    given). int4 sends two values a byte: a piece of n elements is (n + 1) // 2 bytes."""
+    if quantized is C.Compression.int8 or quantized is C.Compression.int4:
+        quantize = _kernels.quantize_int8 if quantized is C.Compression.int8 \
+            else _kernels.quantize_int4
+        q, scales = quantize(shard)
         return (C.allgather_async(q, process_set=process_set),
                 C.allgather_async(scales, process_set=process_set))
     if quantized is C.Compression.fp16:
@@ -144,18 +147,23 @@ def gather_start(shard: torch.Tensor, quantized: Any, process_set: Any,
 
 def gather_decode(parts: list[Any], quantized: Any, bounds: list[int]) -> torch.Tensor:
     """The whole flat buffer from gather_start's finished parts (bounds: every rank's
-    piece); int8 pieces are decoded each with its own scales (blocks restart per piece)."""
+    piece); int8 and int4 pieces are decoded each with its own scales (blocks, and int4's
+    byte pairs, restart per piece)."""
     if quantized is C.Compression.fp16:
         return _kernels.dequantize_fp16(parts[0])
-    if quantized is not C.Compression.int8:
+    if quantized is not C.Compression.int8 and quantized is not C.Compression.int4:
         return parts[0]
+    int8 = quantized is C.Compression.int8
+    block = INT8_BLOCK_SIZE if int8 else INT4_BLOCK_SIZE
+    dequantize = _kernels.dequantize_int8 if int8 else _kernels.dequantize_int4
     q, scales = parts
-    out, s = [], 0
+    out, at, s = [], 0, 0
     for a, b in zip(bounds, bounds[1:]):
-        blocks = nblocks(b - a, INT8_BLOCK_SIZE)
+        blocks = nblocks(b - a, block)
+        size = b - a if int8 else (b - a + 1) // 2  # int4: two values a byte
         if b > a:
-            out.append(_kernels.dequantize_int8(q[a:b], scales[s:s + blocks], b - a))
-        s += blocks
+            out.append(dequantize(q[at:at + size], scales[s:s + blocks], b - a))
+        at, s = at + size, s + blocks
     return torch.cat(out) if out else torch.empty(0)
 
 
@@ -193,7 +201,7 @@ class ShardedBucket(Bucket):
     def __init__(self, params: list[torch.Tensor], rank: int, size: int, onebit: bool,
                  quantized: Any = None):
         super().__init__(params, rank, size, onebit)
-        # float32 parameters gathered as float16, or int8 with a scale per block
+        # float32 parameters gathered as float16, or int8 or int4 with a scale per block
         self.quantized = quantized if quantizes(self.flat.dtype, quantized) else None
         self._own_shard()
         self.nbytes = self.flat.numel() * self.flat.element_size()
@@ -226,8 +234,8 @@ class ShardedBucket(Bucket):
             self.secondary = None
 
     def start(self) -> None:
-        """Start the allgather of every rank's shard (quantized: its float16 or int8 values
-        and int8's scales), or, with a secondary piece kept (hpZ), of the node's secondary
+        """Start the allgather of every rank's shard (quantized: its float16, int8 or int4
+        values and the blocks' scales), or, with a secondary piece kept (hpZ), of the node's secondary
         pieces over the node alone; unless gathered or started. Unquantized, it writes into
         the flat buffer's memory, allocated now."""
         if self.gathered or self.pending is not None:
