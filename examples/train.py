@@ -55,25 +55,35 @@ COMPRESSIONS = {"none": C.Compression.none, "fp16": C.Compression.fp16, "int8": 
                 "topk": "topk"}  # Top-K with error feedback (--topk-ratio): without --zero
 
 
+#: --dgc's warm-up: Top-K reaches --topk-ratio after this many steps (about one epoch of
+#: the digits at the default batch), from a quarter of the entries
+DGC_WARMUP_STEPS = 25
+#: --dgc's momentum, which the compressor carries instead of SGD (DGC's momentum correction)
+DGC_MOMENTUM = 0.9
+
+
 def compression(args: argparse.Namespace):
     """--compression's compressor (Top-K: the optimizer makes one per bucket from it)."""
+    if args.compression == "topk" and args.dgc:
+        return C.Compression.topk(args.topk_ratio, momentum=DGC_MOMENTUM,
+                                  warmup_steps=DGC_WARMUP_STEPS)
     if args.compression == "topk":
         return C.Compression.topk(args.topk_ratio)
     return COMPRESSIONS[args.compression]
 
 
-def _averaged(make: Callable[[list, float], torch.optim.Optimizer]) -> Callable:
+def _averaged(make: Callable[[list, argparse.Namespace], torch.optim.Optimizer]) -> Callable:
     """A builder wrapping a torch optimizer in DistributedOptimizer, ZeroOptimizer or
     DiLoCo (as the inner optimizer)."""
     def build(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
         if args.diloco:
-            return DiLoCo(model, make(list(model.parameters()), args.lr),
+            return DiLoCo(model, make(list(model.parameters()), args),
                           sync_every=args.diloco, compression=compression(args))
         if args.zero:
-            return ZeroOptimizer(make(list(model.parameters()), args.lr), stage=args.zero,
+            return ZeroOptimizer(make(list(model.parameters()), args), stage=args.zero,
                                  compression=compression(args),
                                  module=model if args.zero == 3 else None)
-        return DistributedOptimizer(make(list(model.parameters()), args.lr),
+        return DistributedOptimizer(make(list(model.parameters()), args),
                                     named_parameters=model.named_parameters(),
                                     compression=compression(args),
                                     algorithm=args.algorithm)
@@ -88,8 +98,10 @@ def _onebit_adam(model: nn.Module, args: argparse.Namespace) -> OnebitAdam:
 #: --optimizer name -> (builder(model, args) -> distributed optimizer, default lr). An
 #: optimizer that communicates by itself (1-bit Adam) adds a builder that skips the wrapper.
 OPTIMIZERS = {
-    "sgd": (_averaged(lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)), 0.05),
-    "adam": (_averaged(lambda params, lr: torch.optim.Adam(params, lr=lr)), 3e-3),
+    # (with --dgc the Top-K compressor carries the momentum: SGD has none)
+    "sgd": (_averaged(lambda params, args: torch.optim.SGD(
+        params, lr=args.lr, momentum=0.0 if args.dgc else 0.9)), 0.05),
+    "adam": (_averaged(lambda params, args: torch.optim.Adam(params, lr=args.lr)), 3e-3),
     "onebit-adam": (_onebit_adam, 3e-3),
 }
 
@@ -100,6 +112,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compression", choices=sorted(COMPRESSIONS), default="none")
     p.add_argument("--topk-ratio", type=float, default=0.01, metavar="R",
                    help="--compression topk: the share of each bucket's entries sent a step")
+    p.add_argument("--dgc", action="store_true", help="--compression topk with sgd: DGC's "
+                   f"momentum correction (the compressor carries the momentum, {DGC_MOMENTUM}) "
+                   f"and warm-up ({DGC_WARMUP_STEPS} steps from a quarter of the entries)")
     p.add_argument("--algorithm", choices=C.ALGORITHMS, default="auto")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=64, help="global batch, over all ranks")
@@ -135,6 +150,8 @@ def parse_args() -> argparse.Namespace:
                         or args.compression in ("onebit", "topk")):
         p.error("--diloco: with --optimizer sgd|adam, --compression none|fp16|int8|int4, "
                 "without --zero and --checkpoint")
+    if args.dgc and (args.compression != "topk" or args.optimizer != "sgd"):
+        p.error("--dgc: with --compression topk and --optimizer sgd")
     if not 0 < args.topk_ratio <= 1:
         p.error(f"--topk-ratio: expected a number in (0, 1], got {args.topk_ratio}")
     if args.lr is None:

@@ -269,6 +269,12 @@ class DistributedOptimizer(Overlapped):
             _check_reduction(op, gradient_predivide_factor, algorithm, compression, process_set,
                              divide_by_initial_world_size),
             sparse_as_dense=sparse_as_dense)
+        if isinstance(compression, TopKCompressor) and compression.momentum and any(
+                g.get("momentum", 0) for g in optimizer.param_groups):
+            raise ValueError(f"compression: Compression.topk(momentum={compression.momentum}) "
+                             f"corrects the momentum itself (DGC), and the wrapped "
+                             f"{type(optimizer).__name__} has momentum too: wrap one with "
+                             f"momentum=0")
         # a rank outside process_set reduces nothing: it steps on its own gradients
         self._member = process_set is None or process_set.included()
         self._user_names = None if named_parameters is None else _user_names(named_parameters)

@@ -297,10 +297,14 @@ def by_name(name: str) -> Compressor:
 
 
 def check_compression(compression: object) -> Compressor:
-    """A collective's `compression` argument as a compressor (None: Compression.none)."""
+    """A collective's `compression` argument as the compressor of this call (None:
+    Compression.none), in the caller's thread as the call is made: a Top-K compressor's
+    bound call (TopKCompressor.bind: its warm-up's ratio for this call)."""
     if compression is None:
         return Compression.none
-    if isinstance(compression, (TensorCompressor, TopKCompressor)):
+    if isinstance(compression, TopKCompressor):
+        return compression.bind()
+    if isinstance(compression, TensorCompressor):
         return compression
     raise ValueError(f"compression: expected Compression.none, fp16, int8, int4 or "
                      f"Compression.topk(ratio), got {compression!r}")
@@ -316,8 +320,12 @@ class Compression:
     int4 = Int4Compressor()
 
     @staticmethod
-    def topk(ratio: float = 0.01) -> TopKCompressor:
+    def topk(ratio: float = 0.01, momentum: float = 0.0,
+             warmup_steps: int = 0) -> TopKCompressor:
         """A new Top-K compressor with error feedback sending the share ratio of each
-        vector's entries (compression/topk.py). The default, 1%: DGC (Lin et al., 2018)
-        sends 0.1% with warm-up and momentum correction; 1% needs neither."""
-        return TopKCompressor(ratio)
+        vector's entries (compression/topk.py). The default, 1%, needs neither of DGC's
+        options (Lin et al., 2018, send 0.1% with both): momentum=m accumulates the
+        inputs' momentum instead of the inputs (momentum correction: wrap plain SGD, the
+        compressor adds the momentum), warmup_steps=W starts at a quarter of the entries
+        and reaches ratio after W calls."""
+        return TopKCompressor(ratio, momentum, warmup_steps)

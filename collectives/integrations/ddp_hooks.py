@@ -246,15 +246,20 @@ def onebit_hook(state: OnebitHookState, bucket: dist.GradBucket) -> Future[torch
 
 class TopKHookState:
     """topk_hook's state: the process group, the share of each bucket's values sent
-    (ratio), and per bucket a Top-K compressor carrying its residual, with the layout it
-    was made for (the shapes of the bucket's parameters). state_dict() / load_state_dict()
+    (ratio; momentum and warmup_steps: DGC's options, as Compression.topk takes them: with
+    momentum, the optimizer is SGD without momentum), and per bucket a Top-K compressor
+    carrying its residual, with the layout it was made for (the shapes of the bucket's
+    parameters). state_dict() / load_state_dict()
     save and restore the residuals with a checkpoint; a bucket whose layout differs from
     its saved residual's (DDP rebuilds its buckets once after the first step) starts again
     from zeros, as OnebitHookState's buffers do."""
 
-    def __init__(self, process_group: Any = None, ratio: float = 0.01):
+    def __init__(self, process_group: Any = None, ratio: float = 0.01, momentum: float = 0.0,
+                 warmup_steps: int = 0):
         self.process_group = process_group
         self.ratio = topk.check_ratio(ratio)
+        self.momentum = topk.check_momentum(momentum)
+        self.warmup_steps = topk.check_warmup(warmup_steps)
         #: bucket index -> (layout, its compressor)
         self.compressors: dict[int, tuple[tuple, topk.TopKCompressor]] = {}
 
@@ -262,20 +267,23 @@ class TopKHookState:
         layout = tuple(tuple(p.shape) for p in bucket.parameters())
         found = self.compressors.get(bucket.index())
         if found is None or found[0] != layout:
-            found = (layout, topk.TopKCompressor(self.ratio))
+            found = (layout, topk.TopKCompressor(self.ratio, self.momentum, self.warmup_steps))
             self.compressors[bucket.index()] = found
         return found[1]
 
     def state_dict(self) -> dict:
-        return {"ratio": self.ratio,
+        return {"ratio": self.ratio, "momentum": self.momentum,
+                "warmup_steps": self.warmup_steps,
                 "residuals": {i: (layout, c.state_dict())
                               for i, (layout, c) in self.compressors.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.ratio = topk.check_ratio(state["ratio"])
+        self.momentum = topk.check_momentum(state.get("momentum", 0.0))
+        self.warmup_steps = topk.check_warmup(state.get("warmup_steps", 0))
         self.compressors = {}
         for i, (layout, saved) in state["residuals"].items():
-            compressor = topk.TopKCompressor(self.ratio)
+            compressor = topk.TopKCompressor(self.ratio, self.momentum, self.warmup_steps)
             compressor.load_state_dict(saved)
             self.compressors[int(i)] = (tuple(map(tuple, layout)), compressor)
 
@@ -291,7 +299,7 @@ def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> Future[torch.Ten
         return torch_work.future(api.allreduce_async_(buffer, ReduceOp.Average,
                                                     compression=compressor, comm=ours.comm))
     # another backend's group: the pairs through its allgather, summed here in rank order
-    mine = compressor.select(buffer.detach().to(torch.float32).cpu().numpy())
+    mine = compressor.bind().select(buffer.detach().to(torch.float32).cpu().numpy())
     total = topk.summed(_gather_rows(torch.from_numpy(mine), group), buffer.numel())
     kernels.divide(total, "float32", group.size())
     return torch_work.done(buffer.copy_(torch.from_numpy(total).view(buffer.shape)))

@@ -27,21 +27,32 @@ def inputs(n: int, count: int, seed: int) -> list[np.ndarray]:
             .astype(f32) for r in range(n)]
 
 
+def k_of(count: int, ratio: float) -> int:
+    return min(count, max(1, math.ceil(ratio * count))) if count else 0
+
+
 class Reference:
-    """Every rank's residual, and the result each call must give."""
+    """Every rank's residual (and momentum, DGC's momentum correction: what is sent leaves
+    both), and the result each call must give."""
 
-    def __init__(self, n: int, count: int, ratio: float):
+    def __init__(self, n: int, count: int, ratio: float, momentum: float = 0.0):
         self.residuals = [np.zeros(count, f32) for _ in range(n)]
-        self.k = min(count, max(1, math.ceil(ratio * count))) if count else 0
+        self.velocities = [np.zeros(count, f32) for _ in range(n)]
+        self.ratio, self.momentum = ratio, f32(momentum)
 
-    def call(self, xs: list[np.ndarray], average: bool) -> np.ndarray:
+    def call(self, xs: list[np.ndarray], average: bool, ratio: float | None = None) -> np.ndarray:
         total = np.zeros(xs[0].size, f32)
+        k = k_of(xs[0].size, self.ratio if ratio is None else ratio)
         for r, x in enumerate(xs):  # rank order
-            c = (x + self.residuals[r]).astype(f32)
+            u = x
+            if self.momentum:
+                u = self.velocities[r] = (self.velocities[r] * self.momentum + x).astype(f32)
+            c = (u + self.residuals[r]).astype(f32)
             magnitude = np.where(np.isnan(c), np.inf, np.abs(c))
-            chosen = np.sort(np.argsort(-magnitude, kind="stable")[:self.k])
+            chosen = np.sort(np.argsort(-magnitude, kind="stable")[:k])
             total[chosen] = (total[chosen] + c[chosen]).astype(f32)
             c[chosen] = 0
+            self.velocities[r][chosen] = 0
             self.residuals[r] = c
         return total / f32(len(xs)) if average else total
 
@@ -67,6 +78,77 @@ def test_calls_give_the_references_bits_and_carry_the_residual(comm, ratio, op):
             assert_equal(x, xs[r], "x")
             assert_equal(compressor.residual, reference.residuals[r], f"{what}: residual")
             assert_same_on_all_ranks(comm, got, what)
+
+
+def warmup_ratios(ratio: float, steps: int, calls: int) -> list[float]:
+    """DGC's warm-up as the reference computes it: from a quarter, geometric to ratio."""
+    return [max(ratio, 0.25 * (ratio / 0.25) ** (t / steps)) if t < steps else ratio
+            for t in range(calls)]
+
+
+@pytest.mark.parametrize("momentum,warmup", [(0.9, 0), (0.0, 3), (0.5, 2)])
+def test_momentum_correction_and_warmup_give_the_references_bits(comm, momentum, warmup):
+    """DGC's options: each call's result, residual and momentum are the reference's, the
+    k of each call that of the warm-up's ratio for it; the calls are made two at a time,
+    async, so each call's ratio is the one bound when it was made."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    ratios = warmup_ratios(0.01, warmup, 6)
+    assert warmup == 0 or ratios[0] == 0.25 > ratios[warmup - 1] > ratios[warmup] == 0.01
+    for count in counts(n):
+        compressor = C.Compression.topk(0.01, momentum=momentum, warmup_steps=warmup)
+        reference = Reference(n, count, 0.01, momentum)
+        for call in range(0, 6, 2):
+            xs = [inputs(n, count, 10 * count + call + j) for j in (0, 1)]
+            handles = [C.allreduce_async(x[r].copy(), op=C.Average, compression=compressor)
+                       for x in xs]
+            for j, h in enumerate(handles):
+                what = f"topk momentum {momentum} warm-up {warmup} of {count}, call {call + j}"
+                got = C.synchronize(h)
+                assert_equal(got, reference.call(xs[j], True, ratios[call + j]), what)
+                assert_same_on_all_ranks(comm, got, what)
+            assert_equal(compressor.residual, reference.residuals[r], f"{what}: residual")
+            if momentum:
+                assert_equal(compressor.velocity, reference.velocities[r], f"{what}: momentum")
+            else:
+                assert compressor.velocity is None
+
+
+def test_the_state_dict_carries_the_momentum_and_the_warmups_clock(comm):
+    n, r = comm.Get_size(), comm.Get_rank()
+    first, count = C.Compression.topk(0.05, momentum=0.9, warmup_steps=4), 200
+    for call in range(2):
+        C.allreduce(inputs(n, count, call)[r], compression=first)
+    second = C.Compression.topk(0.05, momentum=0.9, warmup_steps=4)
+    second.load_state_dict(first.state_dict())
+    for call in range(2, 5):  # through the end of the warm-up
+        xs = inputs(n, count, call)
+        assert_equal(C.allreduce(xs[r], compression=second),
+                     C.allreduce(xs[r], compression=first), f"restored, call {call}")
+    for other in (C.Compression.topk(0.05, momentum=0.5, warmup_steps=4),
+                  C.Compression.topk(0.05, momentum=0.9)):
+        with pytest.raises(ValueError, match="momentum, warmup_steps"):
+            other.load_state_dict(first.state_dict())
+
+
+@pytest.mark.parametrize("momentum", [1.0, -0.1, True, "0.9", float("nan")])
+def test_a_bad_momentum_is_refused_naming_it(momentum):
+    with pytest.raises(ValueError, match=r"momentum: expected a number in \[0, 1\)"):
+        C.Compression.topk(0.01, momentum=momentum)
+
+
+@pytest.mark.parametrize("steps", [-1, 1.5, True, None])
+def test_a_bad_warmup_is_refused_naming_it(steps):
+    with pytest.raises(ValueError, match="warmup_steps: expected an int >= 0"):
+        C.Compression.topk(0.01, warmup_steps=steps)
+
+
+def test_momentum_correction_refuses_an_optimizer_with_momentum_of_its_own():
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="corrects the momentum itself"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             compression=C.Compression.topk(0.01, momentum=0.9))
+    DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                         compression=C.Compression.topk(0.01, momentum=0.9))
 
 
 def test_what_was_sent_and_the_residual_add_up_to_the_inputs(comm):
