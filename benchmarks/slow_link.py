@@ -21,7 +21,8 @@ weights (Adam, --lr). Per setup:
   held out      the final model's loss on 64 windows of the corpus's last tenth (training
                 draws from the first nine tenths); DiLoCo's: the ranks' shared model
   MB/step       bytes this rank sent per step (this library's setups; not gloo's)
-Setups at np > 1 (--setups): DistributedOptimizer (`none`, `fp16`, `int8`), `onebit-adam`
+Setups at np > 1 (--setups): DistributedOptimizer (`none`, `fp16`, `int8`, `int4`, `topk`:
+Top-K 1% with error feedback), `onebit-adam`
 (OnebitAdam, --freeze-step), DDP on this library's backend with its hooks (`ddp-fp16`,
 `ddp-int8`, `ddp-onebit`; `ddp` uncompressed), `zero2-int8` (ZeroOptimizer stage 2, int8
 gradients and parameters), and gloo DDP: `gloo`, `gloo-powersgd` (PowerSGD rank 4),
@@ -46,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SETUPS = ("none", "fp16", "int8", "onebit-adam", "ddp", "ddp-fp16", "ddp-int8", "ddp-onebit",
+SETUPS = ("none", "fp16", "int8", "int4", "topk", "onebit-adam", "ddp", "ddp-fp16", "ddp-int8", "ddp-onebit",
           "zero2-int8", "gloo", "gloo-powersgd", "gloo-fp16")
 
 
@@ -133,10 +134,12 @@ def setup_training(setup: str, net: nn.Module, args):
                            compression=getattr(C.Compression, compression)), None
     if setup == "alone":
         return net, adam(net.parameters(), lr=args.lr), None
-    if setup in ("none", "fp16", "int8"):
+    if setup in ("none", "fp16", "int8", "int4", "topk"):
+        compression = C.Compression.topk(0.01) if setup == "topk" else \
+            getattr(C.Compression, setup)
         return net, DistributedOptimizer(adam(net.parameters(), lr=args.lr),
                                          named_parameters=net.named_parameters(),
-                                         compression=getattr(C.Compression, setup)), None
+                                         compression=compression), None
     if setup == "onebit-adam":
         return net, OnebitAdam(net.parameters(), lr=args.lr, freeze_step=args.freeze_step), None
     if setup == "zero2-int8":
