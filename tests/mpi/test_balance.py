@@ -1,12 +1,10 @@
 """The batch-share balancer: shares follow each rank's measured speed (one rank slowed on
-purpose by a delay per sample), stay equal on equal ranks, every global batch dealt whole
-with no index lost or repeated, and the parameters (DistributedOptimizer, DDP with a timed
-hook, ZeroOptimizer stage 2, OnebitAdam) equal a float64 one-process replay of the global
-batches."""
+purpose by a delay per sample, on the balancer's clock: _Clock), stay equal on equal
+ranks, every global batch dealt whole with no index lost or repeated, and the parameters
+(DistributedOptimizer, DDP with a timed hook, ZeroOptimizer stage 2, OnebitAdam) equal a
+float64 one-process replay of the global batches."""
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from collectives.optim import (
     DistributedOptimizer,
     OnebitAdam,
     ZeroOptimizer,
+    balance,
     broadcast_parameters,
 )
 from collectives.optim.balance import proportional_shares
@@ -47,10 +46,28 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double()
 
 
+class _Clock:
+    """The balancer's clock in these tests (its module's `time`): it moves only by the
+    delays, so a rank measures exactly the speed its delay gives it, however loaded the
+    machine (a real clock adds the compute and the machine's stalls, which once gave a
+    3x slower rank shares [26, 22] instead of [36, 12])."""
+
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    monkeypatch.setattr(balance, "time", _Clock)
+
+
 def _delay(comm, samples: int, slow: float) -> None:
     """This rank's extra compute: DELAY per sample, slow x that on the last rank."""
     last = comm.Get_rank() == comm.Get_size() - 1
-    time.sleep(samples * DELAY * (slow if last else 1.0))
+    _Clock.now += samples * DELAY * (slow if last else 1.0)
 
 
 def _train(comm, model, opt, balancer, sampler, slow: float, steps: int) -> list[list[int]]:
