@@ -17,7 +17,7 @@ import torch
 from collectives import api as C
 from collectives import kernels as _kernels
 from collectives.algorithms.onebit import scatter_error_size
-from collectives.kernels.args import INT4_BLOCK_SIZE, INT8_BLOCK_SIZE, nblocks
+from collectives.kernels.args import nblocks
 from collectives.runtime.p2p import even_bounds, even_split
 
 #: compression= for 1-bit gradients with error feedback (compressed_reducescatter).
@@ -135,9 +135,7 @@ def gather_start(shard: torch.Tensor, quantized: Any, process_set: Any,
     its values, and the scales of int8's or int4's blocks) or not (None: into out, if
     given). int4 sends two values a byte: a piece of n elements is (n + 1) // 2 bytes."""
     if quantized is C.Compression.int8 or quantized is C.Compression.int4:
-        quantize = _kernels.quantize_int8 if quantized is C.Compression.int8 \
-            else _kernels.quantize_int4
-        q, scales = quantize(shard)
+        q, scales = quantized.quantize(shard)
         return (C.allgather_async(q, process_set=process_set),
                 C.allgather_async(scales, process_set=process_set))
     if quantized is C.Compression.fp16:
@@ -153,16 +151,13 @@ def gather_decode(parts: list[Any], quantized: Any, bounds: list[int]) -> torch.
         return _kernels.dequantize_fp16(parts[0])
     if quantized is not C.Compression.int8 and quantized is not C.Compression.int4:
         return parts[0]
-    int8 = quantized is C.Compression.int8
-    block = INT8_BLOCK_SIZE if int8 else INT4_BLOCK_SIZE
-    dequantize = _kernels.dequantize_int8 if int8 else _kernels.dequantize_int4
     q, scales = parts
     out, at, s = [], 0, 0
     for a, b in zip(bounds, bounds[1:]):
-        blocks = nblocks(b - a, block)
-        size = b - a if int8 else (b - a + 1) // 2  # int4: two values a byte
+        blocks = nblocks(b - a, quantized.block)
+        size = ((b - a) * quantized.bits + 7) // 8  # int4: two values a byte
         if b > a:
-            out.append(dequantize(q[at:at + size], scales[s:s + blocks], b - a))
+            out.append(quantized.dequantize(q[at:at + size], scales[s:s + blocks], b - a))
         at, s = at + size, s + blocks
     return torch.cat(out) if out else torch.empty(0)
 
